@@ -1,0 +1,177 @@
+"""Bad input: one short message that names the file, key or value and the valid choices; exit status 2.
+
+jsonargparse reports errors well but verbosely (usage text, every Union subtype tried, the whole value);
+these helpers keep the part that names the cause, add the fix where we know it, and cap the length.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MAX_LINES = 15
+_NOISE = re.compile(
+    r"^\s*(Subtypes:|Given value type:|Given value:|Errors:|- Expected a <class 'NoneType'>"
+    r"|Does not validate against any of the Union subtypes)"
+)
+_CLASS = re.compile(r"<class '([\w.]+)'>")
+_UNKNOWN = re.compile(r"(?:does not accept option|unrecognized arguments:)\s+'?-*([\w.]+)")
+_NOT_ACCEPTED = re.compile(r"Option '(\w+)' is not accepted")
+_BAD_CLASS = re.compile(r"Problem with given class_path '([\w.]+)'")
+# What `model:` and `data:` can name without writing a class of one's own.
+DEMO_CLASSES = {
+    "model": ("lightning_mlopt.demos.ResNetClassifier", "lightning_mlopt.demos.GPTLanguageModel"),
+    "data": (
+        "lightning_mlopt.demos.DigitsDataModule",
+        "lightning_mlopt.demos.CIFAR10DataModule",
+        "lightning_mlopt.demos.TokenDataModule",
+    ),
+}
+
+
+class BadInputError(Exception):
+    """The user's configuration is wrong; the message says what and how to fix it."""
+
+
+def config_paths(argv: Sequence[str]) -> list[str]:
+    """The ``--config``/``-c`` file arguments of a command line, in order."""
+    paths: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg in ("--config", "-c") and index + 1 < len(argv):
+            paths.append(argv[index + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    return paths
+
+
+def check_config_files(paths: Iterable[str]) -> None:
+    """Fail fast, naming the file, when a config file is missing, unreadable or not valid YAML.
+
+    Raises:
+        BadInputError: with the file name and, for YAML errors, the line and column.
+    """
+    for path in paths:
+        file = Path(path)
+        if not file.is_file():
+            raise BadInputError(f"config file not found: {path} (working directory: {Path.cwd()})")
+        try:
+            content = yaml.safe_load(file.read_text())
+        except yaml.MarkedYAMLError as error:
+            mark = error.problem_mark
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+            raise BadInputError(f"{path}: invalid YAML at {where}: {error.problem}") from None
+        except (OSError, yaml.YAMLError) as error:
+            raise BadInputError(f"{path}: cannot read it as YAML: {error}") from None
+        if content is not None and not isinstance(content, dict):
+            raise BadInputError(f"{path}: a config file must be a mapping of keys, got {type(content).__name__}")
+
+
+def explain_parser_error(message: str, known_keys: Iterable[str], argv: Sequence[str]) -> str:
+    """Shorten a jsonargparse error and add what fixes it: where the key was set and the valid choices."""
+    known = list(known_keys)
+    kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
+    lines = [_CLASS.sub(r"\1", line).replace("Expected a ", "expected ") for line in kept]
+    if len(lines) == 1:
+        lines = [lines[0].strip().removeprefix("- ")]
+    unknown = _UNKNOWN.search(message)
+    if unknown:
+        key = unknown.group(1)
+        lines = [f"unknown key {key!r}{_where(key, argv)}", *_key_choices(key, known)]
+    else:
+        key_match = re.match(r'Parser key "([\w.]+)"', lines[0]) if lines else None
+        key = key_match.group(1) if key_match else ""
+        if key:
+            lines[0] = f"{key}{_where(key, argv)}:"
+        section = key.split(".")[0]
+        bad_class = _BAD_CLASS.search(message)
+        if bad_class and section in DEMO_CLASSES:
+            lines.append(f"valid class_path values include: {', '.join(DEMO_CLASSES[section])}")
+        not_accepted = _NOT_ACCEPTED.search(message)
+        if not_accepted and section:
+            accepted = _accepted_arguments(_class_path_of(section, argv))
+            if accepted:
+                lines.append(f"valid keys under {section}.init_args: {', '.join(accepted)}")
+    if len(lines) > MAX_LINES:
+        lines = [*lines[: MAX_LINES - 1], "..."]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _key_choices(key: str, known: list[str]) -> list[str]:
+    """"did you mean" lines for an unknown dotted key."""
+    matches = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    if matches:
+        return [f"did you mean: {', '.join(matches)}?"]
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    siblings = sorted(k.rsplit(".", 1)[1] for k in known if section and k.startswith(section + "."))
+    return [f"valid keys under {section}: {', '.join(siblings)}"] if siblings else []
+
+
+def _where(key: str, argv: Sequence[str]) -> str:
+    """`` (set on the command line)`` or `` (set in FILE)`` for the last place that sets the dotted key."""
+    if any(arg == f"--{key}" or arg.startswith(f"--{key}=") for arg in argv):
+        return " (set on the command line)"
+    for path in reversed(config_paths(argv)):
+        if _lookup(_load(path), key) is not _MISSING:
+            return f" (set in {path})"
+    return ""
+
+
+def _load(path: str) -> Any:
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _lookup(node: Any, key: str) -> Any:
+    """The value at a dotted key of a loaded config, looking through ``init_args``; _MISSING if absent."""
+    for part in key.split("."):
+        if isinstance(node, dict) and part not in node and isinstance(node.get("init_args"), dict):
+            node = node["init_args"]
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _class_path_of(section: str, argv: Sequence[str]) -> str | None:
+    """The class_path the command line or config files give a section (the last one wins)."""
+    for arg in reversed(argv):
+        if arg.startswith(f"--{section}.class_path=") or arg.startswith(f"--{section}="):
+            return arg.split("=", 1)[1]
+    for path in reversed(config_paths(argv)):
+        value = _lookup(_load(path), f"{section}.class_path")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _accepted_arguments(class_path: str | None) -> list[str]:
+    """Constructor arguments of a class, following ``**kwargs`` into its parents as jsonargparse does."""
+    if not class_path or "." not in class_path:
+        return []
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return []
+    names: list[str] = []
+    for klass in inspect.getmro(cls):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = list(inspect.signature(init).parameters.values())[1:]
+        names += [p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return list(dict.fromkeys(names))
+
+
+_MISSING = object()

@@ -1,0 +1,81 @@
+"""The DataLoader settings every demo datamodule shares, so that each is a YAML key once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+
+class LoaderDataModule(pl.LightningDataModule):
+    """Base datamodule: owns the DataLoader knobs; subclasses build the datasets in ``setup``.
+
+    Args:
+        batch_size: samples per batch on each process (the global batch is this times the world size).
+        num_workers: DataLoader worker processes; 0 loads in the training process.
+        pin_memory: page-lock batches for faster host-to-GPU copies (no effect on CPU).
+        prefetch_factor: batches each worker loads ahead; needs ``num_workers > 0``. None: PyTorch's default.
+        persistent_workers: keep workers alive between epochs; needs ``num_workers > 0``.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+        if num_workers == 0 and (prefetch_factor is not None or persistent_workers):
+            raise ValueError(
+                "data.prefetch_factor and data.persistent_workers need data.num_workers > 0; "
+                "set num_workers or leave them unset"
+            )
+        if prefetch_factor is not None and prefetch_factor < 1:
+            raise ValueError(f"data.prefetch_factor must be >= 1, got {prefetch_factor}")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+
+    def _loader(self, dataset: Dataset[Any], shuffle: bool) -> DataLoader[Any]:
+        # Lightning replaces the sampler with a DistributedSampler under DDP/FSDP/DeepSpeed, keeping
+        # `shuffle`; drop_last on training keeps every rank's step count equal.
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor,
+            persistent_workers=self.persistent_workers,
+        )
+
+    # Subclasses set these in `setup`; evaluation, test and prediction share the held-out split.
+    train_set: Dataset[Any]
+    val_set: Dataset[Any]
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.train_set, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
+
+    @override
+    def test_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
+
+    @override
+    def predict_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
