@@ -18,7 +18,7 @@ import yaml
 
 MAX_LINES = 15
 _NOISE = re.compile(
-    r"^\s*(Subtypes:|Given value type:|Given value:|Errors:|- Expected a <class 'NoneType'>"
+    r"^\s*(Subtypes:|Given value type:|Errors:|- Expected a <class 'NoneType'>"
     r"|Does not validate against any of the Union subtypes)"
 )
 _CLASS = re.compile(r"<class '([\w.]+)'>")
@@ -56,6 +56,7 @@ def check_config_files(paths: Iterable[str]) -> None:
 
     Raises:
         BadInputError: with the file name and, for YAML errors, the line and column.
+
     """
     for path in paths:
         file = Path(path)
@@ -78,6 +79,7 @@ def explain_parser_error(message: str, known_keys: Iterable[str], argv: Sequence
     known = list(known_keys)
     kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
     lines = [_CLASS.sub(r"\1", line).replace("Expected a ", "expected ") for line in kept]
+    lines = [_shorten_value(line) for line in lines]
     if len(lines) == 1:
         lines = [lines[0].strip().removeprefix("- ")]
     unknown = _UNKNOWN.search(message)
@@ -103,8 +105,16 @@ def explain_parser_error(message: str, known_keys: Iterable[str], argv: Sequence
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _shorten_value(line: str) -> str:
+    """``Given value: <long repr>`` -> ``got: <repr, cut at 80 characters>``."""
+    if not line.lstrip().startswith("Given value:"):
+        return line
+    value = line.split(":", 1)[1].strip()
+    return f"  got: {value if len(value) <= 80 else value[:77] + '...'}"
+
+
 def _key_choices(key: str, known: list[str]) -> list[str]:
-    """"did you mean" lines for an unknown dotted key."""
+    """Lines of "did you mean" for an unknown dotted key."""
     matches = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     if matches:
         return [f"did you mean: {', '.join(matches)}?"]

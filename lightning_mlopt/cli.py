@@ -99,6 +99,11 @@ class MLOptCLI(LightningCLI):
         )
 
     @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # Lightning warns when both `args` and sys.argv are set; main() always passes the argv it checked.
+        self.config = parser.parse_args(args)
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self._get_section()
         trainer = config["trainer"]
@@ -134,7 +139,10 @@ class MLOptCLI(LightningCLI):
         assert self.run_dir is not None
         name = "config.yaml" if self.subcommand in (None, "fit") else f"config.{self.subcommand}.yaml"
         section = self.config.get(str(self.subcommand), self.config)
-        callbacks = [*callbacks, _SaveResolvedConfig(self._parser(self.subcommand), section, self.run_dir, name)]
+        callbacks = [
+            *callbacks,
+            _SaveResolvedConfig(self._parser(self.subcommand), section, self.run_dir, name),
+        ]
         return super()._instantiate_trainer(config, callbacks)
 
     def after_fit(self) -> None:
@@ -154,7 +162,7 @@ def main(args: Sequence[str] | None = None) -> None:
     try:
         check_config_files(config_paths(argv))
         _Parser.argv = argv
-        MLOptCLI(args)
+        MLOptCLI(argv)
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")
         raise SystemExit(2) from None

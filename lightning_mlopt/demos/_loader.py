@@ -18,6 +18,7 @@ class LoaderDataModule(pl.LightningDataModule):
         pin_memory: page-lock batches for faster host-to-GPU copies (no effect on CPU).
         prefetch_factor: batches each worker loads ahead; needs ``num_workers > 0``. None: PyTorch's default.
         persistent_workers: keep workers alive between epochs; needs ``num_workers > 0``.
+
     """
 
     def __init__(

@@ -32,6 +32,7 @@ class _ArrayUnpickler(pickle.Unpickler):
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how protocol 2 spells bytes when written by Python 3
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.multiarray", "scalar"),
     }
@@ -113,6 +114,7 @@ class CIFAR10DataModule(LoaderDataModule):
     Example::
 
         data = CIFAR10DataModule(root=None, synthetic_size=2000, batch_size=64)
+
     """
 
     def __init__(self, root: str | None = None, synthetic_size: int = 5000, augment: bool = True, **loader: Any):
@@ -136,9 +138,7 @@ class CIFAR10DataModule(LoaderDataModule):
     def setup(self, stage: str) -> None:
         if self.folder is None:
             self.train_set = TensorDataset(*synthetic_images(self.synthetic_size, seed=1))
-            self.val_set = TensorDataset(
-                *synthetic_images(max(1, self.synthetic_size // 5), seed=2)
-            )
+            self.val_set = TensorDataset(*synthetic_images(max(1, self.synthetic_size // 5), seed=2))
             return
         parts = [load_cifar_batch(self.folder / name) for name in _TRAIN_FILES]
         train_images = torch.cat([images for images, _ in parts])

@@ -23,6 +23,7 @@ class DigitsDataModule(LoaderDataModule):
     Example::
 
         data = DigitsDataModule(batch_size=64)
+
     """
 
     def __init__(self, val_fraction: float = 0.2, **loader: Any) -> None:
@@ -36,9 +37,7 @@ class DigitsDataModule(LoaderDataModule):
         try:
             from sklearn.datasets import load_digits
         except ImportError as error:
-            raise ImportError(
-                'DigitsDataModule needs scikit-learn: pip install "lightning-mlopt[digits]"'
-            ) from error
+            raise ImportError('DigitsDataModule needs scikit-learn: pip install "lightning-mlopt[digits]"') from error
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
         labels = torch.tensor(digits.target, dtype=torch.int64)

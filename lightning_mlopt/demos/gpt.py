@@ -109,6 +109,7 @@ class GPTLanguageModel(pl.LightningModule):
 
         model = GPTLanguageModel(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
         logits = model(torch.randint(0, 256, (2, 64)))  # (2, 64, 256)
+
     """
 
     def __init__(
@@ -165,7 +166,8 @@ class GPTLanguageModel(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
         for param in self.parameters():
             (decay if param.dim() >= 2 else no_decay).append(param)
         optimizer = torch.optim.AdamW(

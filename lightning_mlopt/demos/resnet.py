@@ -76,6 +76,7 @@ class ResNet(nn.Module):
         width: channels of the first stage; later stages double it. 64 is the paper's width.
         in_channels: image channels (3 for CIFAR, 1 for digits).
         num_classes: size of the output layer.
+
     """
 
     def __init__(self, depth: int = 18, width: int = 64, in_channels: int = 3, num_classes: int = 10) -> None:
@@ -86,9 +87,7 @@ class ResNet(nn.Module):
             raise ValueError(f"width must be >= 1, got {width}")
         kind, blocks = _STAGES[depth]
         block = BasicBlock if kind == "basic" else Bottleneck
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
-        )
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
         stages: list[nn.Module] = []
         in_planes = width
         for index, count in enumerate(blocks):
@@ -123,6 +122,7 @@ class ResNetClassifier(pl.LightningModule):
 
         model = ResNetClassifier(depth=18, width=16, in_channels=1, num_classes=10)
         logits = model(torch.randn(4, 1, 8, 8))  # (4, 10)
+
     """
 
     def __init__(

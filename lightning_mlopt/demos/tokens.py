@@ -12,9 +12,7 @@ from typing_extensions import override
 from lightning_mlopt.demos._loader import LoaderDataModule
 
 
-def markov_sequences(
-    num_sequences: int, length: int, vocab_size: int, branching: int, seed: int
-) -> Tensor:
+def markov_sequences(num_sequences: int, length: int, vocab_size: int, branching: int, seed: int) -> Tensor:
     """Sample ``(num_sequences, length)`` token ids from a fixed random chain with ``branching`` successors.
 
     The chain's table depends on ``vocab_size`` and ``branching`` only, so every split and rank shares it;
@@ -43,6 +41,7 @@ class TokenDataModule(LoaderDataModule):
     Example::
 
         data = TokenDataModule(vocab_size=256, block_size=64, num_sequences=2048, batch_size=16)
+
     """
 
     def __init__(

@@ -38,6 +38,7 @@ def resolve_strategy(name: str) -> str:
 
     Raises:
         ValueError: the name is neither ours nor in Lightning's registry; the message lists both.
+
     """
     if name in STRATEGIES:
         return registered_name(name)

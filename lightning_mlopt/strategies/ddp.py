@@ -58,6 +58,7 @@ class DDPStrategy(_LightningDDPStrategy):
     Example::
 
         trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(comm_hook="fp16"))
+
     """
 
     strategy_name = "mlopt_ddp"
@@ -99,9 +100,7 @@ class DDPStrategy(_LightningDDPStrategy):
         self.model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
 
 
-def _comm_hook(
-    name: CommHook, powersgd_rank: int | None, powersgd_start_iter: int | None
-) -> tuple[object | None, Any]:
+def _comm_hook(name: CommHook, powersgd_rank: int | None, powersgd_start_iter: int | None) -> tuple[object | None, Any]:
     """Return DDP's (hook state, hook) for a hook name, checking the PowerSGD knobs belong to it."""
     if name != "powersgd":
         if powersgd_rank is not None or powersgd_start_iter is not None:

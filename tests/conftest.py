@@ -1,0 +1,63 @@
+"""Shared fixtures: hygiene (no leaked process groups or threads) and a helper to run the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _hygiene() -> Iterator[None]:
+    """Fail a test that leaves threads running; destroy any process group it left behind."""
+    before = set(threading.enumerate())
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    leaked = [
+        t for t in set(threading.enumerate()) - before if t.is_alive() and not t.daemon and t.name != "MainThread"
+    ]
+    assert not leaked, f"test leaked threads: {[t.name for t in leaked]}"
+
+
+def run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None):
+    """Run ``python -m lightning_mlopt ARGS`` in a fresh process, as a user would; return the result."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("MASTER_PORT", None)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_mlopt", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# Settings that make any config a 2-step smoke run.
+SMOKE = [
+    "--trainer.max_steps=2",
+    "--trainer.max_epochs=1",
+    "--trainer.limit_val_batches=1",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.enable_progress_bar=false",
+]

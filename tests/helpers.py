@@ -1,0 +1,56 @@
+"""Classes the 2-process tests name by class_path: they run inside the launched workers and write files.
+
+They live at module level in an importable module so that every rank (a fresh process) can build them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+
+class RecordTraining(pl.Callback):
+    """Writes ``rank<N>.json`` into ``out_dir`` at the end of fit: losses, a parameter digest, the comm hook.
+
+    Args:
+        out_dir: folder for the per-rank files (the test's tmp_path).
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.losses: list[float] = []
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        self.losses.append(float(outputs["loss"]))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        wrapped = trainer.strategy.model
+        hook = None
+        if isinstance(wrapped, DistributedDataParallel):
+            hook = wrapped._get_ddp_logging_data().get("comm_hook")
+        params = torch.cat([p.detach().float().flatten() for p in pl_module.parameters()])
+        record = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "pid": os.getpid(),
+            "strategy": type(trainer.strategy).__name__,
+            "comm_hook": hook,
+            "losses": self.losses,
+            "param_sum": float(params.double().sum()),
+            "param_abs_sum": float(params.double().abs().sum()),
+        }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def read_records(out_dir: Path) -> list[dict]:
+    """The per-rank records a run wrote, ordered by rank."""
+    return [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]

@@ -1,0 +1,102 @@
+"""Every kind of bad input: a short message naming the cause and the fix, exit status 2, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_mlopt.cli import main
+from tests.conftest import CONFIGS
+
+
+def _fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> str:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), *args])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert message.startswith("error: ")
+    assert len(message.strip().splitlines()) <= 15, message
+    assert "usage:" not in message
+    # Nothing written: no run directory, no checkpoint, no log folder.
+    assert list(tmp_path.iterdir()) == [p for p in tmp_path.iterdir() if p.suffix == ".yaml"]
+    return message
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return name
+
+
+def test_missing_config_file(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", "nope.yaml")
+    assert "config file not found: nope.yaml" in message
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path, monkeypatch, capsys):
+    name = _write(tmp_path, "broken.yaml", "trainer:\n  max_steps: [1,\n")
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    assert "broken.yaml: invalid YAML at line 3" in message
+
+
+def test_unknown_key_names_file_and_suggests(tmp_path, monkeypatch, capsys):
+    name = _write(tmp_path, "typo.yaml", "trainer:\n  max_step: 5\n")
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    assert "unknown key 'trainer.max_step' (set in typo.yaml)" in message
+    assert "trainer.max_steps" in message
+
+
+def test_wrong_type_names_key_and_value(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--trainer.max_epochs=many")
+    assert "trainer.max_epochs (set on the command line)" in message
+    assert "expected" in message and "many" in message
+
+
+def test_unknown_strategy_lists_choices(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--trainer.strategy=dpp")
+    assert "unknown strategy 'dpp'" in message
+    assert "Did you mean: ddp" in message
+    assert "ddp_powersgd" in message  # our names are listed
+
+
+def test_unknown_class_path_lists_choices(tmp_path, monkeypatch, capsys):
+    name = _write(tmp_path, "model.yaml", "model:\n  class_path: lightning_mlopt.demos.NoSuchNet\n")
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    assert "model (set in model.yaml)" in message
+    assert "NoSuchNet" in message
+    assert "lightning_mlopt.demos.ResNetClassifier" in message
+
+
+def test_unknown_model_argument_lists_valid_ones(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--model.init_args.depthh=18")
+    assert "depthh" in message
+    assert "depth, width, in_channels" in message
+
+
+def test_out_of_range_value_is_reported_by_the_constructor(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--model.init_args.depth=19")
+    assert "depth must be one of [18, 34, 50, 101], got 19" in message
+
+
+def test_wrong_strategy_knob(tmp_path, monkeypatch, capsys):
+    name = _write(
+        tmp_path,
+        "knob.yaml",
+        "trainer:\n  strategy:\n    class_path: lightning_mlopt.strategies.DDPStrategy\n"
+        "    init_args:\n      comm_hook: fp16\n      powersgd_rank: 4\n",
+    )
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    assert "powersgd_rank and powersgd_start_iter only apply with comm_hook: powersgd" in message
+
+
+def test_invalid_choice_for_literal_knob(tmp_path, monkeypatch, capsys):
+    name = _write(
+        tmp_path,
+        "hook.yaml",
+        "trainer:\n  strategy:\n    class_path: lightning_mlopt.strategies.DDPStrategy\n"
+        "    init_args:\n      comm_hook: fp8\n",
+    )
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    assert "fp8" in message
