@@ -14,8 +14,10 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_mlopt.strategies.ddp import DDPStrategy
+from lightning_mlopt.strategies.deepspeed import DeepSpeedStrategy
+from lightning_mlopt.strategies.fsdp import FSDPStrategy
 
-__all__ = ["STRATEGIES", "DDPStrategy", "registered_name", "resolve_strategy"]
+__all__ = ["STRATEGIES", "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "registered_name", "resolve_strategy"]
 
 # name -> (class, constructor arguments, one-line description)
 STRATEGIES: dict[str, tuple[type[Strategy], dict[str, Any], str]] = {
@@ -23,6 +25,15 @@ STRATEGIES: dict[str, tuple[type[Strategy], dict[str, Any], str]] = {
     "ddp_fp16": (DDPStrategy, {"comm_hook": "fp16"}, "DDP with fp16 gradient compression"),
     "ddp_bf16": (DDPStrategy, {"comm_hook": "bf16"}, "DDP with bf16 gradient compression"),
     "ddp_powersgd": (DDPStrategy, {"comm_hook": "powersgd"}, "DDP with PowerSGD gradient compression"),
+    "fsdp": (FSDPStrategy, {}, "FSDP2 full shard; every direct child of the LightningModule is a unit"),
+    "zero1": (DeepSpeedStrategy, {"preset": "zero1"}, "DeepSpeed ZeRO-1: optimizer state sharded"),
+    "zero2": (DeepSpeedStrategy, {"preset": "zero2"}, "DeepSpeed ZeRO-2: optimizer state and gradients sharded"),
+    "zero3": (DeepSpeedStrategy, {"preset": "zero3"}, "DeepSpeed ZeRO-3: parameters sharded too"),
+    "zero3_offload": (
+        DeepSpeedStrategy,
+        {"preset": "zero3_offload"},
+        "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to CPU memory",
+    ),
 }
 
 

@@ -1,0 +1,102 @@
+"""Step time of our DDPStrategy against Lightning's built-in DDP on the GPT demo, 2 CPU processes.
+
+    python benchmarks/ddp/bench.py                 # 5 alternating repeats, writes benchmarks/results/
+    python benchmarks/ddp/bench.py --repeats 3 --steps 40
+
+Each repeat runs both strategies (alternating which goes first) in fresh 2-process jobs through the real
+Trainer; a run's figure is the median step time after warm-up; the result is the median over repeats and
+the ratio ours / Lightning's. Goal: ratio <= 1.02.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import median, write_result  # noqa: E402
+
+
+def _worker(strategy_name: str, steps: int, warmup: int, out: Path) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
+    from lightning_mlopt.strategies import DDPStrategy
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.ends.append(time.perf_counter())
+
+    pl.seed_everything(0, verbose=False)
+    strategy = DDPStrategy() if strategy_name == "ours" else "ddp"
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    model = GPTLanguageModel(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
+    trainer.fit(model, TokenDataModule(num_sequences=steps * 32, batch_size=16))
+    if trainer.is_global_zero:
+        gaps = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :])]
+        out.write_text(json.dumps({"median_step_s": median(gaps)}))
+
+
+def _run_once(strategy: str, steps: int, warmup: int) -> float:
+    out = Path(f"/tmp/ddp_bench_{os.getpid()}_{strategy}.json")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, __file__, "--worker", strategy, "--steps", str(steps), "--warmup", str(warmup)]
+    subprocess.run([*command, "--out", str(out)], check=True, env=env, capture_output=True)
+    return json.loads(out.read_text())["median_step_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--worker", choices=["ours", "lightning"])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.worker, args.steps, args.warmup, args.out)
+        return
+    times: dict[str, list[float]] = {"lightning": [], "ours": []}
+    for repeat in range(args.repeats):
+        order = ["lightning", "ours"] if repeat % 2 == 0 else ["ours", "lightning"]
+        for name in order:
+            times[name].append(_run_once(name, args.steps, args.warmup))
+            print(f"repeat {repeat} {name}: {times[name][-1] * 1e3:.2f} ms/step", flush=True)
+    baseline, ours = median(times["lightning"]), median(times["ours"])
+    ratio = ours / baseline
+    verdict = "met" if ratio <= 1.02 else "NOT met"
+    body = (
+        "GPT demo (4 layers, d_model 128, block 64, batch 16 per rank), 2 CPU processes (gloo), "
+        f"{args.steps} steps per run, first {args.warmup} excluded, {args.repeats} alternating repeats.\n\n"
+        "| strategy | median step time (ms) | runs (ms) |\n|---|---|---|\n"
+        f"| Lightning `ddp` (baseline) | {baseline * 1e3:.2f} | "
+        f"{', '.join(f'{t * 1e3:.1f}' for t in times['lightning'])} |\n"
+        f"| lightning_mlopt `DDPStrategy` | {ours * 1e3:.2f} | {', '.join(f'{t * 1e3:.1f}' for t in times['ours'])} |\n\n"
+        f"**Ratio ours / Lightning: {ratio:.3f}** (goal <= 1.02: {verdict}).\n"
+    )
+    path = write_result("ddp_step_time", "cpu-2proc", body)
+    print(body)
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""DeepSpeed ZeRO 1/2/3 with CPU offload, by preset name plus native keys, on CPU (gloo) as on GPU (NCCL)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+Preset = Literal["zero1", "zero2", "zero3", "zero3_offload"]
+
+# The presets are plain DeepSpeed config blocks; `config:` in YAML is merged over them key by key.
+PRESETS: dict[str, dict[str, Any]] = {
+    "zero1": {"zero_optimization": {"stage": 1}},
+    "zero2": {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}},
+    "zero3": {"zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}},
+    "zero3_offload": {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+    },
+}
+# Optimizers from `configure_optimizers` (AdamW, SGD, ...) are what users have; DeepSpeed calls them
+# "untested" under ZeRO and, with offload, would insist on its own compiled CPU Adam.
+_COMMON = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+
+
+def merge_config(base: Mapping[str, Any], override_with: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge two DeepSpeed config blocks: nested mappings merge, other values replace.
+
+    Example::
+
+        >>> merge_config({"zero_optimization": {"stage": 2}}, {"zero_optimization": {"overlap_comm": False}})
+        {'zero_optimization': {'stage': 2, 'overlap_comm': False}}
+    """
+    merged = copy.deepcopy(dict(base))
+    for key, value in override_with.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge_config(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+    """DeepSpeed ZeRO by preset name, with native DeepSpeed keys merged over it, on CPU as on GPU.
+
+    On CPU it selects DeepSpeed's CPU accelerator and gloo itself (Lightning refuses DeepSpeed off CUDA).
+    The optimizer and LR scheduler from ``configure_optimizers`` are used unless the block names an
+    ``optimizer``.
+
+    **Trainer settings win.** Precision, gradient clipping, gradient accumulation and the micro-batch size
+    come from the Trainer (``precision``, ``gradient_clip_val``, ``accumulate_grad_batches``) and the
+    DataLoader's batch size. A different value for the same thing in ``config`` is replaced, with a
+    warning naming both values, and the settings in force are logged at start, so the two never diverge
+    silently.
+
+    Args:
+        preset: ``zero1`` (optimizer state sharded), ``zero2`` (+ gradients), ``zero3`` (+ parameters),
+            ``zero3_offload`` (ZeRO-3 with parameters and optimizer state in CPU memory).
+        config: native DeepSpeed keys merged over the preset, e.g.
+            ``{"zero_optimization": {"reduce_bucket_size": 5e7}}``.
+        offload_optimizer: put optimizer state (and the step) in CPU memory; None keeps the preset's choice.
+        offload_parameters: put parameters in CPU memory (ZeRO-3 only); None keeps the preset's choice.
+        timeout_minutes: process-group timeout.
+        process_group_backend: ``gloo`` or ``nccl``; None picks NCCL on CUDA, gloo on CPU.
+
+    Raises:
+        ValueError: parameter offload without ZeRO-3, or a bad value.
+
+    Example::
+
+        strategy = DeepSpeedStrategy(preset="zero2", config={"zero_optimization": {"overlap_comm": False}})
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)
+    """
+
+    strategy_name = "mlopt_deepspeed"
+
+    def __init__(
+        self,
+        preset: Preset = "zero2",
+        config: dict[str, Any] | None = None,
+        offload_optimizer: bool | None = None,
+        offload_parameters: bool | None = None,
+        timeout_minutes: float = 30.0,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+    ) -> None:
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+        if timeout_minutes <= 0:
+            raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
+        block = merge_config(merge_config(_COMMON, PRESETS[preset]), config or {})
+        zero = block.setdefault("zero_optimization", {})
+        if offload_optimizer is not None:
+            _set_offload(zero, "offload_optimizer", offload_optimizer)
+        if offload_parameters is not None:
+            _set_offload(zero, "offload_param", offload_parameters)
+        if "offload_param" in zero and zero.get("stage") != 3:
+            raise ValueError(f"parameter offload needs ZeRO stage 3 (the config has stage {zero.get('stage')})")
+        super().__init__(
+            config=block,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+        self.preset = preset
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage in force (0 when the block turns ZeRO off)."""
+        assert isinstance(self.config, dict)
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    @override
+    def setup_environment(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # DeepSpeed picks its accelerator once, at the first `get_accelerator()`; on a machine without
+            # CUDA it must be the CPU one. A user's explicit DS_ACCELERATOR is respected.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # Lightning's DeepSpeedStrategy.setup_environment refuses anything but CUDA: skip to its parent.
+        super(_LightningDeepSpeedStrategy, self).setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # Lightning validates CUDA device indices here; CPU devices have none.
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+            return
+        super().setup_distributed()
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Optimizer]:
+        import deepspeed
+
+        # On CPU `root_device.index` is None, which DeepSpeed reads as "no device": pass the local rank.
+        index = self.root_device.index if self.root_device.index is not None else self.local_rank
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=index),
+            config=self.config,
+            model=model,
+            model_parameters=parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    @override
+    def _format_config(self) -> None:
+        self._apply_trainer_settings()
+        super()._format_config()
+        assert isinstance(self.config, dict)
+        zero = self.config.get("zero_optimization", {})
+        rank_zero_info(
+            "DeepSpeed settings in force: "
+            f"stage={zero.get('stage', 0)}, "
+            f"offload_optimizer={zero.get('offload_optimizer', {}).get('device', 'none')}, "
+            f"offload_param={zero.get('offload_param', {}).get('device', 'none')}, "
+            f"micro_batch={self.config.get('train_micro_batch_size_per_gpu')}, "
+            f"accumulation={self.config.get('gradient_accumulation_steps')}, "
+            f"gradient_clipping={self.config.get('gradient_clipping')}, "
+            f"fp16={self.config.get('fp16', {}).get('enabled', False)}, "
+            f"bf16={self.config.get('bf16', {}).get('enabled', False)}"
+        )
+
+    def _apply_trainer_settings(self) -> None:
+        """Make the Trainer's settings win over the config block, warning where they disagreed."""
+        assert isinstance(self.config, dict)
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        precision = str(self.precision_plugin.precision)
+        wanted = {
+            "gradient_accumulation_steps": trainer.accumulate_grad_batches,
+            "gradient_clipping": float(trainer.gradient_clip_val or 0.0),
+            "train_micro_batch_size_per_gpu": self._auto_select_batch_size(),
+        }
+        sources = {
+            "gradient_accumulation_steps": "trainer.accumulate_grad_batches",
+            "gradient_clipping": "trainer.gradient_clip_val",
+            "train_micro_batch_size_per_gpu": "the train DataLoader's batch_size",
+        }
+        for key, value in wanted.items():
+            given = self.config.get(key)
+            if given is not None and given != value:
+                rank_zero_warn(
+                    f"DeepSpeed config {key}={given} replaced by {value} from {sources[key]} "
+                    "(rule: Trainer settings win over the DeepSpeed block)"
+                )
+            self.config[key] = value
+        # Lightning raises on a preset accumulation key and fills it in itself from the Trainer.
+        del self.config["gradient_accumulation_steps"]
+        for name, enabled in (("fp16", precision.startswith("16")), ("bf16", precision.startswith("bf16"))):
+            block = self.config.get(name)
+            if isinstance(block, dict) and "enabled" in block and bool(block["enabled"]) != enabled:
+                rank_zero_warn(
+                    f"DeepSpeed config {name}.enabled={block['enabled']} replaced by {enabled} from "
+                    f"trainer.precision={precision!r} (rule: Trainer settings win over the DeepSpeed block)"
+                )
+                block["enabled"] = enabled
+            elif isinstance(block, dict) and not enabled:
+                block["enabled"] = False
+
+
+def _set_offload(zero: dict[str, Any], key: str, enabled: bool) -> None:
+    if enabled:
+        zero[key] = merge_config({"device": "cpu"}, zero.get(key, {}))
+    else:
+        zero.pop(key, None)

@@ -1,0 +1,246 @@
+"""FSDP2 (``fully_shard``) applied to an unmodified LightningModule, on CPU (gloo) as on GPU (NCCL)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from typing_extensions import override
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Fully sharded data parallel (FSDP2) for any LightningModule, configured from YAML.
+
+    Lightning's FSDP strategies refuse to run off CUDA, and its FSDP2 path asks the model to call
+    ``fully_shard`` itself in ``configure_model``. This strategy applies the wrapping to an unmodified
+    module and runs the same code on CPU with gloo, so a sharded configuration can be debugged on a laptop
+    or in CI before it spends GPU hours. Checkpoints are torch.distributed.checkpoint folders, which load at
+    another world size.
+
+    Wrapping: each module whose class is in ``wrap_classes`` becomes an FSDP unit (its parameters are
+    gathered just before its forward and freed after); with ``min_params_to_wrap``, any module holding at
+    least that many not-yet-wrapped parameters does too. Every direct child of the LightningModule is then
+    sharded as a root unit, so no parameter stays replicated.
+
+    Args:
+        wrap_classes: import paths of module classes to shard as units, e.g.
+            ``["lightning_mlopt.demos.gpt.TransformerBlock"]``.
+        min_params_to_wrap: also shard any module with at least this many unwrapped parameters.
+        reshard_after_forward: free gathered parameters after forward (full shard, least memory); False
+            keeps them until backward (the shard-grad-op behaviour: less communication, more memory).
+        replicate_group_size: hybrid sharding (HSDP): the number of model replicas; parameters are sharded
+            within groups of ``world_size / replicate_group_size`` ranks (typically one node) and replicated
+            across them. None: shard across all ranks.
+        activation_checkpointing: import paths of module classes whose activations are recomputed in
+            backward instead of stored.
+        param_dtype: dtype of gathered parameters for compute (mixed precision); None keeps fp32.
+        reduce_dtype: dtype of the gradient reduce-scatter; None uses ``param_dtype``.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+        save_distributed_checkpoint: save one shard per rank (DCP folder); False gathers a single file.
+        timeout_minutes: process-group timeout.
+        process_group_backend: ``gloo`` or ``nccl``; None picks NCCL on CUDA, gloo on CPU.
+
+    Raises:
+        ValueError: a knob is out of range, or a wrap class is not in the model (the message lists the
+            model's module classes).
+
+    Example::
+
+        strategy = FSDPStrategy(wrap_classes=["lightning_mlopt.demos.gpt.TransformerBlock"])
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)
+    """
+
+    strategy_name = "mlopt_fsdp"
+
+    def __init__(
+        self,
+        wrap_classes: Sequence[str] = (),
+        min_params_to_wrap: int | None = None,
+        reshard_after_forward: bool = True,
+        replicate_group_size: int | None = None,
+        activation_checkpointing: Sequence[str] = (),
+        param_dtype: DType | None = None,
+        reduce_dtype: DType | None = None,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        timeout_minutes: float = 30.0,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+    ) -> None:
+        if min_params_to_wrap is not None and min_params_to_wrap < 1:
+            raise ValueError(f"min_params_to_wrap must be >= 1, got {min_params_to_wrap}")
+        if replicate_group_size is not None and replicate_group_size < 1:
+            raise ValueError(f"replicate_group_size must be >= 1, got {replicate_group_size}")
+        if timeout_minutes <= 0:
+            raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+        self.wrap_classes = [_import_class(path, "wrap_classes") for path in wrap_classes]
+        self.min_params_to_wrap = min_params_to_wrap
+        self.reshard_after_forward = reshard_after_forward
+        self.replicate_group_size = replicate_group_size
+        self.checkpoint_classes = [_import_class(path, "activation_checkpointing") for path in activation_checkpointing]
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.cpu_offload = cpu_offload
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The device mesh parameters are sharded over: 1-D ``(shard,)``, or 2-D ``(replicate, shard)``."""
+        return self.device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank under FSDP and HSDP alike: each gets its own slice of data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        # Skip ModelParallelStrategy's 2-D (data, tensor) mesh: ours is (shard,) or (replicate, shard).
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        self._device_mesh = self._build_mesh()
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _build_mesh(self) -> DeviceMesh:
+        device_type = self.root_device.type
+        if self.replicate_group_size is None:
+            return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("shard",))
+        if self.world_size % self.replicate_group_size:
+            raise ValueError(
+                f"replicate_group_size ({self.replicate_group_size}) must divide the world size ({self.world_size})"
+            )
+        shape = (self.replicate_group_size, self.world_size // self.replicate_group_size)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        # A module that shards itself in `configure_model` (Lightning's FSDP2 recipe) is left as it is.
+        if not _is_sharded(self.model):
+            self._shard(self.model)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _shard(self, module: nn.Module) -> None:
+        """Apply activation checkpointing, then ``fully_shard`` to units, then to the root children."""
+        self._check_classes_present(module)
+        if self.checkpoint_classes:
+            from torch.distributed._composable import checkpoint
+
+            # The composable form keeps parameter names unchanged (a wrapper would add a prefix that
+            # breaks checkpoints saved without it).
+            for sub in module.modules():
+                if isinstance(sub, tuple(self.checkpoint_classes)):
+                    checkpoint(sub)
+        options = self._shard_options()
+        wrapped: set[nn.Module] = set()
+        if self.wrap_classes:
+            for sub in module.modules():
+                if isinstance(sub, tuple(self.wrap_classes)):
+                    wrapped.add(sub)
+        if self.min_params_to_wrap is not None:
+            _select_by_size(module, self.min_params_to_wrap, wrapped, is_root=True)
+        # Post-order, so inner units are sharded before the modules that contain them.
+        for sub in reversed(list(module.modules())):
+            if sub in wrapped and sub is not module:
+                fully_shard(sub, **options)
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if own:
+            raise ValueError(
+                f"FSDPStrategy shards the LightningModule's child modules; parameters held by the LightningModule "
+                f"itself ({', '.join(own)}) would not be synchronised. Move them into a submodule."
+            )
+        for child in module.children():
+            if not _is_sharded(child) and any(True for _ in child.parameters()):
+                fully_shard(child, **options)
+
+    def _shard_options(self) -> dict[str, Any]:
+        param_dtype = _dtype(self.param_dtype)
+        reduce_dtype = _dtype(self.reduce_dtype) or param_dtype
+        offload: OffloadPolicy = (
+            CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+        )
+        return {
+            "mesh": self.shard_mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            "offload_policy": offload,
+        }
+
+    def _check_classes_present(self, module: nn.Module) -> None:
+        present = {type(sub) for sub in module.modules()}
+        for key, classes in (("wrap_classes", self.wrap_classes), ("activation_checkpointing", self.checkpoint_classes)):
+            for cls in classes:
+                if not any(issubclass(p, cls) for p in present):
+                    names = sorted(f"{p.__module__}.{p.__qualname__}" for p in present)
+                    raise ValueError(
+                        f"{key}: {cls.__module__}.{cls.__qualname__} is not in the model. "
+                        f"The model's module classes: {', '.join(names)}"
+                    )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not self.cpu_offload:  # offloaded shards stay on the CPU by design
+            self.model.to(self.root_device)
+
+
+def _import_class(path: str, key: str) -> type[nn.Module]:
+    module_name, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"{key}: cannot import {path!r}; give the full import path of a module class") from None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"{key}: {path!r} is not a torch.nn.Module class")
+    return cls
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(sub, FSDPModule) for sub in module.modules())
+
+
+def _select_by_size(module: nn.Module, threshold: int, wrapped: set[nn.Module], is_root: bool = False) -> int:
+    """Mark modules holding >= threshold unwrapped parameters (post-order); return what stays unwrapped."""
+    count = sum(p.numel() for p in module.parameters(recurse=False))
+    for child in module.children():
+        count += _select_by_size(child, threshold, wrapped)
+    if module in wrapped:
+        return 0
+    if not is_root and count >= threshold:
+        wrapped.add(module)
+        return 0
+    return count
+
+
+__all__ = ["FSDPStrategy"]
