@@ -54,3 +54,48 @@ class RecordTraining(pl.Callback):
 def read_records(out_dir: Path) -> list[dict]:
     """The per-rank records a run wrote, ordered by rank."""
     return [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
+
+
+class RecordEverything(RecordTraining):
+    """RecordTraining plus what the strategy tests compare: full parameters and per-rank state bytes.
+
+    Writes ``params.pt`` (rank 0, the unsharded parameters after fit) and adds ``state_bytes`` (measured
+    after the first optimizer step) to each rank's record.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir)
+        self.state_bytes: dict[str, int] = {}
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.global_step == 1 and not self.state_bytes:
+            from dataclasses import asdict
+
+            from lightning_mlopt.distributed import local_state_bytes
+
+            self.state_bytes = asdict(local_state_bytes(pl_module, trainer.optimizers[0]))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_mlopt.distributed import full_parameters
+
+        params = full_parameters(pl_module)  # collective: every rank calls it
+        if trainer.global_rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"step": trainer.global_step, "params": params}, self.out_dir / "start_params.pt")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_mlopt.distributed import full_parameters
+
+        params = full_parameters(pl_module)  # collective: every rank calls it
+        super().on_train_end(trainer, pl_module)
+        path = self.out_dir / f"rank{trainer.global_rank}.json"
+        record = json.loads(path.read_text())
+        record["state_bytes"] = self.state_bytes
+        record["num_params"] = sum(p.numel() for p in params.values())
+        path.write_text(json.dumps(record))
+        if trainer.global_rank == 0:
+            torch.save(params, self.out_dir / "params.pt")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import median, write_result  # noqa: E402
+from _common import median, write_result
 
 
 def _worker(strategy_name: str, steps: int, warmup: int, out: Path) -> None:
@@ -52,7 +52,7 @@ def _worker(strategy_name: str, steps: int, warmup: int, out: Path) -> None:
     model = GPTLanguageModel(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
     trainer.fit(model, TokenDataModule(num_sequences=steps * 32, batch_size=16))
     if trainer.is_global_zero:
-        gaps = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :])]
+        gaps = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
         out.write_text(json.dumps({"median_step_s": median(gaps)}))
 
 
@@ -90,7 +90,8 @@ def main() -> None:
         "| strategy | median step time (ms) | runs (ms) |\n|---|---|---|\n"
         f"| Lightning `ddp` (baseline) | {baseline * 1e3:.2f} | "
         f"{', '.join(f'{t * 1e3:.1f}' for t in times['lightning'])} |\n"
-        f"| lightning_mlopt `DDPStrategy` | {ours * 1e3:.2f} | {', '.join(f'{t * 1e3:.1f}' for t in times['ours'])} |\n\n"
+        f"| lightning_mlopt `DDPStrategy` | {ours * 1e3:.2f} | "
+        f"{', '.join(f'{t * 1e3:.1f}' for t in times['ours'])} |\n\n"
         f"**Ratio ours / Lightning: {ratio:.3f}** (goal <= 1.02: {verdict}).\n"
     )
     path = write_result("ddp_step_time", "cpu-2proc", body)

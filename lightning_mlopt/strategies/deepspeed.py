@@ -83,6 +83,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
 
         strategy = DeepSpeedStrategy(preset="zero2", config={"zero_optimization": {"overlap_comm": False}})
         trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)
+
     """
 
     strategy_name = "mlopt_deepspeed"

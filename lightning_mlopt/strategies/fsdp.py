@@ -14,8 +14,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -60,6 +64,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
         strategy = FSDPStrategy(wrap_classes=["lightning_mlopt.demos.gpt.TransformerBlock"])
         trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)
+
     """
 
     strategy_name = "mlopt_fsdp"
@@ -174,9 +179,14 @@ class FSDPStrategy(ModelParallelStrategy):
                 f"FSDPStrategy shards the LightningModule's child modules; parameters held by the LightningModule "
                 f"itself ({', '.join(own)}) would not be synchronised. Move them into a submodule."
             )
+        # A root child's own parameters (embeddings, final norm, head) form its unit; units sharded above
+        # inside it are left to themselves.
         for child in module.children():
-            if not _is_sharded(child) and any(True for _ in child.parameters()):
+            if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
                 fully_shard(child, **options)
+        replicated = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
+        if replicated:  # would train without gradient synchronisation: refuse rather than diverge silently
+            raise RuntimeError(f"FSDPStrategy left parameters unsharded: {', '.join(replicated[:10])}")
 
     def _shard_options(self) -> dict[str, Any]:
         param_dtype = _dtype(self.param_dtype)
@@ -193,7 +203,10 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def _check_classes_present(self, module: nn.Module) -> None:
         present = {type(sub) for sub in module.modules()}
-        for key, classes in (("wrap_classes", self.wrap_classes), ("activation_checkpointing", self.checkpoint_classes)):
+        for key, classes in (
+            ("wrap_classes", self.wrap_classes),
+            ("activation_checkpointing", self.checkpoint_classes),
+        ):
             for cls in classes:
                 if not any(issubclass(p, cls) for p in present):
                     names = sorted(f"{p.__module__}.{p.__qualname__}" for p in present)
@@ -203,10 +216,22 @@ class FSDPStrategy(ModelParallelStrategy):
                     )
 
     @override
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        # Lightning clips with torch.nn.utils.clip_grad_norm_, which fails on a mix of sharded and plain
+        # gradients and has no notion of HSDP's replicate dimension; ours reduces each sharded mesh dimension.
+        self.precision_plugin.clip_grad_by_norm = _clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         if not self.cpu_offload:  # offloaded shards stay on the CPU by design
             self.model.to(self.root_device)
+
+
+def _clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    clip_grad_norm_(parameters, float(clip_val))
 
 
 def _import_class(path: str, key: str) -> type[nn.Module]:
@@ -225,8 +250,6 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 
 def _is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return any(isinstance(sub, FSDPModule) for sub in module.modules())
 
 
