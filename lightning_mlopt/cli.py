@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_mlopt import strategies
 from lightning_mlopt._bad_input import BadInputError, check_config_files, config_paths, explain_parser_error
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint
 from lightning_mlopt.run_dir import default_run_dir
 
 DEFAULT_SEED = 1234
@@ -87,6 +88,9 @@ class MLOptCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # On by default: every `fit` gets crash-safe, auto-resuming checkpoints in <run_dir>/checkpoints,
+        # configured under the top-level `checkpoint:` key.
+        parser.add_lightning_class_args(FaultTolerantCheckpoint, "checkpoint")
         parser.add_argument(
             "--run_dir",
             type=str | None,
@@ -159,6 +163,10 @@ class MLOptCLI(LightningCLI):
 def main(args: Sequence[str] | None = None) -> None:
     """Run the CLI; bad input exits with status 2 and a short message on stderr."""
     argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["checkpoint"]:
+        from lightning_mlopt.checkpoint.tool import main as checkpoint_main
+
+        raise SystemExit(checkpoint_main(argv[1:]))
     try:
         check_config_files(config_paths(argv))
         _Parser.argv = argv
@@ -166,3 +174,19 @@ def main(args: Sequence[str] | None = None) -> None:
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")
         raise SystemExit(2) from None
+    _shut_down_process_group()
+
+
+def _shut_down_process_group() -> None:
+    """After a successful run: wait for every rank, then destroy the process group.
+
+    Lightning leaves it alive. A rank that exits while another is still in a collective tears the
+    connection down under it, and gloo's thread then aborts that process ("terminate called without an
+    active exception") after a run that succeeded. Not called on errors: a barrier there could wait on a
+    rank that is gone.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

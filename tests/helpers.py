@@ -25,10 +25,12 @@ class RecordTraining(pl.Callback):
     def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
         self.losses: list[float] = []
+        self.batches: list[list[int]] = []  # a fingerprint of each batch: which data each step saw
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
         self.losses.append(float(outputs["loss"]))
+        self.batches.append([int(t.long().sum()) for t in batch] if isinstance(batch, (list, tuple)) else [])
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -44,6 +46,7 @@ class RecordTraining(pl.Callback):
             "strategy": type(trainer.strategy).__name__,
             "comm_hook": hook,
             "losses": self.losses,
+            "batches": self.batches,
             "param_sum": float(params.double().sum()),
             "param_abs_sum": float(params.double().abs().sum()),
         }
@@ -99,3 +102,25 @@ class RecordEverything(RecordTraining):
         path.write_text(json.dumps(record))
         if trainer.global_rank == 0:
             torch.save(params, self.out_dir / "params.pt")
+
+
+class Pace(pl.Callback):
+    """Slows each step and marks progress on disk, so a test can signal or kill a run mid-training.
+
+    Args:
+        out_dir: where ``step-<N>.rank<R>`` marker files go.
+        seconds_per_step: sleep after every training step.
+    """
+
+    def __init__(self, out_dir: str, seconds_per_step: float = 0.0) -> None:
+        self.out_dir = Path(out_dir)
+        self.seconds_per_step = seconds_per_step
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"step-{trainer.global_step}.rank{trainer.global_rank}").touch()
+        if self.seconds_per_step:
+            import time
+
+            time.sleep(self.seconds_per_step)

@@ -7,12 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from tests.strategy_runs import train
 
 
 def _saved_checkpoint(tmp_path: Path, name: str) -> Path:
-    (checkpoint,) = (tmp_path / "runs" / name / "checkpoints").glob("*.ckpt")
-    return checkpoint
+    """What the strategy wrote for the newest committed checkpoint of a run (FaultTolerantCheckpoint's layout)."""
+    entry = CheckpointStore(tmp_path / "runs" / name / "checkpoints").newest_valid()
+    assert entry is not None and entry.step == 3
+    return entry.path / STATE_NAME
 
 
 def _assert_resumed_from(out_dir: Path, saved_params: dict[str, torch.Tensor], step: int) -> None:

@@ -1,0 +1,58 @@
+"""One background thread that writes checkpoints, at most one at a time, and reports its failures."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class AsyncWriter:
+    """Run one write at a time on a background thread; a new write first waits for the previous one.
+
+    A failure is kept and raised by the next ``wait()`` or ``submit()``, in the training thread, so a
+    failed background write is reported rather than lost.
+
+    Example::
+
+        writer = AsyncWriter()
+        writer.submit(lambda: torch.save(state, path))   # returns at once
+        writer.wait()                                    # blocks until written; raises if it failed
+        writer.close()
+    """
+
+    def __init__(self, name: str = "checkpoint-writer") -> None:
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        """True while a write is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, write: Callable[[], None]) -> None:
+        """Wait for the write in flight (raising its error, if any), then start ``write`` in the background."""
+        self.wait()
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as error:
+                self._error = error
+
+        # Not a daemon: the interpreter waits for a write in progress rather than cutting it off.
+        self._thread = threading.Thread(target=run, name=self._name, daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until no write is in flight; raise the error of a failed write once."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """Wait for the last write; errors are raised as in ``wait()``."""
+        self.wait()

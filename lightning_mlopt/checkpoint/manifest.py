@@ -1,0 +1,172 @@
+"""The manifest: what a committed checkpoint holds, with a checksum per file, verified before unpickling."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+_CHUNK = 8 * 2**20
+
+
+class CheckpointInvalidError(Exception):
+    """A checkpoint failed verification; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint: its size in bytes and SHA-256."""
+
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """What a committed checkpoint is: its step and position, who wrote it, and every file with its checksum.
+
+    Attributes:
+        step: optimizer steps taken (``trainer.global_step``) when it was saved.
+        epoch: the epoch it was saved in.
+        world_size: processes that wrote it.
+        strategy: the strategy class name (its format: one file, DCP shards or DeepSpeed partitions).
+        reason: the trigger that saved it (``every_n_steps``, ``signal``, ``final``, ...).
+        final: saved at the end of training; a run resumed from it does not train again.
+        metric: the monitored metric's name and value when one is configured, else None.
+        files: relative path -> size and SHA-256 of every other file in the checkpoint.
+        versions: library versions at save time.
+        created: UNIX time of the commit.
+
+    """
+
+    step: int
+    epoch: int
+    world_size: int
+    strategy: str
+    reason: str
+    final: bool = False
+    metric: dict[str, float] | None = None
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        """Serialise (stable key order, so equal manifests are equal bytes)."""
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        """Parse a manifest; raises CheckpointInvalidError on anything malformed."""
+        try:
+            data: dict[str, Any] = json.loads(text)
+            data["files"] = {name: FileEntry(**entry) for name, entry in data["files"].items()}
+            return cls(**data)
+        except (ValueError, TypeError, KeyError) as error:
+            raise CheckpointInvalidError(f"manifest is malformed: {error}") from None
+
+
+def sha256_of(path: Path) -> str:
+    """SHA-256 of a file, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_files(directory: Path) -> dict[str, FileEntry]:
+    """Size and checksum of every file under ``directory`` (the manifest itself excluded)."""
+    entries = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        relative = path.relative_to(directory).as_posix()
+        if relative != MANIFEST_NAME:
+            entries[relative] = FileEntry(size=path.stat().st_size, sha256=sha256_of(path))
+    return entries
+
+
+def library_versions() -> dict[str, str]:
+    """Versions that decide whether a checkpoint loads: Python, torch, lightning, deepspeed, ours."""
+    import lightning
+    import torch
+
+    import lightning_mlopt
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "lightning_mlopt": lightning_mlopt.__version__,
+    }
+    try:
+        from importlib.metadata import version
+
+        versions["deepspeed"] = version("deepspeed")
+    except Exception:
+        pass
+    return versions
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` durably: a temporary file, fsync, then an atomic rename."""
+    write_atomically(directory / MANIFEST_NAME, manifest.to_json())
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a reader sees the old content or the new, never a mix."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with temporary.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or new entry in ``directory`` durable (a no-op where directories cannot be opened)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def verify(directory: Path) -> Manifest:
+    """Check a checkpoint against its manifest without unpickling anything.
+
+    Returns:
+        The manifest, when every listed file exists with the recorded size and checksum.
+
+    Raises:
+        CheckpointInvalidError: naming the first missing, truncated or corrupted file.
+
+    Example::
+
+        manifest = verify(Path("runs/gpt-ddp-1a2b3c4d/checkpoints/step-000000500"))
+
+    """
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise CheckpointInvalidError(f"{directory.name}: no {MANIFEST_NAME} (an interrupted save?)")
+    manifest = Manifest.from_json(manifest_path.read_text())
+    for name, entry in manifest.files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointInvalidError(f"{directory.name}: {name} is missing")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise CheckpointInvalidError(f"{directory.name}: {name} has {size} bytes, the manifest says {entry.size}")
+        if sha256_of(path) != entry.sha256:
+            raise CheckpointInvalidError(f"{directory.name}: {name} does not match its checksum")
+    return manifest

@@ -1,0 +1,146 @@
+"""The commit protocol: stage, confirm, write the manifest, rename into place, then move ``latest``.
+
+A kill at any instant leaves either the previous checkpoint or the new one: a staging folder is never
+picked for resume (its name says so, and it has no manifest until the end), a committed folder always
+has a manifest that verifies, and ``latest`` is replaced atomically after the rename.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_mlopt.checkpoint.manifest import (
+    CheckpointInvalidError,
+    Manifest,
+    fsync_directory,
+    verify,
+    write_atomically,
+    write_manifest,
+)
+
+LATEST_NAME = "latest"
+STATE_NAME = "state.ckpt"  # what the strategy writes: a file (DDP) or a folder of shards (FSDP, DeepSpeed)
+_COMMITTED = re.compile(r"^step-(\d{9})$")
+_STAGING_PREFIX = ".staging-"
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """A committed checkpoint folder and what verification said of it."""
+
+    path: Path
+    step: int
+    manifest: Manifest | None
+    problem: str | None
+
+    @property
+    def valid(self) -> bool:
+        """True when the manifest and every checksum verified."""
+        return self.problem is None
+
+
+class CheckpointStore:
+    """Checkpoint folders under one root: ``step-000000100/``, ``latest``, and transient staging folders.
+
+    Args:
+        root: the folder holding the checkpoints (created on first save).
+
+    Example::
+
+        store = CheckpointStore(Path("runs/x/checkpoints"))
+        staging = store.stage(step=100)          # every rank writes into it
+        store.commit(staging, manifest)          # rank zero, after every rank confirmed
+        store.newest_valid()                     # what auto-resume picks
+
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    @staticmethod
+    def name_for(step: int) -> str:
+        """Folder name of the checkpoint at ``step``."""
+        return f"step-{step:09d}"
+
+    def staging_path(self, step: int) -> Path:
+        """Where the checkpoint at ``step`` is written before it is committed."""
+        return self.root / f"{_STAGING_PREFIX}{self.name_for(step)}"
+
+    def stage(self, step: int) -> Path:
+        """Create an empty staging folder for ``step`` (removing one left by an interrupted save)."""
+        path = self.staging_path(step)
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, staging: Path, manifest: Manifest) -> Path:
+        """Write the manifest into ``staging``, rename it into place, then move ``latest`` to it."""
+        write_manifest(staging, manifest)
+        fsync_directory(staging)
+        target = self.root / self.name_for(manifest.step)
+        if target.exists():
+            # Saving the same step twice (e.g. a signal right after a periodic save): the new one replaces
+            # it. Move the old aside first, so a kill between the renames still leaves a committed copy.
+            aside = self.root / f"{_STAGING_PREFIX}replaced-{target.name}"
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(target, aside)
+            os.replace(staging, target)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+        fsync_directory(self.root)
+        write_atomically(self.root / LATEST_NAME, target.name + "\n")
+        return target
+
+    def discard(self, staging: Path) -> None:
+        """Remove a staging folder whose save failed or was abandoned."""
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def clean_staging(self) -> list[Path]:
+        """Remove staging folders left by interrupted saves; return what was removed."""
+        if not self.root.is_dir():
+            return []
+        leftovers = [p for p in self.root.iterdir() if p.name.startswith(_STAGING_PREFIX)]
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        return leftovers
+
+    def committed(self) -> list[tuple[int, Path]]:
+        """Committed checkpoint folders as (step, path), oldest first (not verified)."""
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _COMMITTED.match(p.name)) and p.is_dir()]
+        return sorted(found)
+
+    def entries(self) -> list[CheckpointEntry]:
+        """Every committed checkpoint with its verification result, oldest first."""
+        return [self.inspect(step, path) for step, path in self.committed()]
+
+    @staticmethod
+    def inspect(step: int, path: Path) -> CheckpointEntry:
+        """Verify one committed folder."""
+        try:
+            return CheckpointEntry(path, step, verify(path), None)
+        except CheckpointInvalidError as error:
+            return CheckpointEntry(path, step, None, str(error))
+
+    def newest_valid(self, skipped: list[CheckpointEntry] | None = None) -> CheckpointEntry | None:
+        """The newest checkpoint that verifies; newer invalid ones are appended to ``skipped``."""
+        for step, path in reversed(self.committed()):
+            entry = self.inspect(step, path)
+            if entry.valid:
+                return entry
+            if skipped is not None:
+                skipped.append(entry)
+        return None
+
+    def latest_name(self) -> str | None:
+        """What the ``latest`` pointer names, if anything."""
+        pointer = self.root / LATEST_NAME
+        return pointer.read_text().strip() if pointer.is_file() else None

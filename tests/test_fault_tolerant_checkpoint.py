@@ -1,0 +1,257 @@
+"""FaultTolerantCheckpoint through the real CLI and Trainer: kills, signals, damage, full disks, resume."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mlopt.callbacks import CheckpointWriteError, FaultTolerantCheckpoint
+from lightning_mlopt.checkpoint import CheckpointStore, verify
+from lightning_mlopt.cli import main
+from tests.conftest import CONFIGS, REPO
+
+# 160 sequences / (16 per rank x 2 ranks) = 5 steps per epoch: 12 steps cross two epoch boundaries and
+# leave checkpoints in the middle of epochs. Dropout makes the RNG state matter.
+GPT_ARGS = [
+    "--config",
+    str(CONFIGS / "gpt.yaml"),
+    "--trainer.accelerator=cpu",
+    "--trainer.max_steps=12",
+    "--trainer.limit_val_batches=0",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.logger=false",
+    "--model.init_args.dropout=0.1",
+    "--data.init_args.num_sequences=160",
+    "--checkpoint.every_n_steps=2",
+]
+
+
+def _command(run_dir: Path, strategy: str, devices: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
+    strategy_args = (
+        ["--config", str(CONFIGS / "strategies" / f"{strategy}.yaml")]
+        if (CONFIGS / "strategies" / f"{strategy}.yaml").is_file()
+        else [f"--trainer.strategy={strategy}"]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "lightning_mlopt",
+        "fit",
+        *GPT_ARGS,
+        *strategy_args,
+        f"--trainer.devices={devices}",
+        f"--run_dir={run_dir}",
+        "--trainer.callbacks+=tests.helpers.RecordEverything",
+        f"--trainer.callbacks.out_dir={run_dir / 'record'}",
+        *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    return env
+
+
+def _run(command: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _kill_job_mid_training(command: list[str], cwd: Path, checkpoints: Path, rng: random.Random) -> None:
+    """Start the job, wait for its first committed checkpoint, then SIGKILL every process at a random moment."""
+    process = subprocess.Popen(
+        command, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list(checkpoints.glob("step-*")) and time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"the job ended (status {process.returncode}) before its first checkpoint")
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 2.0))  # anywhere: mid-step, mid-save, between saves
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the whole job: rank 0 and the rank it launched
+        process.wait(30)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy):
+    reference_dir = tmp_path / "reference"
+    reference = _run(_command(reference_dir, strategy), tmp_path)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    expected = torch.load(reference_dir / "record" / "params.pt")
+
+    run_dir = tmp_path / "interrupted"
+    command = _command(run_dir, strategy)
+    rng = random.Random(f"{strategy}-kill")
+    _kill_job_mid_training(command, tmp_path, run_dir / "checkpoints", rng)
+    assert not (run_dir / "record" / "params.pt").exists(), "the kill came after the run had finished"
+
+    resumed = _run(command, tmp_path)  # the identical command
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "Auto-resuming from" in resumed.stderr + resumed.stdout
+    start = torch.load(run_dir / "record" / "start_params.pt")
+    assert 0 < start["step"] < 12, "it resumed from a checkpoint, not from scratch"
+    actual = torch.load(run_dir / "record" / "params.pt")
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), f"{name} differs after kill and resume"
+    final = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    assert final is not None and final.step == 12 and final.manifest.final
+
+    # A run marked final does not train again: no step runs, no checkpoint is written.
+    record_written = (run_dir / "record" / "rank0.json").stat().st_mtime_ns
+    again = _run(command, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "is marked final" in again.stderr + again.stdout
+    assert (run_dir / "record" / "rank0.json").stat().st_mtime_ns == record_written
+    assert CheckpointStore(run_dir / "checkpoints").newest_valid().manifest.created == final.manifest.created
+
+
+@pytest.mark.multiprocess
+def test_sigterm_saves_the_current_step_and_exits_non_zero(tmp_path):
+    run_dir = tmp_path / "run"
+    marks = tmp_path / "marks"
+    command = _command(
+        run_dir,
+        "ddp",
+        extra=(
+            "--trainer.max_steps=1000",
+            "--data.init_args.num_sequences=4096",
+            "--checkpoint.every_n_steps=null",
+            "--trainer.callbacks+=tests.helpers.Pace",
+            f"--trainer.callbacks.out_dir={marks}",
+            "--trainer.callbacks.seconds_per_step=0.05",
+        ),
+    )
+    process = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not list(marks.glob("step-3.rank*")) and time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)  # to rank 0 only: the decision to stop is shared
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 75, stderr.decode()[-3000:]
+    entry = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    assert entry is not None and entry.manifest.reason == "signal"
+    reached = max(int(p.name.split("-")[1].split(".")[0]) for p in marks.glob("step-*.rank0"))
+    assert entry.step == reached, "saved at the step boundary it stopped at"
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], "no process of the job is left behind"
+
+
+QUICK = [
+    "--trainer.max_steps=6",
+    "--trainer.limit_val_batches=0",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.enable_progress_bar=false",
+    "--checkpoint.every_n_steps=2",
+    "--checkpoint.async_save=false",
+]
+
+
+def _quickstart(tmp_path: Path, *extra: str) -> None:
+    main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), f"--run_dir={tmp_path / 'run'}", *QUICK, *extra])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, monkeypatch, capsys, damage):
+    monkeypatch.chdir(tmp_path)
+    _quickstart(tmp_path, "--trainer.max_steps=4")
+    store = CheckpointStore(tmp_path / "run" / "checkpoints")
+    newest = store.committed()[-1][1] / "state.ckpt"
+    if damage == "truncate":
+        newest.write_bytes(newest.read_bytes()[:100])
+    else:
+        newest.unlink()
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match=r"step-000000004 failed verification"):
+        _quickstart(tmp_path)
+    entries = store.entries()
+    assert [e.step for e in entries if e.valid] == [2, 4, 6]  # step 4 was saved anew after the fallback
+    assert store.newest_valid().manifest.final
+
+
+def test_full_disk_gives_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _quickstart(tmp_path, "--trainer.max_steps=2", "--checkpoint.save_on_train_end=false")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = [path for _, path in CheckpointStore(checkpoints).committed()]
+    assert before
+
+    def disk_full(checkpoint, filepath):
+        raise OSError(28, "No space left on device")
+
+    # Where Lightning's checkpoint IO writes the bytes: the write fails as on a full disk.
+    monkeypatch.setattr("lightning.fabric.plugins.io.torch_io._atomic_save", disk_full)
+    with pytest.raises(CheckpointWriteError, match="earlier checkpoints are intact"):
+        _quickstart(tmp_path)
+    assert [path for _, path in CheckpointStore(checkpoints).committed()] == before
+    for path in before:
+        verify(path)  # still valid
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".staging")], "the failed save was removed"
+
+
+def test_unwritable_directory_gives_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(CheckpointWriteError, match=r"could not write a checkpoint into .*a_file/checkpoints"):
+        _quickstart(tmp_path, f"--checkpoint.dirpath={tmp_path / 'a_file' / 'checkpoints'}")
+
+
+def test_async_write_failure_is_reported_and_earlier_checkpoints_survive(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    callback = FaultTolerantCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_steps=2, async_save=True)
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.demos import DigitsDataModule, ResNetClassifier
+
+    def build(steps: int) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator="cpu",
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[callback],
+            default_root_dir=str(tmp_path),
+        )
+
+    model = ResNetClassifier(depth=18, width=8, in_channels=1)
+    build(2).fit(model, DigitsDataModule(batch_size=32))
+    first = CheckpointStore(tmp_path / "ckpt").newest_valid()
+    assert first is not None and first.step == 2
+
+    real_save = torch.save
+
+    def broken(obj, f, *args, **kwargs):
+        if str(f).endswith("state.ckpt"):  # the background write of the full state
+            raise OSError(5, "Input/output error")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", broken)
+    callback.auto_resume = False
+    with pytest.raises(CheckpointWriteError, match="background checkpoint write failed: .*Input/output error"):
+        build(6).fit(model, DigitsDataModule(batch_size=32))
+    verify(first.path)
+
+
+def test_constructor_validates():
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
+        FaultTolerantCheckpoint(every_n_steps=0)
+    with pytest.raises(ValueError, match="unknown signal name"):
+        FaultTolerantCheckpoint(signals=["SIGNOPE"])
+    with pytest.raises(ValueError, match="exit_code must be in 1..255"):
+        FaultTolerantCheckpoint(exit_code=0)
