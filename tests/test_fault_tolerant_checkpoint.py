@@ -243,15 +243,15 @@ def test_async_write_failure_is_reported_and_earlier_checkpoints_survive(tmp_pat
 
     monkeypatch.setattr(torch, "save", broken)
     callback.auto_resume = False
-    with pytest.raises(CheckpointWriteError, match="background checkpoint write failed: .*Input/output error"):
+    with pytest.raises(CheckpointWriteError, match=r"background checkpoint write failed: .*Input/output error"):
         build(6).fit(model, DigitsDataModule(batch_size=32))
     verify(first.path)
 
 
 def test_constructor_validates():
-    with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
+    with pytest.raises(ValueError, match=r"every_n_steps must be >= 1"):
         FaultTolerantCheckpoint(every_n_steps=0)
     with pytest.raises(ValueError, match="unknown signal name"):
         FaultTolerantCheckpoint(signals=["SIGNOPE"])
-    with pytest.raises(ValueError, match="exit_code must be in 1..255"):
+    with pytest.raises(ValueError, match=r"exit_code must be in 1\.\.255"):
         FaultTolerantCheckpoint(exit_code=0)

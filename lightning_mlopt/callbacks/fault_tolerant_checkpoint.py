@@ -472,7 +472,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         return True
 
     def _load_rng(self, trainer: pl.Trainer) -> dict[str, Any] | None:
-        """This rank's saved RNG states, or None when the world size changed."""
+        """Load the saved RNG states of this rank; None when the world size changed."""
         assert self.resumed_from is not None
         path = self.resumed_from / _RNG_DIR / f"rank-{trainer.global_rank}.pt"
         saved_world = len(list((self.resumed_from / _RNG_DIR).glob("rank-*.pt")))
