@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import median, write_result  # noqa: E402
+from _common import median, write_result
 
 
 def _model(width: int, layers: int) -> Any:
@@ -143,7 +143,8 @@ def main() -> None:
         f"| raw write of {mb:.0f} MB + fsync | {raw:.2f} | same disk, same run |\n\n"
         f"**Async stall / sync save: {ratio:.3f}** (goal <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'}).\n\n"
         f"Save throughput {throughput:.0f} MB/s = **{throughput / raw_throughput:.2f} x the raw write speed** "
-        f"({raw_throughput:.0f} MB/s); the rest is serialisation (Lightning's CheckpointIO pickles the state into memory before writing it) and the SHA-256 pass that the manifest needs.\n"
+        f"({raw_throughput:.0f} MB/s); the rest is serialisation (Lightning's CheckpointIO pickles the state "
+        "into memory before writing it) and the SHA-256 pass that the manifest needs.\n"
     )
     path = write_result("checkpoint", "cpu-1proc", body)
     print(body)
