@@ -124,3 +124,56 @@ class Pace(pl.Callback):
             import time
 
             time.sleep(self.seconds_per_step)
+
+
+class RecordMonitor(pl.Callback):
+    """Writes each step's GradNormMonitor metrics and the first batch of each rank into ``out_dir``.
+
+    Args:
+        out_dir: folder for ``monitor-rank<R>.json`` and ``batch-rank<R>.pt``.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.metrics: list[dict[str, float]] = []
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[override]
+        if trainer.global_step == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            torch.save([t.cpu() for t in batch], self.out_dir / f"batch-rank{trainer.global_rank}.pt")
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        from lightning_mlopt.callbacks import GradNormMonitor
+
+        (monitor,) = [cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)]
+        self.metrics.append(dict(monitor.last_metrics))
+        record = {"metrics": self.metrics, "state": monitor.state_dict()}
+        (self.out_dir / f"monitor-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class InjectNonFinite(pl.Callback):
+    """Multiplies one module's output by NaN (or a factor) on chosen ranks at one step.
+
+    Args:
+        module: the module's name in the LightningModule, e.g. ``model.layers.1.mlp.0``.
+        step: the optimizer step (global_step) whose forward is poisoned.
+        ranks: ranks that inject; None: all.
+        factor: what the output is multiplied by (NaN by default; a large number makes a spike).
+    """
+
+    def __init__(self, module: str, step: int, ranks: list[int] | None = None, factor: float = float("nan")) -> None:
+        self.module, self.step, self.ranks, self.factor = module, step, ranks, factor
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        target = dict(pl_module.named_modules())[self.module]
+
+        def poison(module, inputs, output):  # type: ignore[no-untyped-def]
+            if trainer.global_step == self.step and (self.ranks is None or trainer.global_rank in self.ranks):
+                return output * self.factor
+            return output
+
+        # prepend: the poison acts as part of the module's own forward, before any observer sees the output
+        target.register_forward_hook(poison, prepend=True)

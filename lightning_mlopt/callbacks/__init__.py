@@ -1,5 +1,6 @@
 """Callbacks for any Lightning Trainer."""
 
 from lightning_mlopt.callbacks.fault_tolerant_checkpoint import CheckpointWriteError, FaultTolerantCheckpoint
+from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor, NonFiniteGradientError
 
-__all__ = ["CheckpointWriteError", "FaultTolerantCheckpoint"]
+__all__ = ["CheckpointWriteError", "FaultTolerantCheckpoint", "GradNormMonitor", "NonFiniteGradientError"]

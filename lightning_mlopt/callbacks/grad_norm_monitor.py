@@ -1,0 +1,416 @@
+"""GradNormMonitor: global gradient norms under every strategy, NaN localisation and a spike guard."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_mlopt.distributed.grad_pieces import Piece, gradient_pieces, parameter_pieces
+
+log = logging.getLogger(__name__)
+Action = Literal["warn", "skip", "stop", "checkpoint_and_stop"]
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Training stopped on a non-finite gradient or a spike; the message holds the diagnosis."""
+
+
+def module_group(name: str, depth: int) -> str:
+    """The module a parameter belongs to, cut to ``depth`` components: ``layers.3.attn.qkv.weight`` -> ``layers.3``.
+
+    Example::
+
+        >>> module_group("layers.3.attn.qkv.weight", 2)
+        'layers.3'
+        >>> module_group("token_embedding.weight", 2)
+        'token_embedding'
+    """
+    module_path = name.split(".")[:-1] or name.split(".")
+    return ".".join(module_path[:depth])
+
+
+class GradNormMonitor(Callback):
+    """Correct gradient norms under single device, DDP, FSDP and DeepSpeed ZeRO 1/2/3, cheaply.
+
+    Every optimizer step: the global gradient norm (as if unsharded, replicated parameters counted once,
+    squares summed in fp32) and the mean loss are computed with one fused ``_foreach_norm`` and packed into
+    one all-reduce with each rank's non-finite report; one scalar vector is read on the host (as AMP's
+    GradScaler does). On logging steps the same all-reduce also carries per-module sums, so per-module
+    norms cost no extra collective.
+
+    Non-finite values: forward hooks record, on the device, the first module in forward order whose output is
+    non-finite on each rank; when the gradient norm is non-finite the report names the step, the ranks and
+    those modules (or, for a NaN born in backward, the modules with non-finite gradients), and every rank
+    takes the same action: ``warn``, ``skip`` (drop this optimizer step), ``stop`` (raise
+    :class:`NonFiniteGradientError`), or ``checkpoint_and_stop`` (save through FaultTolerantCheckpoint first).
+
+    Spikes: a loss or gradient norm more than ``spike_threshold`` standard deviations above the mean of the
+    last ``spike_window`` steps triggers ``on_spike``. Statistics and counters are callback state, so a
+    resumed run continues them.
+
+    Logged under ``grad_norm/total``, ``grad_norm/total_clipped`` (when clipping by norm),
+    ``grad_norm/<module>``, and optionally ``param_norm/<module>``, every ``log_every_n_steps``.
+
+    Args:
+        log_every_n_steps: log every N optimizer steps; None uses ``trainer.log_every_n_steps``.
+        depth: module-name depth of the per-module norms (2: ``layers.3``); 0 turns them off.
+        param_norms: also log per-module parameter norms (``param_norm/<module>``, ``param_norm/total``).
+        on_nonfinite: action on a non-finite gradient or loss.
+        locate_nonfinite: keep the forward hooks that name the first module with a non-finite output
+            (a few tiny kernels per module per step).
+        on_spike: action on a loss or gradient-norm spike.
+        spike_window: steps of history for the rolling mean and standard deviation.
+        spike_threshold: how many standard deviations above the mean counts as a spike.
+        spike_min_history: steps of history before spikes are judged at all.
+
+    Raises:
+        ValueError: a bad value.
+
+    Example::
+
+        trainer = Trainer(callbacks=[GradNormMonitor(depth=2, on_nonfinite="skip")], log_every_n_steps=50)
+
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        depth: int = 2,
+        param_norms: bool = False,
+        on_nonfinite: Action = "stop",
+        locate_nonfinite: bool = True,
+        on_spike: Action = "warn",
+        spike_window: int = 100,
+        spike_threshold: float = 6.0,
+        spike_min_history: int = 20,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        if spike_window < 2:
+            raise ValueError(f"spike_window must be >= 2, got {spike_window}")
+        if spike_threshold <= 0:
+            raise ValueError(f"spike_threshold must be > 0, got {spike_threshold}")
+        for name, action in (("on_nonfinite", on_nonfinite), ("on_spike", on_spike)):
+            if action not in ("warn", "skip", "stop", "checkpoint_and_stop"):
+                raise ValueError(f"{name} must be warn, skip, stop or checkpoint_and_stop; got {action!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self.depth = depth
+        self.param_norms = param_norms
+        self.on_nonfinite = on_nonfinite
+        self.locate_nonfinite = locate_nonfinite
+        self.on_spike = on_spike
+        self.spike_window = spike_window
+        self.spike_threshold = spike_threshold
+        self.spike_min_history = spike_min_history
+        # State that survives resume.
+        self.loss_history: deque[float] = deque(maxlen=spike_window)
+        self.norm_history: deque[float] = deque(maxlen=spike_window)
+        self.nonfinite_events = 0
+        self.spike_events = 0
+        self.skipped_steps = 0
+        # Per-run structures, built in setup.
+        self._names: dict[int, str] = {}
+        self._groups: list[str] = []
+        self._group_of: dict[int, int] = {}
+        self._modules: list[str] = []
+        self._first_bad: Tensor | None = None
+        self._hooks: list[Any] = []
+        self._losses: list[Tensor] = []
+        self.last_metrics: dict[str, float] = {}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(depth=self.depth, on_nonfinite=self.on_nonfinite)
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if "skip" in (self.on_nonfinite, self.on_spike) and _is_deepspeed(trainer.strategy):
+            raise ValueError(
+                "GradNormMonitor: 'skip' cannot drop a DeepSpeed step (the engine owns the update); "
+                "use on_nonfinite/on_spike: stop, checkpoint_and_stop or warn"
+            )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the strategy's setup, not in `setup`: FSDP replaces parameters with sharded ones, and the
+        # name and group tables are keyed by the parameters the optimizer will see.
+        names = [name for name, _ in pl_module.named_parameters()]
+        prefix = _common_root(names)
+        self._names = {id(p): name[len(prefix) :] for name, p in pl_module.named_parameters()}
+        groups = dict.fromkeys(module_group(n, self.depth) for n in self._names.values()) if self.depth else {}
+        self._groups = list(groups)
+        index = {group: i for i, group in enumerate(self._groups)}
+        self._group_of = {pid: index[module_group(n, self.depth)] for pid, n in self._names.items()} if groups else {}
+        if self.locate_nonfinite:
+            self._install_forward_hooks(pl_module, prefix)
+
+    def _install_forward_hooks(self, pl_module: pl.LightningModule, prefix: str) -> None:
+        modules = [(name, module) for name, module in pl_module.named_modules() if name]
+        self._modules = [name[len(prefix) :] if name.startswith(prefix) else name for name, _ in modules]
+        for index, (_, module) in enumerate(modules):
+            self._hooks.append(module.register_forward_hook(self._make_hook(index + 1)))
+
+    def _make_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            tensor = output[0] if isinstance(output, (tuple, list)) and output else output
+            if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or self._first_bad is None:
+                return
+            # On the device, no host sync: remember the first module (in forward order) with a bad output.
+            bad = ~torch.isfinite(tensor).all()
+            self._first_bad = torch.where((self._first_bad == 0) & bad, index, self._first_bad)
+
+        return hook
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------ per step
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.locate_nonfinite:
+            self._first_bad = torch.zeros((), dtype=torch.int64, device=pl_module.device)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self._losses.append(loss.detach())
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        step = trainer.global_step + 1  # the step this update makes
+        every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
+        logging_step = step % every == 0
+        grads = list(gradient_pieces(pl_module, trainer.strategy))
+        device = grads[0].tensor.device if grads else pl_module.device
+        per_group = logging_step and bool(self._groups)
+        grad_sq, grad_groups = self._sum_squares(grads, per_group, device)
+        packed = [grad_sq.reshape(1)]
+        if per_group:
+            packed.append(grad_groups)
+        if logging_step and self.param_norms:
+            param_sq, param_groups = self._sum_squares(
+                list(parameter_pieces(pl_module, trainer.strategy)), per_group, device
+            )
+            packed += [param_sq.reshape(1), param_groups] if per_group else [param_sq.reshape(1)]
+        loss = (
+            torch.stack(self._losses).float().sum().reshape(1).to(device)
+            if self._losses
+            else torch.zeros(1, device=device)
+        )
+        self._losses.clear()
+        world = trainer.world_size
+        # Each rank reports the first module with a non-finite output in its own slot.
+        slots = torch.zeros(world, device=device)
+        if self._first_bad is not None:
+            slots[trainer.global_rank] = self._first_bad.to(device).float()
+        packed += [loss / world, slots]
+        vector = torch.cat([t.float().to(device) for t in packed])
+        if world > 1:
+            dist.all_reduce(vector)  # every rank, every step: one packed collective
+        values = vector.tolist()  # the one host sync of the step
+        if self._first_bad is not None:
+            self._first_bad.zero_()  # the micro-batches of the next optimizer step start clean
+        self._act(trainer, pl_module, optimizer, values, grads, logging_step, per_group, step)
+
+    def _sum_squares(self, pieces: list[Piece], per_group: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Total and per-group sums of squares, each piece divided by its replication, in fp32."""
+        nonempty = [p for p in pieces if p.tensor.numel()]
+        if not nonempty:
+            return torch.zeros((), device=device), torch.zeros(len(self._groups), device=device)
+        norms = torch._foreach_norm([p.tensor for p in nonempty], 2.0, dtype=torch.float32)
+        squares = torch.stack([n.to(device) for n in norms]).pow(2)
+        weights = torch.tensor([1.0 / p.replication for p in nonempty], device=device)
+        squares = squares * weights
+        groups = torch.zeros(len(self._groups), device=device)
+        if per_group:
+            index = torch.tensor([self._group_of[id(p.param)] for p in nonempty], device=device)
+            groups.index_add_(0, index, squares)
+        return squares.sum(), groups
+
+    # ------------------------------------------------------------------ decisions
+
+    def _act(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Any,
+        values: list[float],
+        grads: list[Piece],
+        logging_step: bool,
+        per_group: bool,
+        step: int,
+    ) -> None:
+        world = trainer.world_size
+        total = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
+        cursor = 1
+        group_values = values[cursor : cursor + len(self._groups)] if per_group else []
+        cursor += len(group_values)
+        param_total, param_groups = None, []
+        if logging_step and self.param_norms:
+            param_total = math.sqrt(values[cursor])
+            cursor += 1
+            if per_group:
+                param_groups = values[cursor : cursor + len(self._groups)]
+                cursor += len(self._groups)
+        loss = values[cursor]
+        first_bad = [int(v) for v in values[cursor + 1 : cursor + 1 + world]]
+
+        if not math.isfinite(total) or not math.isfinite(loss):
+            self.nonfinite_events += 1
+            report = self._nonfinite_report(trainer, pl_module, step, first_bad, grads, total, loss)
+            self._take(self.on_nonfinite, report, trainer, optimizer)
+            return
+        spike = self._spike(loss, total)
+        if spike:
+            self.spike_events += 1
+            self._take(self.on_spike, f"step {step}: {spike}", trainer, optimizer)
+        else:
+            self.loss_history.append(loss)
+            self.norm_history.append(total)
+        if logging_step:
+            self._log(trainer, step, total, group_values, param_total, param_groups)
+
+    def _spike(self, loss: float, norm: float) -> str | None:
+        for label, value, history in (("loss", loss, self.loss_history), ("gradient norm", norm, self.norm_history)):
+            if len(history) < max(2, self.spike_min_history):
+                continue
+            mean = sum(history) / len(history)
+            std = math.sqrt(sum((x - mean) ** 2 for x in history) / (len(history) - 1))
+            if value > mean + self.spike_threshold * max(std, 1e-12):
+                return (
+                    f"{label} spike: {value:.4g} is more than {self.spike_threshold:g} standard deviations above "
+                    f"the mean {mean:.4g} (std {std:.3g}) of the last {len(history)} steps"
+                )
+        return None
+
+    def _nonfinite_report(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        first_bad: list[int],
+        grads: list[Piece],
+        total: float,
+        loss: float,
+    ) -> str:
+        lines = [f"non-finite values at step {step} (gradient norm {total}, mean loss {loss})"]
+        culprits = [(rank, self._modules[index - 1]) for rank, index in enumerate(first_bad) if index > 0]
+        if culprits:
+            for rank, module in culprits:
+                lines.append(f"  rank {rank}: first non-finite output in forward order: {module}")
+        else:
+            # Born in backward: the forward was finite everywhere. Name the modules whose gradients are not.
+            bad_groups = self._nonfinite_gradient_groups(grads)
+            lines.append(
+                "  the forward pass was finite on every rank; modules with non-finite gradients on rank "
+                f"{trainer.global_rank}: {', '.join(bad_groups) or 'none here'}"
+            )
+        return "\n".join(lines)
+
+    def _nonfinite_gradient_groups(self, grads: list[Piece]) -> list[str]:
+        bad = []
+        for piece in grads:
+            if piece.tensor.numel() and not bool(torch.isfinite(piece.tensor).all()):
+                name = self._names.get(id(piece.param), "?")
+                bad.append(module_group(name, max(self.depth, 1)))
+        return list(dict.fromkeys(bad))
+
+    def _take(self, action: Action, report: str, trainer: pl.Trainer, optimizer: Any) -> None:
+        """Apply an action every rank agreed on (they all read the same reduced values)."""
+        if action == "warn":
+            rank_zero_warn(f"GradNormMonitor: {report}")
+            return
+        if action == "skip":
+            self.skipped_steps += 1
+            rank_zero_warn(f"GradNormMonitor: {report}\n  skipping this optimizer step")
+            # Optimizers leave parameters without a gradient untouched: the step becomes a no-op.
+            for group in getattr(optimizer, "param_groups", []):
+                for param in group["params"]:
+                    param.grad = None
+            return
+        if action == "checkpoint_and_stop":
+            from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
+
+            savers = [cb for cb in trainer.callbacks if isinstance(cb, FaultTolerantCheckpoint)]  # type: ignore[attr-defined]
+            if savers:
+                savers[0]._save(trainer, reason="nonfinite", wait=True)  # the state before this update
+                report += f"\n  saved a checkpoint at step {trainer.global_step} (before this update)"
+            else:
+                report += "\n  no FaultTolerantCheckpoint in the Trainer: nothing was saved"
+        raise NonFiniteGradientError(f"GradNormMonitor stopped training: {report}")
+
+    def _log(
+        self,
+        trainer: pl.Trainer,
+        step: int,
+        total: float,
+        groups: list[float],
+        param_total: float | None,
+        param_groups: list[float],
+    ) -> None:
+        metrics = {"grad_norm/total": total}
+        clip = trainer.gradient_clip_val
+        if clip and (trainer.gradient_clip_algorithm or "norm") == "norm":
+            metrics["grad_norm/total_clipped"] = total * min(1.0, float(clip) / (total + 1e-6))
+        metrics.update({f"grad_norm/{g}": math.sqrt(max(v, 0.0)) for g, v in zip(self._groups, groups, strict=False)})
+        if param_total is not None:
+            metrics["param_norm/total"] = param_total
+            metrics.update(
+                {f"param_norm/{g}": math.sqrt(max(v, 0.0)) for g, v in zip(self._groups, param_groups, strict=False)}
+            )
+        self.last_metrics = metrics
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    # ------------------------------------------------------------------ state
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_history": list(self.loss_history),
+            "norm_history": list(self.norm_history),
+            "nonfinite_events": self.nonfinite_events,
+            "spike_events": self.spike_events,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loss_history = deque(state_dict.get("loss_history", []), maxlen=self.spike_window)
+        self.norm_history = deque(state_dict.get("norm_history", []), maxlen=self.spike_window)
+        self.nonfinite_events = state_dict.get("nonfinite_events", 0)
+        self.spike_events = state_dict.get("spike_events", 0)
+        self.skipped_steps = state_dict.get("skipped_steps", 0)
+
+
+def _common_root(names: list[str]) -> str:
+    """``model.`` when every parameter lives under one attribute of the LightningModule, else empty."""
+    roots = {name.split(".", 1)[0] for name in names}
+    return f"{roots.pop()}." if len(roots) == 1 and all("." in n for n in names) else ""
+
+
+def _is_deepspeed(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return isinstance(strategy, DeepSpeedStrategy)

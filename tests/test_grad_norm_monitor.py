@@ -1,0 +1,190 @@
+"""GradNormMonitor: norms equal a single-process reference under every strategy; NaN located; spikes caught."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mlopt.callbacks import GradNormMonitor
+from lightning_mlopt.callbacks.grad_norm_monitor import module_group
+from lightning_mlopt.demos import GPTLanguageModel
+from tests.strategy_runs import train
+
+MONITOR = [
+    "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
+    "--trainer.callbacks.log_every_n_steps=1",
+    "--trainer.callbacks.param_norms=true",
+]
+
+
+def _record(out: Path) -> tuple[str, ...]:
+    return ("--trainer.callbacks+=tests.helpers.RecordMonitor", f"--trainer.callbacks.out_dir={out}")
+
+
+def _reference(out: Path, start_params: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
+    """The unsharded model's gradient norm for the global batch of step 1, in one process."""
+    model = GPTLanguageModel()
+    model.load_state_dict(start_params)
+    batches = [torch.load(path) for path in sorted(out.glob("batch-rank*.pt"))]
+    # Equal per-rank batch sizes: the global mean loss is the mean of the per-rank mean losses.
+    loss = torch.stack([model._loss((inputs, targets)) for inputs, targets in batches]).mean()
+    loss.backward()
+    total = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    groups: dict[str, float] = {}
+    for name, param in model.named_parameters():
+        group = module_group(name.removeprefix("model."), 2)
+        groups[group] = groups.get(group, 0.0) + float(param.grad.double().pow(2).sum())
+    return total, {group: math.sqrt(value) for group, value in groups.items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_global_norm_equals_the_unsharded_reference(tmp_path, strategy):
+    out = tmp_path / "monitor"
+    records, _ = train(tmp_path, "run", strategy, steps=2, extra=(*MONITOR, *_record(out)))
+    start = torch.load(tmp_path / "run" / "start_params.pt")["params"]
+    total, groups = _reference(out, start)
+    for rank in (0, 1):
+        logged = json.loads((out / f"monitor-rank{rank}.json").read_text())["metrics"][0]
+        assert logged["grad_norm/total"] == pytest.approx(total, rel=1e-5), f"rank {rank}"
+        for group, value in groups.items():
+            assert logged[f"grad_norm/{group}"] == pytest.approx(value, rel=1e-5), group
+        expected_params = math.sqrt(sum(float(p.double().pow(2).sum()) for p in start.values()))
+        assert logged["param_norm/total"] == pytest.approx(expected_params, rel=1e-5)
+        # gpt.yaml clips at 1.0: the post-clip norm is what the update used.
+        assert logged["grad_norm/total_clipped"] == pytest.approx(min(total, 1.0), rel=1e-5)
+    assert {"grad_norm/layers.0", "grad_norm/token_embedding", "grad_norm/lm_head"} <= set(logged)
+
+
+def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):
+    from tests.conftest import CONFIGS, run_cli
+
+    out = tmp_path / "monitor"
+    return run_cli(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "gpt.yaml"),
+            "--trainer.strategy=ddp",
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=2",
+            "--trainer.max_steps=6",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false",
+            f"--run_dir={tmp_path / 'run'}",
+            "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
+            f"--trainer.callbacks.on_nonfinite={action}",
+            "--trainer.callbacks+=tests.helpers.InjectNonFinite",
+            "--trainer.callbacks.module=model.layers.1.mlp.0",
+            "--trainer.callbacks.step=3",
+            "--trainer.callbacks.ranks=[1]",
+            *_record(out),
+            "--trainer.callbacks+=tests.helpers.RecordEverything",
+            f"--trainer.callbacks.out_dir={tmp_path / 'record'}",
+            *extra,
+        ],
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.multiprocess
+def test_nan_on_one_rank_is_located_and_stop_exits_with_the_diagnosis(tmp_path):
+    result = _nan_run(tmp_path, "stop")
+    assert result.returncode != 0
+    assert "NonFiniteGradientError" in result.stderr
+    assert "non-finite values at step 4" in result.stderr
+    assert "rank 1: first non-finite output in forward order: layers.1.mlp.0" in result.stderr
+    assert "rank 0: first" not in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_skip_drops_the_step_and_leaves_finite_weights(tmp_path):
+    result = _nan_run(tmp_path, "skip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipping this optimizer step" in result.stderr
+    params = torch.load(tmp_path / "record" / "params.pt")
+    assert all(torch.isfinite(value).all() for value in params.values())
+    state = json.loads((tmp_path / "monitor" / "monitor-rank0.json").read_text())["state"]
+    assert state["skipped_steps"] == 1 and state["nonfinite_events"] == 1
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_and_stop_saves_the_state_before_the_bad_update(tmp_path):
+    from lightning_mlopt.checkpoint import CheckpointStore
+
+    result = _nan_run(tmp_path, "checkpoint_and_stop", extra=("--checkpoint.save_on_exception=false",))
+    assert result.returncode != 0
+    assert "saved a checkpoint at step 3" in result.stderr
+    entry = CheckpointStore(tmp_path / "run" / "checkpoints").newest_valid()
+    assert entry is not None and entry.step == 3 and entry.manifest.reason == "nonfinite"
+
+
+@pytest.mark.multiprocess
+def test_warn_reports_and_keeps_training(tmp_path):
+    result = _nan_run(tmp_path, "warn")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 1: first non-finite output in forward order: layers.1.mlp.0" in result.stderr
+
+
+def _spike_run(tmp_path: Path, **monitor: object) -> tuple[object, GradNormMonitor]:
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.demos import TokenDataModule
+    from tests.helpers import InjectNonFinite
+
+    pl.seed_everything(0)
+    callback = GradNormMonitor(log_every_n_steps=1, spike_min_history=5, **monitor)  # type: ignore[arg-type]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        logger=pl.loggers.CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[callback, InjectNonFinite("model.lm_head", step=10, factor=30.0)],
+    )
+    trainer.fit(GPTLanguageModel(n_layer=2), TokenDataModule(num_sequences=256, batch_size=8))
+    return trainer, callback
+
+
+def test_loss_spike_is_caught_and_logged_through_the_logger(tmp_path):
+    trainer, monitor = _spike_run(tmp_path)
+    assert monitor.spike_events >= 1
+    metrics = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    assert {"grad_norm/total", "grad_norm/layers.0", "grad_norm/lm_head", "step"} <= set(header)
+    assert len(metrics) == 1 + 12  # one row per step
+
+
+def test_spike_stop_raises_with_the_statistics(tmp_path):
+    from lightning_mlopt.callbacks import NonFiniteGradientError
+
+    with pytest.raises(NonFiniteGradientError, match=r"step 11: loss spike: .* standard deviations above"):
+        _spike_run(tmp_path, on_spike="stop")
+
+
+def test_state_survives_save_and_resume():
+    first = GradNormMonitor(spike_window=4)
+    first.loss_history.extend([1.0, 2.0, 3.0, 4.0, 5.0])
+    first.spike_events, first.skipped_steps = 2, 1
+    second = GradNormMonitor(spike_window=4)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert list(second.loss_history) == [2.0, 3.0, 4.0, 5.0]
+    assert (second.spike_events, second.skipped_steps) == (2, 1)
+    assert GradNormMonitor().state_key != GradNormMonitor(depth=3).state_key
+    second.load_state_dict({})  # an older checkpoint without our state still loads
+
+
+def test_module_grouping_and_validation():
+    assert module_group("layers.3.attn.qkv.weight", 2) == "layers.3"
+    assert module_group("layers.3.attn.qkv.weight", 3) == "layers.3.attn"
+    assert module_group("lm_head.weight", 2) == "lm_head"
+    with pytest.raises(ValueError, match="on_nonfinite must be"):
+        GradNormMonitor(on_nonfinite="explode")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="spike_window must be >= 2"):
+        GradNormMonitor(spike_window=1)
