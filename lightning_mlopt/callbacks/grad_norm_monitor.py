@@ -121,6 +121,7 @@ class GradNormMonitor(Callback):
         self.spike_events = 0
         self.skipped_steps = 0
         # Per-run structures, built in setup.
+        self._params: list[nn.Parameter] = []
         self._names: dict[int, str] = {}
         self._groups: list[str] = []
         self._group_of: dict[int, int] = {}
@@ -128,6 +129,7 @@ class GradNormMonitor(Callback):
         self._first_bad: Tensor | None = None
         self._hooks: list[Any] = []
         self._losses: list[Tensor] = []
+        self._plans: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -151,6 +153,7 @@ class GradNormMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the strategy's setup, not in `setup`: FSDP replaces parameters with sharded ones, and the
         # name and group tables are keyed by the parameters the optimizer will see.
+        self._params = list(pl_module.parameters())
         names = [name for name, _ in pl_module.named_parameters()]
         prefix = _common_root(names)
         self._names = {id(p): name[len(prefix) :] for name, p in pl_module.named_parameters()}
@@ -200,7 +203,7 @@ class GradNormMonitor(Callback):
         step = trainer.global_step + 1  # the step this update makes
         every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
         logging_step = step % every == 0
-        grads = list(gradient_pieces(pl_module, trainer.strategy))
+        grads = list(gradient_pieces(self._params, trainer.strategy))
         device = grads[0].tensor.device if grads else pl_module.device
         per_group = logging_step and bool(self._groups)
         grad_sq, grad_groups = self._sum_squares(grads, per_group, device)
@@ -208,9 +211,7 @@ class GradNormMonitor(Callback):
         if per_group:
             packed.append(grad_groups)
         if logging_step and self.param_norms:
-            param_sq, param_groups = self._sum_squares(
-                list(parameter_pieces(pl_module, trainer.strategy)), per_group, device
-            )
+            param_sq, param_groups = self._sum_squares(list(parameter_pieces(self._params)), per_group, device)
             packed += [param_sq.reshape(1), param_groups] if per_group else [param_sq.reshape(1)]
         loss = (
             torch.stack(self._losses).float().sum().reshape(1).to(device)
@@ -237,15 +238,25 @@ class GradNormMonitor(Callback):
         nonempty = [p for p in pieces if p.tensor.numel()]
         if not nonempty:
             return torch.zeros((), device=device), torch.zeros(len(self._groups), device=device)
+        weights, index = self._plan(nonempty, device)
         norms = torch._foreach_norm([p.tensor for p in nonempty], 2.0, dtype=torch.float32)
-        squares = torch.stack([n.to(device) for n in norms]).pow(2)
-        weights = torch.tensor([1.0 / p.replication for p in nonempty], device=device)
-        squares = squares * weights
+        squares = torch.stack(norms).to(device).pow_(2).mul_(weights)
         groups = torch.zeros(len(self._groups), device=device)
         if per_group:
-            index = torch.tensor([self._group_of[id(p.param)] for p in nonempty], device=device)
             groups.index_add_(0, index, squares)
         return squares.sum(), groups
+
+    def _plan(self, pieces: list[Piece], device: torch.device) -> tuple[Tensor, Tensor]:
+        """Per-piece replication weights and group indices; built once, as the pieces' owners do not change."""
+        key = tuple(id(p.param) for p in pieces)
+        plan = self._plans.get(key)
+        if plan is None:
+            weights = torch.tensor([1.0 / p.replication for p in pieces], device=device)
+            index = torch.tensor([self._group_of.get(id(p.param), 0) for p in pieces], device=device)
+            if self._groups and any(id(p.param) not in self._group_of for p in pieces):
+                raise RuntimeError("GradNormMonitor: a gradient belongs to no known parameter (did the model change?)")
+            plan = self._plans[key] = (weights, index)
+        return plan
 
     # ------------------------------------------------------------------ decisions
 

@@ -8,18 +8,19 @@ one all-reduce over the world serves every strategy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A tensor this rank holds for one parameter, and on how many ranks the same piece lives."""
+class Piece(NamedTuple):
+    """A tensor this rank holds for one parameter, and on how many ranks the same piece lives.
+
+    A NamedTuple, not a dataclass: one is made per parameter per step, and a tuple is the cheapest object.
+    """
 
     param: nn.Parameter
     tensor: Tensor
@@ -45,8 +46,11 @@ def _zero_optimizer(strategy: Any) -> Any | None:
     return optimizer if hasattr(optimizer, "averaged_gradients") else None
 
 
-def gradient_pieces(module: nn.Module, strategy: Any) -> Iterator[Piece]:
-    """Yield every gradient piece this rank holds (before the optimizer step).
+def gradient_pieces(params: Sequence[nn.Parameter], strategy: Any) -> Iterator[Piece]:
+    """Yield every gradient piece this rank holds (before the optimizer step) for ``params``.
+
+    ``params`` is a list the caller keeps (walking ``module.parameters()`` each step costs more than the
+    norms on a model of a few hundred tensors).
 
     DeepSpeed ZeRO keeps reduced gradients in its own partitions, not in ``param.grad``: they are read from
     the ZeRO optimizer (stage 1/2: ``params_in_partition`` aligned with ``averaged_gradients``; stage 3:
@@ -61,7 +65,7 @@ def gradient_pieces(module: nn.Module, strategy: Any) -> Iterator[Piece]:
                     yield Piece(param, grad, 1)
         return
     world = _world()
-    for param in module.parameters():
+    for param in params:
         grad = param.grad
         if grad is None:
             continue
@@ -71,10 +75,10 @@ def gradient_pieces(module: nn.Module, strategy: Any) -> Iterator[Piece]:
             yield Piece(param, grad, world)  # DDP and single device: every rank holds the whole gradient
 
 
-def parameter_pieces(module: nn.Module, strategy: Any) -> Iterator[Piece]:
+def parameter_pieces(params: Sequence[nn.Parameter]) -> Iterator[Piece]:
     """Yield every parameter piece this rank holds (its shard under FSDP and ZeRO-3)."""
     world = _world()
-    for param in module.parameters():
+    for param in params:
         if isinstance(param, DTensor):
             yield Piece(param, param.to_local(), _dtensor_replication(param))
         elif (partition := getattr(param, "ds_tensor", None)) is not None:
