@@ -76,7 +76,8 @@ def _part_a(repeats: int, d_model: int) -> str:
         f"{sum(p.numel() for p in tensors) / 1e6:.2f}M parameters (GPT, 26 blocks, d_model {d_model}), CPU\n\n"
         "| method | ms per call | speed vs Lightning grad_norm |\n|---|---|---|\n"
         + rows
-        + f"\n\n**{speedup:.1f}x faster than Lightning's grad_norm** (goal >= 3x: {'met' if speedup >= 3 else 'NOT met'}).\n\n"
+        + f"\n\n**{speedup:.1f}x faster than Lightning's grad_norm** "
+        + f"(goal >= 3x: {'met' if speedup >= 3 else 'NOT met'}).\n\n"
     )
 
 
