@@ -48,11 +48,12 @@ class GradNormMonitor(Callback):
     GradScaler does). On logging steps the same all-reduce also carries per-module sums, so per-module
     norms cost no extra collective.
 
-    Non-finite values: forward hooks record, on the device, the first module in forward order whose output is
-    non-finite on each rank; when the gradient norm is non-finite the report names the step, the ranks and
-    those modules (or, for a NaN born in backward, the modules with non-finite gradients), and every rank
-    takes the same action: ``warn``, ``skip`` (drop this optimizer step), ``stop`` (raise
-    :class:`NonFiniteGradientError`), or ``checkpoint_and_stop`` (save through FaultTolerantCheckpoint first).
+    Non-finite values: when the gradient norm or loss is non-finite, every rank re-runs the step's forward pass
+    (no gradients) with hooks that find the first module, in forward order, whose output is non-finite; the
+    report names the step, the ranks and those modules (or, for a NaN born in backward, the modules with
+    non-finite gradients). Healthy steps pay nothing for this. Then every rank takes the same action:
+    ``warn``, ``skip`` (drop this optimizer step), ``stop`` (raise :class:`NonFiniteGradientError`), or
+    ``checkpoint_and_stop`` (save through FaultTolerantCheckpoint first).
 
     Spikes: a loss or gradient norm more than ``spike_threshold`` standard deviations above the mean of the
     last ``spike_window`` steps triggers ``on_spike``. Statistics and counters are callback state, so a
@@ -66,8 +67,8 @@ class GradNormMonitor(Callback):
         depth: module-name depth of the per-module norms (2: ``layers.3``); 0 turns them off.
         param_norms: also log per-module parameter norms (``param_norm/<module>``, ``param_norm/total``).
         on_nonfinite: action on a non-finite gradient or loss.
-        locate_nonfinite: keep the forward hooks that name the first module with a non-finite output
-            (a few tiny kernels per module per step).
+        locate_nonfinite: on a non-finite step, re-run the forward pass to name the first module with a
+            non-finite output (one extra forward, on bad steps only).
         on_spike: action on a loss or gradient-norm spike.
         spike_window: steps of history for the rolling mean and standard deviation.
         spike_threshold: how many standard deviations above the mean counts as a spike.
@@ -126,8 +127,8 @@ class GradNormMonitor(Callback):
         self._groups: list[str] = []
         self._group_of: dict[int, int] = {}
         self._modules: list[str] = []
-        self._first_bad: Tensor | None = None
-        self._hooks: list[Any] = []
+        self._last_batch: tuple[Any, int] | None = None
+        self._prefix = ""
         self._losses: list[Tensor] = []
         self._plans: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
         self.last_metrics: dict[str, float] = {}
@@ -161,38 +162,50 @@ class GradNormMonitor(Callback):
         self._groups = list(groups)
         index = {group: i for i, group in enumerate(self._groups)}
         self._group_of = {pid: index[module_group(n, self.depth)] for pid, n in self._names.items()} if groups else {}
-        if self.locate_nonfinite:
-            self._install_forward_hooks(pl_module, prefix)
+        self._prefix = prefix
 
-    def _install_forward_hooks(self, pl_module: pl.LightningModule, prefix: str) -> None:
+    def _first_nonfinite_module(self, pl_module: pl.LightningModule) -> int:
+        """Re-run the last batch's forward with hooks; return 1 + the first bad module's index, or 0.
+
+        "Bad" is a non-finite output; "first" is in forward order. Only on a bad step: healthy steps pay nothing.
+        """
+        if self._last_batch is None:
+            return 0
         modules = [(name, module) for name, module in pl_module.named_modules() if name]
-        self._modules = [name[len(prefix) :] if name.startswith(prefix) else name for name, _ in modules]
-        for index, (_, module) in enumerate(modules):
-            self._hooks.append(module.register_forward_hook(self._make_hook(index + 1)))
+        self._modules = [n[len(self._prefix) :] if n.startswith(self._prefix) else n for n, _ in modules]
+        first = [0]
 
-    def _make_hook(self, index: int) -> Any:
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            tensor = output[0] if isinstance(output, (tuple, list)) and output else output
-            if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or self._first_bad is None:
-                return
-            # On the device, no host sync: remember the first module (in forward order) with a bad output.
-            bad = ~torch.isfinite(tensor).all()
-            self._first_bad = torch.where((self._first_bad == 0) & bad, index, self._first_bad)
+        def make_hook(index: int) -> Any:
+            def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+                tensor = output[0] if isinstance(output, (tuple, list)) and output else output
+                floating = isinstance(tensor, Tensor) and tensor.is_floating_point()
+                if first[0] == 0 and floating and not bool(torch.isfinite(tensor).all()):
+                    first[0] = index
 
-        return hook
+            return hook
 
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        handles = [module.register_forward_hook(make_hook(i + 1)) for i, (_, module) in enumerate(modules)]
+        batch, batch_idx = self._last_batch
+        silenced = pl_module.log
+        try:
+            pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # a diagnosis logs nothing
+            with torch.no_grad():
+                pl_module.training_step(batch, batch_idx)
+        except Exception as error:
+            log.warning("GradNormMonitor could not re-run the forward pass to locate the problem: %s", error)
+        finally:
+            pl_module.log = silenced  # type: ignore[method-assign]
+            for handle in handles:
+                handle.remove()
+        return first[0]
 
     # ------------------------------------------------------------------ per step
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.locate_nonfinite:
-            self._first_bad = torch.zeros((), dtype=torch.int64, device=pl_module.device)
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._last_batch = (batch, batch_idx)  # a reference, not a copy: for re-running a bad step only
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -220,17 +233,11 @@ class GradNormMonitor(Callback):
         )
         self._losses.clear()
         world = trainer.world_size
-        # Each rank reports the first module with a non-finite output in its own slot.
-        slots = torch.zeros(world, device=device)
-        if self._first_bad is not None:
-            slots[trainer.global_rank] = self._first_bad.to(device).float()
-        packed += [loss / world, slots]
+        packed.append(loss / world)
         vector = torch.cat([t.float().to(device) for t in packed])
         if world > 1:
             dist.all_reduce(vector)  # every rank, every step: one packed collective
         values = vector.tolist()  # the one host sync of the step
-        if self._first_bad is not None:
-            self._first_bad.zero_()  # the micro-batches of the next optimizer step start clean
         self._act(trainer, pl_module, optimizer, values, grads, logging_step, per_group, step)
 
     def _sum_squares(self, pieces: list[Piece], per_group: bool, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -271,7 +278,6 @@ class GradNormMonitor(Callback):
         per_group: bool,
         step: int,
     ) -> None:
-        world = trainer.world_size
         total = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
         cursor = 1
         group_values = values[cursor : cursor + len(self._groups)] if per_group else []
@@ -284,10 +290,10 @@ class GradNormMonitor(Callback):
                 param_groups = values[cursor : cursor + len(self._groups)]
                 cursor += len(self._groups)
         loss = values[cursor]
-        first_bad = [int(v) for v in values[cursor + 1 : cursor + 1 + world]]
 
         if not math.isfinite(total) or not math.isfinite(loss):
             self.nonfinite_events += 1
+            first_bad = self._gather_first_nonfinite(trainer, pl_module)
             report = self._nonfinite_report(trainer, pl_module, step, first_bad, grads, total, loss)
             self._take(self.on_nonfinite, report, trainer, optimizer)
             return
@@ -300,6 +306,19 @@ class GradNormMonitor(Callback):
             self.norm_history.append(total)
         if logging_step:
             self._log(trainer, step, total, group_values, param_total, param_groups)
+
+    def _gather_first_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[int]:
+        """Each rank's first bad module, in one all-reduce of per-rank slots.
+
+        Every rank re-runs its forward; all ranks reach this, because the decision to call it was collective.
+        """
+        world = trainer.world_size
+        slots = torch.zeros(world, device=pl_module.device)
+        if self.locate_nonfinite:
+            slots[trainer.global_rank] = float(self._first_nonfinite_module(pl_module))
+        if world > 1:
+            dist.all_reduce(slots)
+        return [int(v) for v in slots.tolist()]
 
     def _spike(self, loss: float, norm: float) -> str | None:
         for label, value, history in (("loss", loss, self.loss_history), ("gradient norm", norm, self.norm_history)):
