@@ -177,3 +177,90 @@ class InjectNonFinite(pl.Callback):
 
         # prepend: the poison acts as part of the module's own forward, before any observer sees the output
         target.register_forward_hook(poison, prepend=True)
+
+
+class SleepyGPT(pl.LightningModule):
+    """The GPT demo, except that one rank naps inside ``training_step`` at one step (a hang to detect).
+
+    Args:
+        sleep_rank: the rank that naps.
+        sleep_step: the global step at which it naps.
+        sleep_seconds: how long.
+        only_first_attempt: nap only when torchrun's TORCHELASTIC_RESTART_COUNT is 0 (a hang that a
+            restart cures).
+    """
+
+    def __init__(
+        self, sleep_rank: int = 1, sleep_step: int = 3, sleep_seconds: float = 300.0, only_first_attempt: bool = False
+    ) -> None:
+        super().__init__()
+        from lightning_mlopt.demos import GPTLanguageModel
+
+        self.inner = GPTLanguageModel()
+        self.sleep_rank, self.sleep_step, self.sleep_seconds = sleep_rank, sleep_step, sleep_seconds
+        self.only_first_attempt = only_first_attempt
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        here_and_now = self.global_rank == self.sleep_rank and self.global_step == self.sleep_step
+        if here_and_now and (first_attempt or not self.only_first_attempt):
+            nap_inside_training_step(self.sleep_seconds)
+        return self.inner._loss(batch)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+
+def nap_inside_training_step(seconds: float) -> None:
+    """The function a hang dump must name."""
+    import time
+
+    time.sleep(seconds)
+
+
+class FakeVersionOnRank(pl.Callback):
+    """Makes one rank report a different value for one fingerprint key (a version skew to detect).
+
+    Put it before NCCLHealthCheck in the callbacks list.
+    """
+
+    def __init__(self, rank: int = 1, key: str = "torch", value: str = "2.0.0") -> None:
+        self.rank, self.key, self.value = rank, key, value
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        from lightning_mlopt.callbacks import nccl_health_check
+
+        real = nccl_health_check.collect_fingerprint
+        nccl_health_check.collect_fingerprint = lambda: {**real(), self.key: self.value}  # type: ignore[assignment]
+
+
+class SlowRank(pl.Callback):
+    """Slows one rank's forward pass by a fixed time per step (a straggler to detect)."""
+
+    def __init__(self, rank: int = 1, seconds: float = 0.2) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        import time
+
+        pl_module.register_forward_hook(lambda *args: time.sleep(self.seconds))
+
+
+class LateToSetup(pl.Callback):
+    """One rank arrives late to setup (put it before NCCLHealthCheck)."""
+
+    def __init__(self, rank: int = 1, seconds: float = 10.0) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.global_rank == self.rank:
+            import time
+
+            time.sleep(self.seconds)

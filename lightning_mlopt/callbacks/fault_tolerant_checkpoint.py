@@ -28,6 +28,7 @@ from lightning_mlopt.checkpoint import (
 from lightning_mlopt.checkpoint.manifest import describe_files, library_versions
 from lightning_mlopt.checkpoint.resume import skip_first_batches
 from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
+from lightning_mlopt.distributed.phase import phase
 
 log = logging.getLogger(__name__)
 _RNG_DIR = "rng"
@@ -293,6 +294,10 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def _save(self, trainer: pl.Trainer, reason: str, final: bool = False, wait: bool = False) -> None:
         """Save on every rank (collective), following the commit protocol."""
+        with phase("checkpoint"):  # what a hang watchdog reports if the save never returns
+            self._save_in_phase(trainer, reason, final, wait)
+
+    def _save_in_phase(self, trainer: pl.Trainer, reason: str, final: bool, wait: bool) -> None:
         assert self.store is not None
         step = trainer.global_step
         self._wait_for_writer()

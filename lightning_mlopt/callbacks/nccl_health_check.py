@@ -1,0 +1,329 @@
+"""NCCLHealthCheck: pre-flight collective checks, a hang watchdog with stack dumps, stragglers, version skew."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_mlopt.distributed import phase
+from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
+from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
+from lightning_mlopt.distributed.watchdog import HangWatchdog
+
+log = logging.getLogger(__name__)
+OnProblem = Literal["warn", "error"]
+
+
+class HealthCheckError(RuntimeError):
+    """A pre-flight check failed; the message names the ranks and hosts concerned."""
+
+
+class NCCLHealthCheck(Callback):
+    """Checks the collective layer before training, watches for hangs during it, and names stragglers.
+
+    Targets NCCL on GPUs and works the same with gloo on CPU.
+
+    Pre-flight (at setup, every rank): a barrier with a timeout (the error names the ranks that did not
+    arrive, and their hosts); an all-reduce of known values; an environment fingerprint per rank (host,
+    torch, CUDA, the NCCL actually loaded, driver, GPU, lightning, deepspeed, lightning_mlopt, Python, the
+    NCCL_* and TORCH_NCCL_* variables) compared across ranks; an all-reduce bandwidth probe reported as
+    algorithm and bus bandwidth (busbw = algbw x 2(n-1)/n, as nccl-tests). A table at start; the figures go
+    to the trainer's logger under ``health/``.
+
+    Hang watchdog: a thread per rank ends the process with ``hang_exit_code`` when no step has finished for
+    ``hang_timeout`` seconds (or, with ``adaptive_multiple``, that multiple of the longest step seen on any
+    rank, if larger), after writing every thread's stack and the step and phase (data, forward, backward,
+    optimizer, checkpoint) to ``<dump_dir>/hang-rank<R>.txt`` and the log. An elastic launcher
+    (``torchrun --max-restarts``) then restarts the job and FaultTolerantCheckpoint resumes it. On CUDA, the
+    NCCL flight recorder is turned on (unless set by the user) so NCCL's own view is dumped on timeout too.
+
+    Stragglers: every ``straggler_every_n_steps`` steps, each rank's mean forward time (batch start to
+    loss; the gradient all-reduce, which makes every rank's backward equally long, is not in it) is gathered
+    in one small collective; ranks slower than ``straggler_factor`` x the median are reported with host.
+
+    Args:
+        barrier_timeout: seconds every rank has to reach the pre-flight barrier.
+        on_mismatch: ``warn`` or ``error`` when fingerprints differ across ranks.
+        probe_mb: size of the bandwidth probe's all-reduce (0 skips the probe).
+        probe_iterations: timed all-reduces (after 2 warm-up ones).
+        min_busbw_gbps: bus bandwidth below which ``on_slow_bandwidth`` applies; None: no minimum.
+        on_slow_bandwidth: ``warn`` or ``error``.
+        hang_timeout: seconds without a finished step before the watchdog fires (None: no watchdog).
+        adaptive_multiple: raise the limit to this multiple of the longest step seen on any rank.
+        hang_exit_code: exit status after a hang (124, as timeout(1)).
+        dump_dir: folder for stack dumps; None: ``<trainer.default_root_dir>/health``.
+        straggler_every_n_steps: how often to compare ranks' compute times (None: never).
+        straggler_factor: a rank this many times slower than the median is a straggler.
+
+    Example::
+
+        trainer = Trainer(callbacks=[NCCLHealthCheck(hang_timeout=900, min_busbw_gbps=100)])
+
+    """
+
+    def __init__(
+        self,
+        barrier_timeout: float = 120.0,
+        on_mismatch: OnProblem = "warn",
+        probe_mb: float = 16.0,
+        probe_iterations: int = 5,
+        min_busbw_gbps: float | None = None,
+        on_slow_bandwidth: OnProblem = "warn",
+        hang_timeout: float | None = 1800.0,
+        adaptive_multiple: float | None = None,
+        hang_exit_code: int = 124,
+        dump_dir: str | None = None,
+        straggler_every_n_steps: int | None = 100,
+        straggler_factor: float = 1.5,
+    ) -> None:
+        for name, value in (("barrier_timeout", barrier_timeout), ("straggler_factor", straggler_factor)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if probe_mb < 0 or probe_iterations < 1:
+            raise ValueError(f"probe_mb must be >= 0 and probe_iterations >= 1, got {probe_mb}, {probe_iterations}")
+        if hang_timeout is not None and hang_timeout <= 0:
+            raise ValueError(f"hang_timeout must be > 0 or null, got {hang_timeout}")
+        if adaptive_multiple is not None and adaptive_multiple <= 1:
+            raise ValueError(f"adaptive_multiple must be > 1, got {adaptive_multiple}")
+        if straggler_every_n_steps is not None and straggler_every_n_steps < 1:
+            raise ValueError(f"straggler_every_n_steps must be >= 1 or null, got {straggler_every_n_steps}")
+        if not 1 <= hang_exit_code <= 255:
+            raise ValueError(f"hang_exit_code must be in 1..255, got {hang_exit_code}")
+        for name, choice in (("on_mismatch", on_mismatch), ("on_slow_bandwidth", on_slow_bandwidth)):
+            if choice not in ("warn", "error"):
+                raise ValueError(f"{name} must be warn or error, got {choice!r}")
+        self.barrier_timeout = barrier_timeout
+        self.on_mismatch = on_mismatch
+        self.probe_mb = probe_mb
+        self.probe_iterations = probe_iterations
+        self.min_busbw_gbps = min_busbw_gbps
+        self.on_slow_bandwidth = on_slow_bandwidth
+        self.hang_timeout = hang_timeout
+        self.adaptive_multiple = adaptive_multiple
+        self.hang_exit_code = hang_exit_code
+        self.dump_dir = dump_dir
+        self.straggler_every_n_steps = straggler_every_n_steps
+        self.straggler_factor = straggler_factor
+        self.hosts: list[str] = []
+        self.bandwidth: Bandwidth | None = None
+        self.mismatches: list[str] = []
+        self.stragglers: list[int] = []
+        self._watchdog: HangWatchdog | None = None
+        self._longest_step = 0.0  # agreed across ranks at each straggler check
+        self._local_longest = 0.0
+        self._forward_times: list[float] = []
+        self._batch_started = 0.0
+        self._step_started = 0.0
+        if torch.cuda.is_available():
+            # The flight recorder must be on before NCCL communicators exist, i.e. before fit: here.
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+
+    # ------------------------------------------------------------------ pre-flight
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        phase.set_phase("setup", trainer.global_step)
+        if dist.is_available() and dist.is_initialized():
+            self._preflight(trainer)
+        if self.hang_timeout is not None:
+            folder = Path(self.dump_dir or os.path.join(trainer.default_root_dir, "health"))
+            self._watchdog = HangWatchdog(self._current_timeout, folder, trainer.global_rank, self.hang_exit_code)
+            self._watchdog.start()
+
+    def _preflight(self, trainer: pl.Trainer) -> None:
+        start = time.perf_counter()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = trainer.strategy.root_device
+        # A gloo group for the barrier: NCCL has no monitored barrier. On CPU the default group is gloo.
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._barrier(rank, world, group)
+        self._check_all_reduce(world, device)
+        fingerprints: list[Any] = [None] * world
+        dist.all_gather_object(fingerprints, collect_fingerprint())
+        self.hosts = [fp["host"] for fp in fingerprints]
+        self.mismatches = fingerprint_mismatches(fingerprints)
+        if self.probe_mb > 0:
+            self.bandwidth = probe_all_reduce(int(self.probe_mb * 2**20), device, iterations=self.probe_iterations)
+        seconds = time.perf_counter() - start
+        self._report(trainer, world, fingerprints[0], seconds)
+
+    def _barrier(self, rank: int, world: int, group: Any) -> None:
+        store = _default_store()
+        if store is not None:
+            store.set(f"mlopt/health/host/{rank}", socket.gethostname())
+        try:
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=self.barrier_timeout), wait_all_ranks=True)
+        except RuntimeError as error:
+            missing = _missing_ranks(str(error), world, rank)
+            where = ", ".join(f"rank {r} ({_host_of(store, r)})" for r in missing) or str(error)
+            raise HealthCheckError(
+                f"pre-flight barrier: not every rank arrived within {self.barrier_timeout:g} s. Missing: {where}. "
+                "Check those hosts (a stuck data loader, a crashed process, a bad node) before relaunching."
+            ) from error
+
+    @staticmethod
+    def _check_all_reduce(world: int, device: torch.device) -> None:
+        values = torch.full((4,), float(dist.get_rank() + 1), device=device)
+        dist.all_reduce(values)
+        expected = world * (world + 1) / 2
+        if not torch.allclose(values.cpu(), torch.full((4,), expected)):
+            raise HealthCheckError(
+                f"pre-flight all-reduce returned {values.tolist()} instead of {expected} on rank {dist.get_rank()}: "
+                "the collective library is giving wrong answers (mixed NCCL versions? a faulty link?)"
+            )
+
+    def _report(self, trainer: pl.Trainer, world: int, fingerprint: dict[str, str], seconds: float) -> None:
+        rows = [
+            f"NCCLHealthCheck pre-flight ({seconds:.2f} s): {world} ranks on {len(set(self.hosts))} host(s)",
+            f"  barrier and all-reduce      ok (backend {dist.get_backend()})",
+            f"  torch {fingerprint['torch']}, CUDA {fingerprint['cuda']}, NCCL {fingerprint['nccl']}, "
+            f"GPU {fingerprint['gpu']}, driver {fingerprint['driver']}",
+        ]
+        if self.bandwidth is not None:
+            bw = self.bandwidth
+            rows.append(
+                f"  all-reduce {bw.size_bytes / 2**20:.0f} MiB: {bw.seconds * 1e3:.2f} ms, "
+                f"algbw {bw.algbw_gbps:.2f} GB/s, busbw {bw.busbw_gbps:.2f} GB/s"
+            )
+        rows.append("  fingerprints identical on every rank" if not self.mismatches else "  fingerprint MISMATCH:")
+        rows += [f"    {line}" for line in self.mismatches]
+        rank_zero_info("\n".join(rows))
+        metrics = {"health/preflight_seconds": seconds, "health/fingerprint_mismatches": float(len(self.mismatches))}
+        if self.bandwidth is not None:
+            metrics.update(
+                {"health/algbw_gbps": self.bandwidth.algbw_gbps, "health/busbw_gbps": self.bandwidth.busbw_gbps}
+            )
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        if self.mismatches:
+            message = "environment differs across ranks:\n" + "\n".join(self.mismatches)
+            if self.on_mismatch == "error":
+                raise HealthCheckError(message)
+            rank_zero_warn(f"NCCLHealthCheck: {message}")
+        bandwidth, minimum = self.bandwidth, self.min_busbw_gbps
+        if bandwidth is not None and minimum is not None and bandwidth.busbw_gbps < minimum:
+            message = (
+                f"all-reduce bus bandwidth {bandwidth.busbw_gbps:.2f} GB/s is below the minimum {minimum:g} GB/s "
+                f"(hosts: {', '.join(sorted(set(self.hosts)))})"
+            )
+            if self.on_slow_bandwidth == "error":
+                raise HealthCheckError(message)
+            rank_zero_warn(f"NCCLHealthCheck: {message}")
+
+    # ------------------------------------------------------------------ during training
+
+    def _current_timeout(self) -> float:
+        assert self.hang_timeout is not None
+        if self.adaptive_multiple is None:
+            return self.hang_timeout
+        return max(self.hang_timeout, self.adaptive_multiple * self._longest_step)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        phase.set_phase("forward", trainer.global_step)
+        self._batch_started = time.perf_counter()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        # Forward compute only: DDP's all-reduce overlaps backward and makes it equally long on every rank.
+        # (On CUDA the host clock measures launch, not kernels, unless the step syncs; the loss usually does.)
+        self._forward_times.append(time.perf_counter() - self._batch_started)
+        phase.set_phase("backward")
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        phase.set_phase("optimizer")
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        now = time.perf_counter()
+        if self._step_started:
+            self._local_longest = max(self._local_longest, now - self._step_started)
+        self._step_started = now
+        if self._watchdog is not None:
+            self._watchdog.beat()
+        every = self.straggler_every_n_steps
+        if every is not None and trainer.global_step % every == 0 and self._forward_times:
+            self._check_stragglers(trainer)
+        phase.set_phase("data", trainer.global_step)
+
+    def _check_stragglers(self, trainer: pl.Trainer) -> None:
+        world = trainer.world_size
+        slots = torch.zeros(2 * world, device=trainer.strategy.root_device)
+        slots[trainer.global_rank] = statistics.fmean(self._forward_times)
+        slots[world + trainer.global_rank] = self._local_longest
+        self._forward_times.clear()
+        if world > 1:
+            dist.all_reduce(slots)  # every rank, every N steps: one small collective
+        values = slots.tolist()
+        times, longest = values[:world], values[world:]
+        self._longest_step = max(longest)
+        median = statistics.median(times)
+        self.stragglers = [r for r, t in enumerate(times) if median > 0 and t > self.straggler_factor * median]
+        if self.stragglers:
+            hosts = self.hosts or ["?"] * world
+            detail = ", ".join(f"rank {r} ({hosts[r]}) {times[r] / median:.1f}x" for r in self.stragglers)
+            rank_zero_warn(
+                f"NCCLHealthCheck: straggler(s) at step {trainer.global_step}: {detail} the median forward time "
+                f"({median * 1e3:.1f} ms)"
+            )
+        if trainer.is_global_zero:
+            metrics = {"health/forward_ms_median": median * 1e3, "health/forward_ms_max": max(times) * 1e3}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _host_of(store: Any, rank: int) -> str:
+    key = f"mlopt/health/host/{rank}"
+    try:
+        if store is not None and store.check([key]):
+            return store.get(key).decode()
+    except RuntimeError:
+        pass
+    return "host unknown: it never checked in"
+
+
+def _missing_ranks(message: str, world: int, rank: int) -> list[int]:
+    """Ranks named in a monitored_barrier error ("Ranks 1, 3 failed to pass monitoredBarrier")."""
+    import re
+
+    match = re.search(r"Ranks? ([\d, ]+) failed to pass", message)
+    if match:
+        return [int(r) for r in re.findall(r"\d+", match.group(1))]
+    return [] if rank == 0 else [0]

@@ -1,0 +1,113 @@
+"""A per-process hang watchdog: when no step finishes in time, dump every thread's stack and exit."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from lightning_mlopt.distributed import phase
+
+log = logging.getLogger(__name__)
+
+
+class HangWatchdog:
+    """A daemon thread that ends the process when no step has finished for ``timeout()`` seconds.
+
+    Before exiting it writes every thread's Python stack to ``dump_dir/hang-rank<R>.txt`` and the log,
+    naming the step and the phase last entered, so the culprit is on disk even when the job is killed.
+
+    Args:
+        timeout: returns the current limit in seconds (fixed, or adaptive to the steps seen).
+        dump_dir: folder for the stack dumps.
+        rank: this process's global rank (for the file name and the message).
+        exit_code: exit status; distinctive, so a launcher and a human can tell a hang from a crash.
+        poll_seconds: how often the thread looks.
+
+    Example::
+
+        watchdog = HangWatchdog(lambda: 600.0, Path("runs/x/health"), rank=0, exit_code=124)
+        watchdog.start()
+        ...
+        watchdog.beat()   # after every finished step
+        watchdog.stop()
+
+    """
+
+    def __init__(
+        self,
+        timeout: Callable[[], float],
+        dump_dir: Path,
+        rank: int,
+        exit_code: int,
+        poll_seconds: float = 0.5,
+        exit_process: Callable[[int], None] = os._exit,
+    ) -> None:
+        self.timeout = timeout
+        self.dump_dir = dump_dir
+        self.rank = rank
+        self.exit_code = exit_code
+        self.poll_seconds = poll_seconds
+        self._exit_process = exit_process
+        self._last_beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start watching (the clock starts now)."""
+        self._last_beat = time.monotonic()
+        # A daemon: it must never keep a finished process alive.
+        self._thread = threading.Thread(target=self._watch, name=f"hang-watchdog-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        """A step finished."""
+        self._last_beat = time.monotonic()
+
+    def stop(self) -> None:
+        """Stop watching and wait for the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            waited = time.monotonic() - self._last_beat
+            limit = self.timeout()
+            if waited > limit:
+                self._report_and_exit(waited, limit)
+                return
+
+    def _report_and_exit(self, waited: float, limit: float) -> None:
+        name, step, in_phase = phase.current()
+        header = (
+            f"HANG on rank {self.rank}: no training step finished for {waited:.0f} s (limit {limit:.0f} s); "
+            f"last step {step}, phase '{name}' entered {in_phase:.0f} s ago. Stacks of every thread follow; "
+            f"exiting with status {self.exit_code}."
+        )
+        stacks = _format_stacks()
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        path = self.dump_dir / f"hang-rank{self.rank}.txt"
+        with path.open("w") as handle:
+            handle.write(header + "\n\n" + stacks + "\n\nfaulthandler view (includes threads in C):\n")
+            handle.flush()
+            faulthandler.dump_traceback(handle, all_threads=True)
+        log.error("%s\n%s\n(also written to %s)", header, stacks, path)
+        sys.stderr.write(f"{header}\n{stacks}\n(also written to {path})\n")
+        sys.stderr.flush()
+        self._exit_process(self.exit_code)
+
+
+def _format_stacks() -> str:
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f'Thread "{names.get(ident, ident)}":\n' + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
