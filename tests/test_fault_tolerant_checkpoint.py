@@ -255,3 +255,19 @@ def test_constructor_validates():
         FaultTolerantCheckpoint(signals=["SIGNOPE"])
     with pytest.raises(ValueError, match=r"exit_code must be in 1\.\.255"):
         FaultTolerantCheckpoint(exit_code=0)
+
+
+def test_time_trigger_saves_when_minutes_have_passed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # 0.0001 minutes = 6 ms: every step is due; the decision goes through the same collective path.
+    _quickstart(
+        tmp_path,
+        "--checkpoint.every_n_steps=null",
+        "--checkpoint.every_n_minutes=0.0001",
+        "--checkpoint.keep_last=10",
+        "--checkpoint.save_on_train_end=false",
+    )
+    store = CheckpointStore(tmp_path / "run" / "checkpoints")
+    reasons = {entry.step: entry.manifest.reason for entry in store.entries() if entry.valid}
+    assert sorted(reasons) == [1, 2, 3, 4, 5, 6]
+    assert set(reasons.values()) == {"every_n_minutes"}

@@ -1,0 +1,55 @@
+"""The YAML surface is pinned: a change to a public constructor is deliberate and goes in the CHANGELOG."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck
+from lightning_mlopt.demos import (
+    CIFAR10DataModule,
+    DigitsDataModule,
+    GPTLanguageModel,
+    ResNetClassifier,
+    TokenDataModule,
+)
+from lightning_mlopt.demos._loader import LoaderDataModule
+from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+PINNED = {
+    DDPStrategy: "comm_hook powersgd_rank powersgd_start_iter bucket_cap_mb gradient_as_bucket_view static_graph "
+    "find_unused_parameters timeout_minutes process_group_backend",
+    FSDPStrategy: "wrap_classes min_params_to_wrap reshard_after_forward replicate_group_size activation_checkpointing "
+    "param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes process_group_backend",
+    DeepSpeedStrategy: "preset config offload_optimizer offload_parameters timeout_minutes process_group_backend",
+    FaultTolerantCheckpoint: "dirpath every_n_steps every_n_minutes save_on_epoch_end save_on_train_end "
+    "save_on_exception signals exit_code keep_last keep_every_n_steps monitor mode keep_best async_save auto_resume",
+    GradNormMonitor: "log_every_n_steps depth param_norms on_nonfinite locate_nonfinite on_spike spike_window "
+    "spike_threshold spike_min_history",
+    NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "
+    "hang_timeout adaptive_multiple hang_exit_code dump_dir straggler_every_n_steps straggler_factor",
+    ResNetClassifier: "depth width in_channels num_classes lr weight_decay",
+    GPTLanguageModel: "vocab_size block_size n_layer n_head d_model dropout lr weight_decay warmup_steps",
+    LoaderDataModule: "batch_size num_workers pin_memory prefetch_factor persistent_workers",
+    CIFAR10DataModule: "root synthetic_size augment loader",
+    DigitsDataModule: "val_fraction loader",
+    TokenDataModule: "vocab_size block_size num_sequences branching loader",
+}
+
+
+@pytest.mark.parametrize("cls", list(PINNED), ids=lambda c: c.__name__)
+def test_constructor_arguments_are_pinned(cls):
+    names = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+    assert names == PINNED[cls].split(), f"{cls.__name__}'s YAML keys changed: update PINNED, README and CHANGELOG"
+
+
+@pytest.mark.parametrize("cls", list(PINNED), ids=lambda c: c.__name__)
+def test_every_public_class_and_key_is_in_the_readme(cls):
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    assert cls.__name__ in readme
+    for name in PINNED[cls].split():
+        if name != "loader":
+            assert f"`{name}`" in readme or name in readme, f"{cls.__name__}.{name} is not documented in the README"
