@@ -18,6 +18,7 @@ MONITOR = [
     "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
     "--trainer.callbacks.log_every_n_steps=1",
     "--trainer.callbacks.param_norms=true",
+    "--trainer.callbacks.update_ratios=true",
 ]
 
 
@@ -45,7 +46,7 @@ def _reference(out: Path, start_params: dict[str, torch.Tensor]) -> tuple[float,
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
 def test_global_norm_equals_the_unsharded_reference(tmp_path, strategy):
     out = tmp_path / "monitor"
-    train(tmp_path, "run", strategy, steps=2, extra=(*MONITOR, *_record(out)))
+    _, final = train(tmp_path, "run", strategy, steps=1, extra=(*MONITOR, *_record(out)))
     start = torch.load(tmp_path / "run" / "start_params.pt")["params"]
     total, groups = _reference(out, start)
     for rank in (0, 1):
@@ -58,6 +59,11 @@ def test_global_norm_equals_the_unsharded_reference(tmp_path, strategy):
         # gpt.yaml clips at 1.0: the post-clip norm is what the update used.
         assert logged["grad_norm/total_clipped"] == pytest.approx(min(total, 1.0), rel=1e-5)
     assert {"grad_norm/layers.0", "grad_norm/token_embedding", "grad_norm/lm_head"} <= set(logged)
+    # One step was taken: the update ratio is |theta_1 - theta_0| / |theta_1|, from the full parameters.
+    delta = math.sqrt(sum(float((final[n] - start[n]).double().pow(2).sum()) for n in start))
+    norm = math.sqrt(sum(float(final[n].double().pow(2).sum()) for n in start))
+    assert logged["update_ratio/total"] == pytest.approx(delta / norm, rel=1e-4)
+    assert logged["update_ratio/layers.0"] > 0
 
 
 def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):

@@ -25,8 +25,8 @@ PINNED = {
     DeepSpeedStrategy: "preset config offload_optimizer offload_parameters timeout_minutes process_group_backend",
     FaultTolerantCheckpoint: "dirpath every_n_steps every_n_minutes save_on_epoch_end save_on_train_end "
     "save_on_exception signals exit_code keep_last keep_every_n_steps monitor mode keep_best async_save auto_resume",
-    GradNormMonitor: "log_every_n_steps depth param_norms on_nonfinite locate_nonfinite on_spike spike_window "
-    "spike_threshold spike_min_history",
+    GradNormMonitor: "log_every_n_steps depth param_norms update_ratios on_nonfinite locate_nonfinite on_spike "
+    "spike_window spike_threshold spike_min_history",
     NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "
     "hang_timeout adaptive_multiple hang_exit_code dump_dir straggler_every_n_steps straggler_factor",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",

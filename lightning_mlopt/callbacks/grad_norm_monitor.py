@@ -66,6 +66,9 @@ class GradNormMonitor(Callback):
         log_every_n_steps: log every N optimizer steps; None uses ``trainer.log_every_n_steps``.
         depth: module-name depth of the per-module norms (2: ``layers.3``); 0 turns them off.
         param_norms: also log per-module parameter norms (``param_norm/<module>``, ``param_norm/total``).
+        update_ratios: also log ``update_ratio/<module>`` and ``update_ratio/total``, the norm of this step's
+            parameter change over the parameter norm. Costs a copy of the (local) parameters and one more
+            small all-reduce, on logging steps only.
         on_nonfinite: action on a non-finite gradient or loss.
         locate_nonfinite: on a non-finite step, re-run the forward pass to name the first module with a
             non-finite output (one extra forward, on bad steps only).
@@ -88,6 +91,7 @@ class GradNormMonitor(Callback):
         log_every_n_steps: int | None = None,
         depth: int = 2,
         param_norms: bool = False,
+        update_ratios: bool = False,
         on_nonfinite: Action = "stop",
         locate_nonfinite: bool = True,
         on_spike: Action = "warn",
@@ -109,6 +113,8 @@ class GradNormMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.depth = depth
         self.param_norms = param_norms
+        self.update_ratios = update_ratios
+        self._before_update: list[Tensor] | None = None
         self.on_nonfinite = on_nonfinite
         self.locate_nonfinite = locate_nonfinite
         self.on_spike = on_spike
@@ -238,7 +244,41 @@ class GradNormMonitor(Callback):
         if world > 1:
             dist.all_reduce(vector)  # every rank, every step: one packed collective
         values = vector.tolist()  # the one host sync of the step
+        if logging_step and self.update_ratios:
+            # Snapshot this rank's parameter pieces; compared after the optimizer step in on_train_batch_end.
+            self._before_update = [piece.tensor.detach().clone() for piece in parameter_pieces(self._params)]
         self._act(trainer, pl_module, optimizer, values, grads, logging_step, per_group, step)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._before_update is None:
+            return
+        before, self._before_update = self._before_update, None
+        after = list(parameter_pieces(self._params))
+        device = before[0].device if before else pl_module.device
+        deltas = torch._foreach_sub([piece.tensor.detach() for piece in after], before)
+        delta_pieces = [
+            Piece(piece.param, delta, piece.replication) for piece, delta in zip(after, deltas, strict=True)
+        ]
+        per_group = bool(self._groups)
+        delta_sq, delta_groups = self._sum_squares(delta_pieces, per_group, device)
+        param_sq, param_groups = self._sum_squares(after, per_group, device)
+        vector = torch.cat([delta_sq.reshape(1), param_sq.reshape(1), delta_groups, param_groups])
+        if trainer.world_size > 1:
+            dist.all_reduce(vector)  # every rank, on logging steps only
+        values = vector.tolist()
+        count = len(self._groups)
+
+        def ratio(delta: float, param: float) -> float:
+            return math.sqrt(max(delta, 0.0)) / math.sqrt(param) if param > 0 else 0.0
+
+        metrics = {"update_ratio/total": ratio(values[0], values[1])}
+        for index, group in enumerate(self._groups):
+            metrics[f"update_ratio/{group}"] = ratio(values[2 + index], values[2 + count + index])
+        self.last_metrics = {**self.last_metrics, **metrics}
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     def _sum_squares(self, pieces: list[Piece], per_group: bool, device: torch.device) -> tuple[Tensor, Tensor]:
         """Total and per-group sums of squares, each piece divided by its replication, in fp32."""
