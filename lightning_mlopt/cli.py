@@ -167,6 +167,10 @@ def main(args: Sequence[str] | None = None) -> None:
         from lightning_mlopt.checkpoint.tool import main as checkpoint_main
 
         raise SystemExit(checkpoint_main(argv[1:]))
+    if argv[:1] == ["plan"]:
+        from lightning_mlopt.planning.tool import main as plan_main
+
+        raise SystemExit(plan_main(argv[1:]))
     try:
         check_config_files(config_paths(argv))
         _Parser.argv = argv

@@ -1,0 +1,203 @@
+"""Bytes per rank for each strategy, in the ZeRO paper's accounting, and the simplest strategy that fits.
+
+Accounting (Rajbhandari et al., 2020): with ``Ψ`` parameters on ``N`` data-parallel ranks, each rank holds
+parameters ``P·Ψ``, gradients ``G·Ψ`` and optimizer state ``K·Ψ`` bytes, where for mixed precision
+``P = G = 2`` (fp16/bf16) and ``K = 4`` (fp32 master weights) ``+ 4 x`` (optimizer states: Adam 2, SGD with
+momentum 1, SGD 0); in fp32 ``P = G = 4`` and there is no master copy. Then:
+
+    DDP     (P + G + K) Ψ            ZeRO-2   P Ψ + (G + K) Ψ / N
+    ZeRO-1  (P + G) Ψ + K Ψ / N       ZeRO-3 / FSDP full shard   (P + G + K) Ψ / N
+
+CPU-offload variants keep the offloaded part in host memory (reported separately). Activations come on top:
+measured from one micro-batch when a config is given, else what ``activation_bytes`` says.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Precision = Literal["mixed", "fp32"]
+OptimizerKind = Literal["adam", "sgd_momentum", "sgd"]
+
+_STATES = {"adam": 2, "sgd_momentum": 1, "sgd": 0}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as ``80GB``, ``80GiB``, ``512MB`` (decimal and binary units).
+
+    Raises:
+        ValueError: not a number with a known unit, or not positive.
+
+    Example::
+
+        >>> parse_size("80GB"), parse_size("1.5GiB")
+        (80000000000, 1610612736)
+
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match:
+        raise ValueError(f"not a size: {text!r}; write a number and a unit, e.g. 80GB or 80GiB")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    if unit not in _UNITS:
+        raise ValueError(
+            f"unknown unit {match.group(2)!r} in {text!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    if number <= 0:
+        raise ValueError(f"a size must be > 0, got {text!r}")
+    return int(number * _UNITS[unit])
+
+
+def parse_count(text: str) -> int:
+    """A parameter count such as ``7.5B``, ``350M``, ``1.3e9`` or ``125000000``.
+
+    Example::
+
+        >>> parse_count("7.5B")
+        7500000000
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([A-Za-z]?)\s*", str(text))
+    if not match or match.group(2).upper() not in _SUFFIXES:
+        raise ValueError(f"not a parameter count: {text!r}; e.g. 7.5B, 350M or 125000000")
+    count = int(float(match.group(1)) * _SUFFIXES[match.group(2).upper()])
+    if count <= 0:
+        raise ValueError(f"the parameter count must be > 0, got {text!r}")
+    return count
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """Per-rank bytes of one strategy and whether it fits."""
+
+    strategy: str
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+    cpu_offloaded: float
+    total: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The table, the recommendation and the inputs it was computed from."""
+
+    num_params: int
+    world_size: int
+    gpu_memory: int
+    headroom: float
+    precision: Precision
+    optimizer: OptimizerKind
+    rows: list[PlanRow]
+    recommendation: str | None
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form (``--format json``)."""
+        return asdict(self)
+
+
+def bytes_per_parameter(precision: Precision, optimizer: OptimizerKind) -> tuple[int, int, int]:
+    """(P, G, K) bytes per parameter.
+
+    Example::
+
+        >>> bytes_per_parameter("mixed", "adam")  # the ZeRO paper's 2 + 2 + 12
+        (2, 2, 12)
+    """
+    states = 4 * _STATES[optimizer]
+    if precision == "mixed":
+        return 2, 2, 4 + states
+    return 4, 4, states
+
+
+def plan_memory(
+    num_params: int,
+    world_size: int,
+    gpu_memory: int,
+    precision: Precision = "mixed",
+    optimizer: OptimizerKind = "adam",
+    activation_bytes: float = 0.0,
+    headroom: float = 0.1,
+) -> MemoryPlan:
+    """Rows for DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and their CPU-offload variants; the first that fits wins.
+
+    A strategy fits when ``total x (1 + headroom) <= gpu_memory``.
+
+    Raises:
+        ValueError: a non-positive count, world size or memory, or a headroom outside [0, 1).
+
+    Example::
+
+        >>> plan = plan_memory(7_500_000_000, 64, 80 * 10**9)
+        >>> [round(row.total / 1e9, 1) for row in plan.rows[:4]]
+        [120.0, 31.4, 16.6, 1.9]
+
+    """
+    if num_params < 1:
+        raise ValueError(f"num_params must be >= 1, got {num_params}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if gpu_memory <= 0:
+        raise ValueError(f"gpu_memory must be > 0, got {gpu_memory}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    p, g, k = bytes_per_parameter(precision, optimizer)
+    psi, n = float(num_params), float(world_size)
+    layouts = [
+        # name, parameters, gradients, optimizer state on the GPU, offloaded to CPU memory
+        ("ddp", p * psi, g * psi, k * psi, 0.0),
+        ("zero1", p * psi, g * psi, k * psi / n, 0.0),
+        ("zero2", p * psi, g * psi / n, k * psi / n, 0.0),
+        ("zero3/fsdp", p * psi / n, g * psi / n, k * psi / n, 0.0),
+        ("zero1+offload", p * psi, g * psi, 0.0, k * psi / n),
+        ("zero2+offload", p * psi, g * psi / n, 0.0, k * psi / n),
+        ("zero3/fsdp+offload", 0.0, g * psi / n, 0.0, (p + k) * psi / n),
+    ]
+    rows = []
+    for name, params, grads, optim, offloaded in layouts:
+        total = params + grads + optim + activation_bytes
+        rows.append(
+            PlanRow(
+                name, params, grads, optim, activation_bytes, offloaded, total, total * (1 + headroom) <= gpu_memory
+            )
+        )
+    recommendation = next((row.strategy for row in rows if row.fits), None)
+    return MemoryPlan(num_params, world_size, gpu_memory, headroom, precision, optimizer, rows, recommendation)
+
+
+def format_table(plan: MemoryPlan) -> str:
+    """The plan as a text table (GB, or MB for small models) with its accounting in a footer."""
+    gb, unit = (1e9, "GB") if max(row.total for row in plan.rows) >= 1e9 else (1e6, "MB")
+    lines = [
+        f"{plan.num_params / 1e9:.3g}B parameters, {plan.world_size} ranks, {plan.gpu_memory / 1e9:.3g} GB per GPU, "
+        f"{plan.precision} precision, {plan.optimizer}, headroom {plan.headroom:.0%}",
+        f"{'strategy':20} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} {'total':>9} {'cpu':>9}  fits",
+    ]
+    for row in plan.rows:
+        lines.append(
+            f"{row.strategy:20} {row.parameters / gb:9.2f} {row.gradients / gb:9.2f} {row.optimizer_state / gb:9.2f} "
+            f"{row.activations / gb:9.2f} {row.total / gb:9.2f} {row.cpu_offloaded / gb:9.2f}  "
+            f"{'yes' if row.fits else 'no'}"
+        )
+    p, g, k = bytes_per_parameter(plan.precision, plan.optimizer)
+    lines += [
+        f"recommendation: {plan.recommendation or 'nothing fits: more GPUs, more memory, or a smaller model'}",
+        f"accounting: {unit} per rank (1e{9 if unit == 'GB' else 6} bytes); bytes/parameter P={p}, G={g}, K={k} "
+        "(ZeRO paper, Rajbhandari et al. 2020); sharded parts divided by the world size; 'cpu' is host memory per rank under offload; fits = "
+        "total x (1 + headroom) <= GPU memory.",
+    ]
+    return "\n".join(lines)

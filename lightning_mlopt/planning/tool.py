@@ -1,0 +1,139 @@
+"""``python -m lightning_mlopt plan``: bytes per rank for each strategy, from a config or from numbers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import yaml
+
+from lightning_mlopt.planning.memory import format_table, parse_count, parse_size, plan_memory
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # a short message and exit 2, not the usage page
+        sys.stderr.write(f"error: {message} (see: python -m lightning_mlopt plan --help)\n")
+        raise SystemExit(2)
+
+
+def _merged_config(paths: Sequence[str]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for path in paths:
+        if not Path(path).is_file():
+            raise ValueError(f"config file not found: {path}")
+        merged = _merge(merged, yaml.safe_load(Path(path).read_text()) or {})
+    return merged
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _instantiate(section: dict[str, Any]) -> Any:
+    module_name, _, name = section["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module_name), name)(**(section.get("init_args") or {}))
+
+
+def _optimizer_kind(model: Any) -> str:
+    configured = model.configure_optimizers()
+    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = optimizer[0]
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adam"
+    momentum = optimizer.defaults.get("momentum", 0) if hasattr(optimizer, "defaults") else 0
+    return "sgd_momentum" if momentum else "sgd"
+
+
+def measure_activations(model: Any, data: Any) -> float:
+    """Bytes of tensors the forward pass of one micro-batch saves for backward, on the meta device.
+
+    No memory is used: the model is on the meta device and the batch is moved there; saved-tensor hooks
+    add up what autograd keeps.
+    """
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    batch = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch]
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[id(tensor)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    silenced = model.log
+    try:
+        model.log = lambda *args, **kwargs: None  # no Trainer here: training_step's logging has nowhere to go
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model.training_step(batch, 0)
+    finally:
+        model.log = silenced
+    return float(sum(saved.values()))
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``python -m lightning_mlopt plan``; returns the exit status."""
+    parser = _Parser(prog="lightning_mlopt plan", description="Memory per rank for each strategy.")
+    parser.add_argument("--config", action="append", default=[], help="config files (base, overlays)")
+    parser.add_argument("--num_params", help="parameter count, e.g. 7.5B (instead of a config)")
+    parser.add_argument("--world_size", type=int, help="data-parallel ranks (default: from the config)")
+    parser.add_argument("--gpu_memory", default="80GB", help="memory per GPU, e.g. 80GB or 141GiB")
+    parser.add_argument("--precision", choices=["mixed", "fp32"], help="default: from the config, else mixed")
+    parser.add_argument("--optimizer", choices=["adam", "sgd_momentum", "sgd"], help="default: from the model")
+    parser.add_argument("--activation_memory", default=None, help="activations per rank, e.g. 4GB")
+    parser.add_argument("--headroom", type=float, default=0.1, help="fraction kept free (default 0.1)")
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+    args = parser.parse_args(list(argv))
+    try:
+        plan = _plan(args)
+    except (ValueError, KeyError, ImportError, AttributeError, TypeError) as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.format == "json" else format_table(plan))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    if not args.config and args.num_params is None:
+        raise ValueError("give --config FILE or --num_params N")
+    precision, optimizer, activations = args.precision, args.optimizer, 0.0
+    world_size = args.world_size
+    if args.config:
+        config = _merged_config(args.config)
+        with torch.device("meta"):  # no memory for the parameters, however large the model
+            model = _instantiate(config["model"])
+        num_params = sum(p.numel() for p in model.parameters())
+        trainer = config.get("trainer") or {}
+        if precision is None:
+            precision = "mixed" if "mixed" in str(trainer.get("precision", "32")) else "fp32"
+        optimizer = optimizer or _optimizer_kind(model)
+        if world_size is None:
+            devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+            if not isinstance(devices, int):
+                raise ValueError(f"trainer.devices is {devices!r}: give --world_size")
+            world_size = devices * nodes
+        if "data" in config and args.activation_memory is None:
+            activations = measure_activations(model, _instantiate(config["data"]))
+    else:
+        num_params = parse_count(args.num_params)
+    if world_size is None:
+        raise ValueError("give --world_size (a number >= 1)")
+    if args.activation_memory is not None:
+        activations = float(parse_size(args.activation_memory))
+    return plan_memory(
+        num_params,
+        world_size,
+        parse_size(args.gpu_memory),
+        precision=precision or "mixed",
+        optimizer=optimizer or "adam",
+        activation_bytes=activations,
+        headroom=args.headroom,
+    )

@@ -1,0 +1,85 @@
+"""The memory planner: the ZeRO paper's figures, hand-computed cases, meta-device counts, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_mlopt.demos import GPTLanguageModel, ResNetClassifier
+from lightning_mlopt.planning import parse_count, parse_size, plan_memory
+from lightning_mlopt.planning.memory import bytes_per_parameter
+from tests.conftest import CONFIGS, run_cli
+
+
+def test_reproduces_the_zero_paper_example():
+    # Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam.
+    plan = plan_memory(7_500_000_000, 64, 80 * 10**9)
+    totals = {row.strategy: round(row.total / 1e9, 1) for row in plan.rows}
+    assert (totals["ddp"], totals["zero1"], totals["zero2"], totals["zero3/fsdp"]) == (120.0, 31.4, 16.6, 1.9)
+    assert plan.recommendation == "zero1"  # DDP's 120 GB does not fit in 80 GB
+
+
+def test_hand_computed_cases():
+    assert bytes_per_parameter("mixed", "adam") == (2, 2, 12)
+    assert bytes_per_parameter("mixed", "sgd_momentum") == (2, 2, 8)
+    assert bytes_per_parameter("fp32", "sgd") == (4, 4, 0)
+    # 1M parameters, fp32 Adam, 4 ranks: DDP 16 MB; ZeRO-2 = 4 + (4 + 8) / 4 = 7 MB; ZeRO-3 = 16 / 4 = 4 MB.
+    plan = plan_memory(1_000_000, 4, 10**9, precision="fp32", optimizer="adam", activation_bytes=1e6)
+    rows = {row.strategy: row for row in plan.rows}
+    assert rows["ddp"].total == 17e6 and rows["zero2"].total == 8e6 and rows["zero3/fsdp"].total == 5e6
+    assert rows["zero3/fsdp+offload"].cpu_offloaded == (4 + 8) * 1e6 / 4
+    assert plan.recommendation == "ddp"  # the simplest that fits
+    tight = plan_memory(1_000_000, 4, int(9e6), precision="fp32", optimizer="adam", headroom=0.1)
+    assert tight.recommendation == "zero2"  # 7 MB x 1.1 fits in 9 MB, ZeRO-1's 10 MB does not
+
+
+def test_parsing_sizes_and_counts():
+    assert parse_size("80GB") == 80 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("512 MB") == 512 * 10**6
+    assert parse_count("7.5B") == 7_500_000_000 and parse_count("350M") == 350_000_000 and parse_count("1e6") == 10**6
+    for bad in ("80XB", "eighty", "-5GB", "80"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    for bad in ("-3B", "many", "0"):
+        with pytest.raises(ValueError):
+            parse_count(bad)
+
+
+@pytest.mark.parametrize("model", [GPTLanguageModel(n_layer=3), ResNetClassifier(depth=50, width=16)])
+def test_meta_device_parameter_counts_equal_real_counts(model):
+    with torch.device("meta"):
+        meta = type(model)(**model.hparams)
+    assert all(p.is_meta for p in meta.parameters())
+    assert sum(p.numel() for p in meta.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num_params", "-5", "--world_size", "8"], "not a parameter count"),
+        (["--num_params", "lots", "--world_size", "8"], "not a parameter count"),
+        (["--num_params", "7B", "--world_size", "0"], "world_size must be >= 1"),
+        (["--num_params", "7B", "--world_size", "8", "--gpu_memory", "80XB"], "unknown unit"),
+        (["--num_params", "7B", "--world_size", "eight"], "invalid int value"),
+        (["--world_size", "8"], "give --config FILE or --num_params N"),
+    ],
+)
+def test_bad_input_exits_2_with_a_short_message(tmp_path, args, message):
+    result = run_cli(["plan", *args], cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 15
+
+
+def test_plan_from_a_config_uses_the_meta_device_and_prints_json(tmp_path):
+    result = run_cli(
+        ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--world_size", "2", "--gpu_memory", "1GB", "--format", "json"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["num_params"] == sum(p.numel() for p in GPTLanguageModel().parameters())
+    assert plan["optimizer"] == "adam" and plan["precision"] == "fp32"  # gpt.yaml trains in fp32 with AdamW
+    assert plan["recommendation"] == "ddp"
+    assert plan["rows"][0]["activations"] > 0  # measured from one micro-batch on the meta device
