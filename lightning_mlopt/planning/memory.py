@@ -197,7 +197,7 @@ def format_table(plan: MemoryPlan) -> str:
     lines += [
         f"recommendation: {plan.recommendation or 'nothing fits: more GPUs, more memory, or a smaller model'}",
         f"accounting: {unit} per rank (1e{9 if unit == 'GB' else 6} bytes); bytes/parameter P={p}, G={g}, K={k} "
-        "(ZeRO paper, Rajbhandari et al. 2020); sharded parts divided by the world size; 'cpu' is host memory per rank under offload; fits = "
-        "total x (1 + headroom) <= GPU memory.",
+        "(ZeRO paper, Rajbhandari et al. 2020); sharded parts divided by the world size; 'cpu' is host memory "
+        "per rank under offload; fits = total x (1 + headroom) <= GPU memory.",
     ]
     return "\n".join(lines)
