@@ -8,6 +8,7 @@ and exit status 2 instead of a page of usage text, before anything is written.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,6 +112,8 @@ class MLOptCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self._get_section()
         trainer = config["trainer"]
+        if trainer.get("strategy") == "auto" and self.subcommand in (None, "fit"):
+            trainer["strategy"] = self._plan_strategy(config)
         if isinstance(trainer.get("strategy"), str):
             try:
                 trainer["strategy"] = strategies.resolve_strategy(trainer["strategy"])
@@ -118,6 +121,31 @@ class MLOptCLI(LightningCLI):
                 raise BadInputError(f"trainer.strategy: {error}") from None
         self.run_dir = self._resolve_run_dir(config)
         trainer["default_root_dir"] = str(self.run_dir)
+
+    def _plan_strategy(self, config: Namespace) -> str:
+        """``strategy: auto`` on several processes: the memory planner picks the simplest strategy that fits.
+
+        Every rank plans from the same config, so every rank picks the same strategy. One process needs no
+        choice: Lightning's own ``auto`` (a single device) stays.
+        """
+        from lightning_mlopt.planning.auto import choose_strategy, world_size_of
+
+        as_dict = config.as_dict()
+        if world_size_of(as_dict.get("trainer") or {}) < 2:
+            return "auto"
+        try:
+            name, _, table = choose_strategy(as_dict)
+        except Exception as error:
+            _rank_zero_print(f"strategy: auto could not plan ({error}); using DDP")
+            return "ddp"
+        _rank_zero_print(table)
+        if name is None:
+            raise BadInputError(
+                "strategy: auto: no strategy fits in memory (table above); use more devices or nodes, "
+                "mixed precision, or a smaller model"
+            )
+        _rank_zero_print(f"strategy: auto chose {name}")
+        return name
 
     def _get_section(self) -> Namespace:
         return self.config[self.subcommand] if self.subcommand else self.config
@@ -158,6 +186,12 @@ class MLOptCLI(LightningCLI):
             summary = "  ".join(f"{key}={value:.4f}" for key, value in sorted(metrics.items()))
             print(f"Final validation metrics: {summary}")
         print(f"Run directory: {self.run_dir}")
+
+
+def _rank_zero_print(text: str) -> None:
+    # Before the Trainer exists its rank helpers are not set up; launchers set RANK or LOCAL_RANK.
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        print(text, flush=True)
 
 
 def main(args: Sequence[str] | None = None) -> None:

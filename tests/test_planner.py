@@ -83,3 +83,35 @@ def test_plan_from_a_config_uses_the_meta_device_and_prints_json(tmp_path):
     assert plan["optimizer"] == "adam" and plan["precision"] == "fp32"  # gpt.yaml trains in fp32 with AdamW
     assert plan["recommendation"] == "ddp"
     assert plan["rows"][0]["activations"] > 0  # measured from one micro-batch on the meta device
+
+
+def _gpt_config(devices: int) -> dict:
+    return {
+        "trainer": {"accelerator": "cpu", "devices": devices, "precision": "32-true"},
+        "model": {"class_path": "lightning_mlopt.demos.GPTLanguageModel", "init_args": {}},
+        "data": {"class_path": "lightning_mlopt.demos.TokenDataModule", "init_args": {"num_sequences": 64}},
+    }
+
+
+def test_auto_picks_the_simplest_strategy_that_fits(monkeypatch):
+    from lightning_mlopt.planning import auto
+
+    monkeypatch.setattr(auto, "device_memory", lambda trainer, per_node: 10**11)
+    name, plan, table = auto.choose_strategy(_gpt_config(devices=2))
+    assert name == "ddp" and "recommendation: ddp" in table
+    # Squeeze memory until DDP's total no longer fits but fully sharded does: auto moves down the list.
+    rows = {row.strategy: row.total for row in plan.rows}
+    between = int(1.1 * (rows["zero3/fsdp"] + rows["zero2"]) / 2)
+    monkeypatch.setattr(auto, "device_memory", lambda trainer, per_node: between)
+    name, plan, _ = auto.choose_strategy(_gpt_config(devices=2))
+    assert plan.recommendation == "zero3/fsdp" and name == "fsdp"
+    monkeypatch.setattr(auto, "device_memory", lambda trainer, per_node: 10**6)
+    assert auto.choose_strategy(_gpt_config(devices=2))[0] is None  # nothing fits
+
+
+def test_auto_world_size_from_trainer_settings():
+    from lightning_mlopt.planning.auto import world_size_of
+
+    assert world_size_of({"accelerator": "cpu", "devices": 2, "num_nodes": 3}) == 6
+    assert world_size_of({"accelerator": "cpu", "devices": "auto"}) == 1
+    assert world_size_of({"devices": [0, 1, 2, 3]}) == 4

@@ -28,6 +28,11 @@ STRATEGIES: dict[str, tuple[type[Strategy], dict[str, Any], str]] = {
     "fsdp": (FSDPStrategy, {}, "FSDP2 full shard; every direct child of the LightningModule is a unit"),
     "zero1": (DeepSpeedStrategy, {"preset": "zero1"}, "DeepSpeed ZeRO-1: optimizer state sharded"),
     "zero2": (DeepSpeedStrategy, {"preset": "zero2"}, "DeepSpeed ZeRO-2: optimizer state and gradients sharded"),
+    "zero2_offload": (
+        DeepSpeedStrategy,
+        {"preset": "zero2", "offload_optimizer": True},
+        "DeepSpeed ZeRO-2 with optimizer state offloaded to CPU memory",
+    ),
     "zero3": (DeepSpeedStrategy, {"preset": "zero3"}, "DeepSpeed ZeRO-3: parameters sharded too"),
     "zero3_offload": (
         DeepSpeedStrategy,
