@@ -67,3 +67,59 @@ def write_result(topic: str, hardware_tag: str, body: str) -> Path:
     )
     path.write_text(header + body)
     return path
+
+
+def gpt_step_time(
+    strategy: object, callbacks: Sequence[object] = (), steps: int = 60, warmup: int = 10
+) -> float | None:
+    """Train the GPT demo on 2 CPU processes; rank zero gets the median step time after warm-up, others None.
+
+    Run inside a worker process: Lightning launches the second rank by re-running that command.
+    """
+    import time
+
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.ends.append(time.perf_counter())
+
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,  # type: ignore[arg-type]
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        callbacks=[timer, *callbacks],  # type: ignore[list-item]
+    )
+    model = GPTLanguageModel(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
+    trainer.fit(model, TokenDataModule(num_sequences=steps * 32, batch_size=16))
+    if not trainer.is_global_zero:
+        return None
+    gaps = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
+    return median(gaps)
+
+
+def run_worker(script: str, mode: str, steps: int, warmup: int) -> dict:
+    """Run ``script --worker MODE`` as a fresh job and return the JSON its rank zero wrote."""
+    import json
+    import os
+    import subprocess
+
+    out = Path(f"/tmp/{Path(script).parent.name}_bench_{os.getpid()}_{mode}.json")
+    command = [sys.executable, script, "--worker", mode, "--steps", str(steps), "--warmup", str(warmup)]
+    subprocess.run(
+        [*command, "--out", str(out)], check=True, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
+    )
+    return json.loads(out.read_text())

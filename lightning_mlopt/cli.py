@@ -1,9 +1,11 @@
 """``python -m lightning_mlopt fit|validate|test|predict --config FILE [--config OVERLAY ...]``.
 
-A LightningCLI subclass that adds three things to Lightning's: our strategies by short name
-(``trainer.strategy: zero2``), a run directory that is stable across relaunches of the same command (the
-resolved config is written there, and later runs resume from it), and bad input that ends in a short message
-and exit status 2 instead of a page of usage text, before anything is written.
+A LightningCLI subclass that adds to Lightning's: our strategies by short name (``trainer.strategy: zero2``)
+and a planner-backed ``strategy: auto``; a run directory that is stable across relaunches of the same
+command (the resolved config is written there); FaultTolerantCheckpoint on by default (``checkpoint:``), so
+a relaunch resumes; and bad input that ends in a short message and exit status 2 instead of a page of usage
+text, before anything is written. Two more subcommands are dispatched before the LightningCLI is built:
+``checkpoint list|verify|consolidate`` and ``plan``.
 """
 
 from __future__ import annotations

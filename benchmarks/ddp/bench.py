@@ -12,56 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import median, write_result
+from _common import gpt_step_time, median, run_worker, write_result
 
 
 def _worker(strategy_name: str, steps: int, warmup: int, out: Path) -> None:
-    import lightning.pytorch as pl
-
-    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
     from lightning_mlopt.strategies import DDPStrategy
 
-    class StepTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-
-        def on_train_batch_end(self, *args: object) -> None:
-            self.ends.append(time.perf_counter())
-
-    pl.seed_everything(0, verbose=False)
-    strategy = DDPStrategy() if strategy_name == "ours" else "ddp"
-    timer = StepTimer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
-    model = GPTLanguageModel(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
-    trainer.fit(model, TokenDataModule(num_sequences=steps * 32, batch_size=16))
-    if trainer.is_global_zero:
-        gaps = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
-        out.write_text(json.dumps({"median_step_s": median(gaps)}))
-
-
-def _run_once(strategy: str, steps: int, warmup: int) -> float:
-    out = Path(f"/tmp/ddp_bench_{os.getpid()}_{strategy}.json")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, __file__, "--worker", strategy, "--steps", str(steps), "--warmup", str(warmup)]
-    subprocess.run([*command, "--out", str(out)], check=True, env=env, capture_output=True)
-    return json.loads(out.read_text())["median_step_s"]
+    step = gpt_step_time(DDPStrategy() if strategy_name == "ours" else "ddp", steps=steps, warmup=warmup)
+    if step is not None:
+        out.write_text(json.dumps({"median_step_s": step}))
 
 
 def main() -> None:
@@ -79,7 +42,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         order = ["lightning", "ours"] if repeat % 2 == 0 else ["ours", "lightning"]
         for name in order:
-            times[name].append(_run_once(name, args.steps, args.warmup))
+            times[name].append(run_worker(__file__, name, args.steps, args.warmup)["median_step_s"])
             print(f"repeat {repeat} {name}: {times[name][-1] * 1e3:.2f} ms/step", flush=True)
     baseline, ours = median(times["lightning"]), median(times["ours"])
     ratio = ours / baseline

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import median, write_result
+from _common import gpt_step_time, median, run_worker, write_result
 
 
 def _part_a(repeats: int, d_model: int) -> str:
@@ -82,40 +80,13 @@ def _part_a(repeats: int, d_model: int) -> str:
 
 
 def _worker(mode: str, steps: int, warmup: int, out: Path) -> None:
-    import lightning.pytorch as pl
-
     from lightning_mlopt.callbacks import GradNormMonitor
-    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
     from lightning_mlopt.strategies import DDPStrategy
 
-    class StepTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-
-        def on_train_batch_end(self, *args: object) -> None:
-            self.ends.append(time.perf_counter())
-
-    pl.seed_everything(0, verbose=False)
-    timer = StepTimer()
-    callbacks: list[pl.Callback] = [timer]
-    if mode != "none":
-        callbacks.append(GradNormMonitor(log_every_n_steps=int(mode)))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DDPStrategy(),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        gradient_clip_val=1.0,
-    )
-    trainer.fit(GPTLanguageModel(), TokenDataModule(num_sequences=steps * 32, batch_size=16))
-    if trainer.is_global_zero:
-        gaps = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
-        out.write_text(json.dumps({"median_step_s": median(gaps)}))
+    callbacks = [] if mode == "none" else [GradNormMonitor(log_every_n_steps=int(mode))]
+    step = gpt_step_time(DDPStrategy(), callbacks, steps, warmup)
+    if step is not None:
+        out.write_text(json.dumps({"median_step_s": step}))
 
 
 def _part_b(repeats: int, steps: int, warmup: int) -> str:
@@ -123,15 +94,7 @@ def _part_b(repeats: int, steps: int, warmup: int) -> str:
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for repeat in range(repeats):
         for mode in modes if repeat % 2 == 0 else modes[::-1]:
-            out = Path(f"/tmp/grad_norm_bench_{os.getpid()}_{mode}.json")
-            command = [sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--warmup", str(warmup)]
-            subprocess.run(
-                [*command, "--out", str(out)],
-                check=True,
-                capture_output=True,
-                env={**os.environ, "PYTHONWARNINGS": "ignore"},
-            )
-            times[mode].append(json.loads(out.read_text())["median_step_s"])
+            times[mode].append(run_worker(__file__, mode, steps, warmup)["median_step_s"])
             print(f"repeat {repeat} mode {mode}: {times[mode][-1] * 1e3:.2f} ms", flush=True)
     base = median(times["none"])
     lines = []

@@ -12,29 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import median, write_result
+from _common import gpt_step_time, median, run_worker, write_result
 
 
 def _worker(mode: str, steps: int, warmup: int, out: Path) -> None:
     import lightning.pytorch as pl
 
     from lightning_mlopt.callbacks import NCCLHealthCheck
-    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
     from lightning_mlopt.strategies import DDPStrategy
-
-    class StepTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-
-        def on_train_batch_end(self, *args: object) -> None:
-            self.ends.append(time.perf_counter())
 
     class TimedHealth(NCCLHealthCheck):
         def _preflight(self, trainer: pl.Trainer) -> None:
@@ -42,25 +32,10 @@ def _worker(mode: str, steps: int, warmup: int, out: Path) -> None:
             super()._preflight(trainer)
             self.preflight_seconds = time.perf_counter() - start
 
-    pl.seed_everything(0, verbose=False)
-    timer = StepTimer()
     health = TimedHealth() if mode == "health" else None
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DDPStrategy(),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer, *([health] if health else [])],
-    )
-    trainer.fit(GPTLanguageModel(), TokenDataModule(num_sequences=steps * 32, batch_size=16))
-    if trainer.is_global_zero:
-        gaps = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
-        result = {"median_step_s": median(gaps), "preflight_s": getattr(health, "preflight_seconds", None)}
-        out.write_text(json.dumps(result))
+    step = gpt_step_time(DDPStrategy(), [health] if health else [], steps, warmup)
+    if step is not None:
+        out.write_text(json.dumps({"median_step_s": step, "preflight_s": getattr(health, "preflight_seconds", None)}))
 
 
 def main() -> None:
@@ -78,24 +53,7 @@ def main() -> None:
     preflight: list[float] = []
     for repeat in range(args.repeats):
         for mode in ("none", "health") if repeat % 2 == 0 else ("health", "none"):
-            out = Path(f"/tmp/health_bench_{os.getpid()}_{mode}.json")
-            command = [
-                sys.executable,
-                __file__,
-                "--worker",
-                mode,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-            ]
-            subprocess.run(
-                [*command, "--out", str(out)],
-                check=True,
-                capture_output=True,
-                env={**os.environ, "PYTHONWARNINGS": "ignore"},
-            )
-            result = json.loads(out.read_text())
+            result = run_worker(__file__, mode, args.steps, args.warmup)
             steps[mode].append(result["median_step_s"])
             if result["preflight_s"] is not None:
                 preflight.append(result["preflight_s"])

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import median, write_result
+from _common import gpt_step_time, median, run_worker, write_result
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -28,53 +25,27 @@ STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload"]
 def _worker(name: str, steps: int, warmup: int, out: Path) -> None:
     import lightning.pytorch as pl
 
-    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
     from lightning_mlopt.distributed import local_state_bytes
     from lightning_mlopt.strategies import STRATEGIES as TABLE
     from lightning_mlopt.strategies import FSDPStrategy
 
-    class Probe(pl.Callback):
+    class Bytes(pl.Callback):
         def __init__(self) -> None:
-            self.ends: list[float] = []
             self.bytes: dict[str, int] = {}
 
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
-            self.ends.append(time.perf_counter())
-            if not self.bytes:
+            if not self.bytes:  # after the first optimizer step
                 self.bytes = asdict(local_state_bytes(pl_module, trainer.optimizers[0]))
 
-    pl.seed_everything(0, verbose=False)
     if name == "fsdp":  # the overlay's wrapping: one unit per transformer block
-        strategy = FSDPStrategy(wrap_classes=["lightning_mlopt.demos.gpt.TransformerBlock"])
+        strategy: object = FSDPStrategy(wrap_classes=["lightning_mlopt.demos.gpt.TransformerBlock"])
     else:
         cls, init_args, _ = TABLE[name]
         strategy = cls(**init_args)
-    probe = Probe()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=1.0,
-        callbacks=[probe],
-    )
-    model = GPTLanguageModel(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
-    trainer.fit(model, TokenDataModule(num_sequences=steps * 32, batch_size=16))
-    if trainer.is_global_zero:
-        gaps = [b - a for a, b in zip(probe.ends[warmup:], probe.ends[warmup + 1 :], strict=False)]
-        out.write_text(json.dumps({"median_step_s": median(gaps), "bytes": probe.bytes}))
-
-
-def _run_once(name: str, steps: int, warmup: int) -> dict:
-    out = Path(f"/tmp/strategy_bench_{os.getpid()}_{name}.json")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, __file__, "--worker", name, "--steps", str(steps), "--warmup", str(warmup)]
-    subprocess.run([*command, "--out", str(out)], check=True, env=env, capture_output=True)
-    return json.loads(out.read_text())
+    probe = Bytes()
+    step = gpt_step_time(strategy, [probe], steps, warmup)
+    if step is not None:
+        out.write_text(json.dumps({"median_step_s": step, "bytes": probe.bytes}))
 
 
 def _mib(value: int) -> str:
@@ -97,7 +68,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         order = STRATEGIES if repeat % 2 == 0 else STRATEGIES[::-1]
         for name in order:
-            result = _run_once(name, args.steps, args.warmup)
+            result = run_worker(__file__, name, args.steps, args.warmup)
             times[name].append(result["median_step_s"])
             state[name] = result["bytes"]
             print(f"repeat {repeat} {name}: {result['median_step_s'] * 1e3:.1f} ms/step", flush=True)
