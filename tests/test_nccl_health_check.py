@@ -73,34 +73,44 @@ def test_hang_is_detected_dumped_and_every_process_exits(tmp_path):
     reason="torchrun is not installed",
 )
 def test_torchrun_restarts_a_hung_job_and_it_resumes_to_completion(tmp_path):
-    run_dir = tmp_path / "run"
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(
-        [
-            torchrun,
-            "--nproc-per-node=2",
-            "--max-restarts=1",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=127.0.0.1:0",
-            "-m",
-            "lightning_mlopt",
-            *BASE,
-            "--trainer.devices=2",
-            "--trainer.max_steps=8",
-            f"--run_dir={run_dir}",
-            "--checkpoint.every_n_steps=2",
-            *_sleepy(sleep_rank=1, sleep_step=5, sleep_seconds=300, only_first_attempt=True),
-            *HEALTH,
-            "--trainer.callbacks.hang_timeout=5",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+
+    def job(run_dir: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [
+                torchrun,
+                "--nproc-per-node=2",
+                "--max-restarts=1",
+                "--rdzv-backend=c10d",
+                "--rdzv-endpoint=127.0.0.1:0",
+                "-m",
+                "lightning_mlopt",
+                *BASE,
+                "--trainer.devices=2",
+                "--trainer.max_steps=8",
+                f"--run_dir={run_dir}",
+                "--checkpoint.every_n_steps=2",
+                *_sleepy(sleep_rank=1, sleep_step=5, sleep_seconds=300, only_first_attempt=True),
+                *HEALTH,
+                "--trainer.callbacks.hang_timeout=5",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+
+    run_dir = tmp_path / "run"
+    result = job(run_dir)
     output = result.stdout + result.stderr
+    if result.returncode != 0 and "connectFullMesh failed" in output:
+        # Seen once on a loaded 2-core CI machine: the restarted workers' gloo connection timed out inside
+        # torch's init_process_group, before any of our code ran. The whole job is tried once more.
+        run_dir = tmp_path / "run-again"
+        result = job(run_dir)
+        output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "HANG on rank 1" in output
     assert "Auto-resuming from" in output
