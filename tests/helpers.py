@@ -69,6 +69,7 @@ class RecordEverything(RecordTraining):
     def __init__(self, out_dir: str) -> None:
         super().__init__(out_dir)
         self.state_bytes: dict[str, int] = {}
+        self.bytes_before_step: dict[str, int] = {}
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
@@ -79,6 +80,16 @@ class RecordEverything(RecordTraining):
             from lightning_mlopt.distributed import local_state_bytes
 
             self.state_bytes = asdict(local_state_bytes(pl_module, trainer.optimizers[0]))
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:  # type: ignore[no-untyped-def]
+        if trainer.global_step == 0 and not self.bytes_before_step:
+            from dataclasses import asdict
+
+            from lightning_mlopt.distributed import local_state_bytes
+
+            # Gradients are measured here, before the first step: optimizers free or reuse them in the step.
+            self.bytes_before_step = asdict(local_state_bytes(pl_module, trainer.optimizers[0]))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -98,6 +109,7 @@ class RecordEverything(RecordTraining):
         path = self.out_dir / f"rank{trainer.global_rank}.json"
         record = json.loads(path.read_text())
         record["state_bytes"] = self.state_bytes
+        record["bytes_before_step"] = self.bytes_before_step
         record["num_params"] = sum(p.numel() for p in params.values())
         path.write_text(json.dumps(record))
         if trainer.global_rank == 0:

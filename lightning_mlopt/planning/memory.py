@@ -8,6 +8,8 @@ momentum 1, SGD 0); in fp32 ``P = G = 4`` and there is no master copy. Then:
     DDP     (P + G + K) Ψ            ZeRO-2   P Ψ + (G + K) Ψ / N
     ZeRO-1  (P + G) Ψ + K Ψ / N       ZeRO-3 / FSDP full shard   (P + G + K) Ψ / N
 
+In fp32, DeepSpeed's ZeRO-1/2 (and the ZeRO-3 offload row, run with DeepSpeed) still keep an fp32 master
+copy of their partition, so their K is 4 higher; the ZeRO-3 row is run with FSDP, which keeps none.
 CPU-offload variants keep the offloaded part in host memory (reported separately). Activations come on top:
 measured from one micro-batch when a config is given, else what ``activation_bytes`` says.
 """
@@ -156,16 +158,19 @@ def plan_memory(
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     p, g, k = bytes_per_parameter(precision, optimizer)
+    # DeepSpeed's ZeRO optimizers keep an fp32 copy of their partition even when training in fp32 (measured:
+    # benchmarks/results/strategies_*); FSDP, which `strategy: auto` runs for the ZeRO-3 row, does not.
+    k_ds = k + 4 if precision == "fp32" else k
     psi, n = float(num_params), float(world_size)
     layouts = [
         # name, parameters, gradients, optimizer state on the GPU, offloaded to CPU memory
         ("ddp", p * psi, g * psi, k * psi, 0.0),
-        ("zero1", p * psi, g * psi, k * psi / n, 0.0),
-        ("zero2", p * psi, g * psi / n, k * psi / n, 0.0),
+        ("zero1", p * psi, g * psi, k_ds * psi / n, 0.0),
+        ("zero2", p * psi, g * psi / n, k_ds * psi / n, 0.0),
         ("zero3/fsdp", p * psi / n, g * psi / n, k * psi / n, 0.0),
-        ("zero1+offload", p * psi, g * psi, 0.0, k * psi / n),
-        ("zero2+offload", p * psi, g * psi / n, 0.0, k * psi / n),
-        ("zero3/fsdp+offload", 0.0, g * psi / n, 0.0, (p + k) * psi / n),
+        ("zero1+offload", p * psi, g * psi, 0.0, k_ds * psi / n),
+        ("zero2+offload", p * psi, g * psi / n, 0.0, k_ds * psi / n),
+        ("zero3/fsdp+offload", 0.0, g * psi / n, 0.0, (p + k_ds) * psi / n),
     ]
     rows = []
     for name, params, grads, optim, offloaded in layouts:
@@ -197,7 +202,8 @@ def format_table(plan: MemoryPlan) -> str:
     lines += [
         f"recommendation: {plan.recommendation or 'nothing fits: more GPUs, more memory, or a smaller model'}",
         f"accounting: {unit} per rank (1e{9 if unit == 'GB' else 6} bytes); bytes/parameter P={p}, G={g}, K={k} "
-        "(ZeRO paper, Rajbhandari et al. 2020); sharded parts divided by the world size; 'cpu' is host memory "
-        "per rank under offload; fits = total x (1 + headroom) <= GPU memory.",
+        "(ZeRO paper, Rajbhandari et al. 2020); sharded parts divided by the world size; in fp32 DeepSpeed's "
+        "rows add its fp32 master partition (K + 4); 'cpu' is host memory per rank under offload; fits = "
+        "total x (1 + headroom) <= GPU memory.",
     ]
     return "\n".join(lines)
