@@ -10,6 +10,7 @@ text, before anything is written. Two more subcommands are dispatched before the
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from typing import Any, NoReturn
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
@@ -26,9 +28,12 @@ from lightning_mlopt import strategies
 from lightning_mlopt._bad_input import BadInputError, check_config_files, config_paths, explain_parser_error
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint
 from lightning_mlopt.run_dir import default_run_dir
+from lightning_mlopt.tracking import ThroughputProgressBar
 
 DEFAULT_SEED = 1234
 DEFAULT_RUNS_ROOT = "runs"
+METRICS_NAME = "metrics.json"  # final metrics of a fit, written by rank zero; sweeps read it
+RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 
 
 class _Parser(LightningArgumentParser):
@@ -65,6 +70,11 @@ class _SaveResolvedConfig(SaveConfigCallback):
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.parser.save(self.config, self.run_dir / self.config_filename, skip_none=False, overwrite=True)
+        # Trackers that keep the full configuration (WandbTracker) get it once, from rank zero (this hook).
+        for logger in trainer.loggers:
+            log_run_config = getattr(logger, "log_run_config", None)
+            if log_run_config is not None:
+                log_run_config(self.config.clone().as_dict())
 
 
 class MLOptCLI(LightningCLI):
@@ -123,6 +133,7 @@ class MLOptCLI(LightningCLI):
                 raise BadInputError(f"trainer.strategy: {error}") from None
         self.run_dir = self._resolve_run_dir(config)
         trainer["default_root_dir"] = str(self.run_dir)
+        _fill_run_dir(config, str(self.run_dir))
 
     def _plan_strategy(self, config: Namespace) -> str:
         """``strategy: auto`` on several processes: the memory planner picks the simplest strategy that fits.
@@ -177,22 +188,102 @@ class MLOptCLI(LightningCLI):
             *callbacks,
             _SaveResolvedConfig(self._parser(self.subcommand), section, self.run_dir, name),
         ]
+        given = [*callbacks, *(config.get("callbacks") or [])]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            callbacks.append(ThroughputProgressBar())  # Lightning's bar plus samples/s and the run's ETA
         return super()._instantiate_trainer(config, callbacks)
 
+    def before_fit(self) -> None:
+        """Say where this run's outputs go before anything happens (rank zero)."""
+        _rank_zero_print(describe_outputs(self.trainer, self.run_dir))
+
     def after_fit(self) -> None:
-        """Print the final validation metrics (rank zero), so a run ends with its result on screen."""
+        """Rank zero: write ``metrics.json`` (final metrics, for sweeps and scripts) and print the result."""
         if not self.trainer.is_global_zero:
             return
-        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val")}
-        if metrics:
-            summary = "  ".join(f"{key}={value:.4f}" for key, value in sorted(metrics.items()))
+        assert self.run_dir is not None
+        metrics = {key: float(value) for key, value in self.trainer.callback_metrics.items() if value.numel() == 1}
+        record = {"global_step": self.trainer.global_step, "epoch": self.trainer.current_epoch, "metrics": metrics}
+        (self.run_dir / METRICS_NAME).write_text(json.dumps(record, indent=2, sort_keys=True))
+        validation = {key: value for key, value in metrics.items() if key.startswith("val")}
+        if validation:
+            summary = "  ".join(f"{key}={value:.4f}" for key, value in sorted(validation.items()))
             print(f"Final validation metrics: {summary}")
         print(f"Run directory: {self.run_dir}")
 
 
+class _ParseOnlyCLI(MLOptCLI):
+    """Parses and validates a command line like ``fit`` would, and stops there: nothing built or written."""
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    @override
+    def instantiate_classes(self) -> None:
+        pass
+
+    @override
+    def _set_seed(self) -> None:
+        pass  # seeding is an effect of running, not of checking
+
+
+def check_arguments(args: Sequence[str]) -> Namespace:
+    """Check a ``fit`` command line (without the subcommand) against the CLI's parser, building nothing.
+
+    Returns:
+        The parsed configuration.
+
+    Raises:
+        BadInputError: the short message ``fit`` would print, naming the key or file and the fix.
+
+    Example::
+
+        check_arguments(["--config", "configs/quickstart.yaml", "--model.init_args.lr=0.1"])
+
+    """
+    argv = list(args)
+    check_config_files(config_paths(argv))
+    _Parser.argv = argv
+    return _ParseOnlyCLI(argv, run=False).config
+
+
+def _fill_run_dir(value: Any, run_dir: str) -> Any:
+    """Replace ``{run_dir}`` in every string of the config, in place (e.g. a logger's ``save_dir``)."""
+    items = (
+        value.items() if isinstance(value, (dict, Namespace)) else enumerate(value) if isinstance(value, list) else []
+    )
+    for key, item in list(items):
+        if isinstance(item, str) and RUN_DIR_PLACEHOLDER in item:
+            value[key] = item.replace(RUN_DIR_PLACEHOLDER, run_dir)
+        else:
+            _fill_run_dir(item, run_dir)
+    return value
+
+
+def describe_outputs(trainer: Trainer, run_dir: Path | None) -> str:
+    """A few lines saying where a run's config, checkpoints, logs and hang dumps go."""
+    lines = [f"Run directory: {run_dir}", f"  config       {Path(str(run_dir)) / 'config.yaml'}"]
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, FaultTolerantCheckpoint):
+            where = callback.dirpath or os.path.join(trainer.default_root_dir, "checkpoints")
+            resume = "resumes from the newest valid one" if callback.auto_resume else "auto_resume off"
+            lines.append(f"  checkpoints  {where} ({resume})")
+        dump_dir = getattr(callback, "dump_dir", False)
+        if dump_dir is not False:
+            lines.append(f"  hang dumps   {dump_dir or os.path.join(trainer.default_root_dir, 'health')}")
+    for logger in trainer.loggers:
+        describe = getattr(logger, "describe_location", None)
+        location = describe() if describe else getattr(logger, "log_dir", None) or logger.save_dir
+        lines.append(f"  logs         {type(logger).__name__}: {location}")
+    lines.append(f"  results      {Path(str(run_dir)) / METRICS_NAME} (at the end)")
+    return "\n".join(lines)
+
+
 def _rank_zero_print(text: str) -> None:
-    # Before the Trainer exists its rank helpers are not set up; launchers set RANK or LOCAL_RANK.
-    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+    # Before the Trainer exists its rank helpers are not set up; launchers set RANK, SLURM_PROCID or LOCAL_RANK.
+    rank = os.environ.get("RANK") or (os.environ.get("SLURM_PROCID") if "SLURM_NTASKS" in os.environ else None)
+    if (rank or os.environ.get("LOCAL_RANK", "0")) == "0":
         print(text, flush=True)
 
 
@@ -207,6 +298,14 @@ def main(args: Sequence[str] | None = None) -> None:
         from lightning_mlopt.planning.tool import main as plan_main
 
         raise SystemExit(plan_main(argv[1:]))
+    if argv[:1] == ["sweep"]:
+        from lightning_mlopt.launch.sweep import main as sweep_main
+
+        raise SystemExit(sweep_main(argv[1:]))
+    if argv[:1] == ["slurm"]:
+        from lightning_mlopt.launch.slurm import main as slurm_main
+
+        raise SystemExit(slurm_main(argv[1:]))
     try:
         check_config_files(config_paths(argv))
         _Parser.argv = argv

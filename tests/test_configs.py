@@ -11,13 +11,16 @@ from lightning_mlopt.cli import main
 from tests.conftest import CONFIGS, SMOKE, run_cli
 
 BASE_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
-OVERLAYS = sorted(path for path in CONFIGS.glob("*/*.yaml"))
+OVERLAYS = sorted(CONFIGS.glob("strategies/*.yaml"))  # trackers/ are run and read back in test_tracking.py
+TRACKERS = sorted(CONFIGS.glob("trackers/*.yaml"))
 
 
 def test_configs_exist():
     # Guards against a glob that silently matches nothing (and a suite that tests no config).
     assert {p.name for p in BASE_CONFIGS} >= {"quickstart.yaml", "gpt.yaml"}
     assert CONFIGS / "strategies" / "ddp.yaml" in OVERLAYS
+    assert {p.stem for p in TRACKERS} == {"csv", "tensorboard", "wandb"}  # each has a test in test_tracking.py
+    assert {p.parent.name for p in CONFIGS.glob("*/*.yaml")} == {"strategies", "trackers"}  # no untested folder
 
 
 @pytest.mark.parametrize("config", BASE_CONFIGS, ids=lambda p: p.name)

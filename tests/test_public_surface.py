@@ -16,6 +16,7 @@ from lightning_mlopt.demos import (
 )
 from lightning_mlopt.demos._loader import LoaderDataModule
 from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+from lightning_mlopt.tracking import ThroughputProgressBar, WandbTracker
 
 PINNED = {
     DDPStrategy: "comm_hook powersgd_rank powersgd_start_iter bucket_cap_mb gradient_as_bucket_view static_graph "
@@ -29,6 +30,8 @@ PINNED = {
     "spike_window spike_threshold spike_min_history",
     NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "
     "hang_timeout adaptive_multiple hang_exit_code dump_dir straggler_every_n_steps straggler_factor",
+    WandbTracker: "project name save_dir id mode entity group tags checkpoint_dir upload_checkpoints log_provenance",
+    ThroughputProgressBar: "refresh_rate window leave",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",
     GPTLanguageModel: "vocab_size block_size n_layer n_head d_model dropout lr weight_decay warmup_steps",
     LoaderDataModule: "batch_size num_workers pin_memory prefetch_factor persistent_workers",

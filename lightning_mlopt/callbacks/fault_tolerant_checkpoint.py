@@ -25,7 +25,7 @@ from lightning_mlopt.checkpoint import (
     Manifest,
     RetentionPolicy,
 )
-from lightning_mlopt.checkpoint.manifest import describe_files, library_versions
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, describe_files, library_versions
 from lightning_mlopt.checkpoint.resume import skip_first_batches
 from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightning_mlopt.distributed.phase import phase
@@ -140,6 +140,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._exiting = False
         self._pending_rng: dict[str, Any] | None = None
         self._training_started = False
+        self._committed: list[tuple[Path, Manifest]] = []
 
     @property
     @override
@@ -216,6 +217,7 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._tell_loggers(trainer)
         step = trainer.global_step
         if step == self._last_save_step:  # gradient accumulation: no optimizer step happened
             return
@@ -227,6 +229,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         signalled, due_by_time = self._agree_on_signal_and_time(trainer)
         if signalled:
             self._save(trainer, reason="signal", wait=True)
+            self._tell_loggers(trainer)
             rank_zero_warn(f"Preemption signal: saved step {step}; exiting with status {self.exit_code}.")
             self._exiting = True
             raise SystemExit(self.exit_code)
@@ -239,6 +242,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if self.save_on_train_end and not self._resume_final:
             self._save(trainer, reason="final", final=True, wait=True)
         self._writer.wait()
+        self._tell_loggers(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -353,13 +357,11 @@ class FaultTolerantCheckpoint(Checkpoint):
         if not trainer.is_global_zero:
             return
         staged = _to_cpu_copy(checkpoint)  # training may now change the live tensors
-        metric = self._metric(trainer)
-        epoch, step = trainer.current_epoch, trainer.global_step
-        strategy = type(trainer.strategy).__name__
+        manifest = self._describe(trainer, reason, final, world_size)
 
         def write() -> None:
             torch.save(staged, staging / STATE_NAME)
-            self._commit_prepared(staging, step, epoch, world_size, strategy, reason, final, metric)
+            self._commit_prepared(staging, manifest)
 
         self._writer.submit(write)
 
@@ -372,43 +374,39 @@ class FaultTolerantCheckpoint(Checkpoint):
             ) from error
 
     def _commit(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
-        self._commit_prepared(
-            staging,
-            trainer.global_step,
-            trainer.current_epoch,
-            world_size,
-            type(trainer.strategy).__name__,
-            reason,
-            final,
-            self._metric(trainer),
-        )
+        self._commit_prepared(staging, self._describe(trainer, reason, final, world_size))
 
-    def _commit_prepared(
-        self,
-        staging: Path,
-        step: int,
-        epoch: int,
-        world_size: int,
-        strategy: str,
-        reason: str,
-        final: bool,
-        metric: dict[str, float] | None,
-    ) -> None:
-        """Rank zero (or the background writer): manifest, rename into place, ``latest``, retention."""
-        assert self.store is not None
-        manifest = Manifest(
-            step=step,
-            epoch=epoch,
+    def _describe(self, trainer: pl.Trainer, reason: str, final: bool, world_size: int) -> Manifest:
+        """The manifest of a save, taken when it starts (the files are added at commit)."""
+        return Manifest(
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
             world_size=world_size,
-            strategy=strategy,
+            strategy=type(trainer.strategy).__name__,
             reason=reason,
             final=final,
-            metric=metric,
-            files=describe_files(staging),
-            versions=library_versions(),
+            metric=self._metric(trainer),
+            run_ids=_tracker_run_ids(trainer),
         )
+
+    def _commit_prepared(self, staging: Path, manifest: Manifest) -> None:
+        """Rank zero (or the background writer): manifest, rename into place, ``latest``, retention."""
+        assert self.store is not None
+        manifest.files = describe_files(staging)
+        manifest.versions = library_versions()
+        manifest.created = time.time()
         self.last_saved = self.store.commit(staging, manifest)
-        self._apply_retention(protected=step)
+        self._apply_retention(protected=manifest.step)
+        self._committed.append((self.last_saved, manifest))  # loggers hear of it on the main thread
+
+    def _tell_loggers(self, trainer: pl.Trainer) -> None:
+        """Rank zero, main thread: hand each newly committed checkpoint to loggers that upload them."""
+        while self._committed:
+            path, manifest = self._committed.pop(0)
+            for logger in trainer.loggers:
+                upload = getattr(logger, "log_checkpoint_artifact", None)
+                if upload is not None:
+                    upload(path, manifest)
 
     def _apply_retention(self, protected: int) -> None:
         assert self.store is not None
@@ -416,7 +414,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         paths = {}
         for step, path in self.store.committed():
             try:
-                manifest = Manifest.from_json((path / "manifest.json").read_text())
+                manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
             except (OSError, ValueError, Exception):
                 continue
             metric = manifest.metric
@@ -528,6 +526,17 @@ def _to_cpu_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu_copy(item) for item in value)
     return copy.deepcopy(value)
+
+
+def _tracker_run_ids(trainer: pl.Trainer) -> dict[str, str]:
+    """Run ids of the experiment trackers that resume by id (W&B), for the manifest. Rank zero has them."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    run_ids = {}
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and logger.version:
+            run_ids["wandb"] = str(logger.version)
+    return run_ids
 
 
 def _in_main_thread() -> bool:

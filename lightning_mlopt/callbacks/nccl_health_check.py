@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_mlopt.distributed import phase
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
+from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
 from lightning_mlopt.distributed.watchdog import HangWatchdog
 
@@ -139,6 +140,9 @@ class NCCLHealthCheck(Callback):
         if stage != "fit":
             return
         phase.set_phase("setup", trainer.global_step)
+        store_warning = restart_store_warning()
+        if store_warning:
+            rank_zero_warn(store_warning)
         if dist.is_available() and dist.is_initialized():
             self._preflight(trainer)
         if self.hang_timeout is not None:

@@ -42,6 +42,8 @@ class Manifest:
         metric: the monitored metric's name and value when one is configured, else None.
         files: relative path -> size and SHA-256 of every other file in the checkpoint.
         versions: library versions at save time.
+        run_ids: the experiment trackers' run ids at save time (``{"wandb": "3f2a9c1e"}``), so a resumed
+            job logs into the same tracker run.
         created: UNIX time of the commit.
 
     """
@@ -55,6 +57,7 @@ class Manifest:
     metric: dict[str, float] | None = None
     files: dict[str, FileEntry] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    run_ids: dict[str, str] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
 

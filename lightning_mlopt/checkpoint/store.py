@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_mlopt.checkpoint.manifest import (
+    MANIFEST_NAME,
     CheckpointInvalidError,
     Manifest,
     fsync_directory,
@@ -144,3 +145,18 @@ class CheckpointStore:
         """What the ``latest`` pointer names, if anything."""
         pointer = self.root / LATEST_NAME
         return pointer.read_text().strip() if pointer.is_file() else None
+
+    def recorded_run_id(self, tracker: str) -> str | None:
+        """The newest committed checkpoint's run id for ``tracker`` (e.g. ``"wandb"``), if any.
+
+        Reads manifests only, without verifying checksums: a tracker's run id is the job's, whichever
+        checkpoint the job then resumes from.
+        """
+        for _, path in reversed(self.committed()):
+            try:
+                manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
+            except (OSError, CheckpointInvalidError):
+                continue
+            if manifest.run_ids.get(tracker):
+                return manifest.run_ids[tracker]
+        return None

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_mlopt.tracking.secrets import redact
+
 # Differ between ranks by design; everything else should be identical across a job.
 PER_RANK_KEYS = frozenset({"host"})
 _ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
@@ -36,7 +38,8 @@ def _nvidia_driver() -> str:
 def collect_fingerprint() -> dict[str, str]:
     """Collect the environment fingerprint of this process.
 
-    No secrets: of the environment, only NCCL_* and TORCH_NCCL_* variables are read.
+    No secrets: of the environment, only NCCL_* and TORCH_NCCL_* variables are read, and of those, any whose
+    name says it holds a secret (``*TOKEN*``, ``*KEY*``, ...) is recorded as ``<redacted>``.
 
     Example::
 
@@ -66,7 +69,7 @@ def collect_fingerprint() -> dict[str, str]:
     for key in sorted(os.environ):
         if key.startswith(_ENV_PREFIXES):
             fingerprint[f"env:{key}"] = os.environ[key]
-    return fingerprint
+    return redact(fingerprint)
 
 
 def fingerprint_mismatches(fingerprints: Sequence[dict[str, str]]) -> list[str]:

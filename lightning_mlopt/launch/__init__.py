@@ -1,0 +1,1 @@
+"""Launch helpers behind ``python -m lightning_mlopt sweep`` and ``python -m lightning_mlopt slurm``."""

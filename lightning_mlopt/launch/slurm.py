@@ -1,0 +1,241 @@
+"""``python -m lightning_mlopt slurm --config FILE --nodes N --gpus_per_node G``: write an sbatch script.
+
+The script runs ``srun python -m lightning_mlopt fit ...`` with one task per device (Lightning's
+SLURMEnvironment reads the ranks from SLURM), asks SLURM for SIGUSR1 ``--signal_seconds`` before the time
+limit, and requeues itself when the job saved and exited with FaultTolerantCheckpoint's status (75) after
+SIGUSR1 or SIGTERM; the requeued job runs the same command in the same run directory and resumes. The task
+count is checked twice: here against the config's ``trainer.devices``/``trainer.num_nodes``, and in the
+script against the allocation SLURM actually gave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from lightning_mlopt._bad_input import BadInputError, config_paths
+from lightning_mlopt.run_dir import default_run_dir
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
+_NAME = re.compile(r"^[\w.+-]+$")
+
+
+def time_limit_seconds(limit: str) -> int:
+    """Seconds in a SLURM time limit: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``.
+
+    Example::
+
+        >>> time_limit_seconds("1-02:00:00"), time_limit_seconds("90"), time_limit_seconds("04:30:00")
+        (93600, 5400, 16200)
+    """
+    match = _TIME.match(limit.strip())
+    if not match:
+        raise BadInputError(f"--time {limit!r} is not a SLURM time limit; e.g. 90, 04:00:00, 1-12:00:00")
+    days, first, second, third = match.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        return int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
+    if third is not None:  # HH:MM:SS
+        return int(first) * 3600 + int(second) * 60 + int(third)
+    if second is not None:  # MM:SS
+        return int(first) * 60 + int(second)
+    return int(first) * 60  # MM
+
+
+def _as_count(value: Any) -> int | None:
+    """An explicit device or node count from the config; None for auto, -1, a list or a string of ids."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
+def check_task_count(trainer: dict[str, Any], nodes: int, gpus_per_node: int) -> None:
+    """Srun starts ``gpus_per_node`` tasks per node and Lightning needs one per device: they must agree.
+
+    Raises:
+        BadInputError: naming both numbers and the fix.
+
+    """
+    devices = _as_count(trainer.get("devices"))
+    if devices is not None and devices != gpus_per_node:
+        raise BadInputError(
+            f"trainer.devices is {devices} in the config but --gpus_per_node is {gpus_per_node}: the script starts "
+            f"one task per device ({nodes} x {gpus_per_node} = {nodes * gpus_per_node} tasks), and Lightning needs "
+            f"them equal; set trainer.devices: {gpus_per_node} (or auto) or --gpus_per_node {devices}"
+        )
+    num_nodes = _as_count(trainer.get("num_nodes"))
+    if num_nodes not in (None, 1, nodes):
+        raise BadInputError(f"trainer.num_nodes is {num_nodes} in the config but --nodes is {nodes}; make them equal")
+
+
+def sbatch_script(
+    fit_args: Sequence[str],
+    run_dir: Path,
+    nodes: int,
+    gpus_per_node: int,
+    *,
+    gpus: bool = True,
+    job_name: str = "lightning_mlopt",
+    time: str | None = None,
+    partition: str | None = None,
+    account: str | None = None,
+    cpus_per_task: int | None = None,
+    signal_seconds: int = 120,
+    requeue_exit_code: int = 75,
+    workdir: Path | None = None,
+) -> str:
+    """The text of an sbatch script that trains ``fit_args`` on ``nodes`` x ``gpus_per_node`` tasks."""
+    run_dir = run_dir.resolve()
+    directives = [
+        f"--job-name={job_name}",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={gpus_per_node}",
+        *([f"--gpus-per-node={gpus_per_node}"] if gpus else []),
+        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
+        *([f"--time={time}"] if time else []),
+        *([f"--partition={partition}"] if partition else []),
+        *([f"--account={account}"] if account else []),
+        f"--signal=USR1@{signal_seconds}",
+        "--requeue",
+        "--open-mode=append",
+        f"--output={run_dir}/slurm-%j.out",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_mlopt",
+        "fit",
+        *fit_args,
+        f"--trainer.num_nodes={nodes}",
+        f"--trainer.devices={gpus_per_node}",
+        f"--run_dir={run_dir}",
+    ]
+    expected = nodes * gpus_per_node
+    lines = [
+        "#!/bin/bash",
+        "# Written by `python -m lightning_mlopt slurm`; submit with: sbatch "
+        + shlex.quote(str(run_dir / "job.sbatch")),
+        *[f"#SBATCH {directive}" for directive in directives],
+        "",
+        "# SLURM sends SIGUSR1 to every task --signal seconds before the time limit (and SIGTERM on preemption):",
+        f"# FaultTolerantCheckpoint saves, every rank exits {requeue_exit_code}, and this script requeues the job,",
+        "# which resumes from that checkpoint in the same run directory.",
+        "set -uo pipefail",
+        f"cd {shlex.quote(str((workdir or Path.cwd()).resolve()))}",
+        "export PYTHONUNBUFFERED=1",
+        f'if [ "${{SLURM_NTASKS:-{expected}}}" != "{expected}" ]; then',
+        f'  echo "error: SLURM allocated $SLURM_NTASKS tasks but the run needs {nodes} x {gpus_per_node} = {expected}'
+        ' (one per device); resubmit with matching --nodes/--ntasks-per-node" >&2',
+        "  exit 2",
+        "fi",
+        f'echo "job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {nodes} node(s) x {gpus_per_node} tasks, '
+        f'run directory {run_dir}"',
+        "srun " + shlex.join(command),
+        "status=$?",
+        f'if [ "$status" -eq {requeue_exit_code} ]; then',
+        '  echo "checkpoint saved after a signal; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _without_run_dir(args: Sequence[str]) -> list[str]:
+    kept: list[str] = []
+    skip_next = False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+        elif arg == "--run_dir":
+            skip_next = True
+        elif not arg.startswith("--run_dir="):
+            kept.append(arg)
+    return kept
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"error: {message} (see: python -m lightning_mlopt slurm --help)\n")
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m lightning_mlopt slurm",
+        description="Write an sbatch script for `fit`. Other arguments (e.g. --trainer.max_steps=1000) go to fit.",
+    )
+    parser.add_argument("--config", "-c", action="append", required=True, help="config file(s), in order")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus_per_node", type=int, required=True, help="devices (= tasks) per node")
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--time", default=None, help="time limit, e.g. 04:00:00 or 1-12:00:00")
+    parser.add_argument("--account", default=None)
+    parser.add_argument("--job_name", default=None, help="default: the config file stems")
+    parser.add_argument("--cpus_per_task", type=int, default=None)
+    parser.add_argument("--signal_seconds", type=int, default=120, help="SIGUSR1 this long before the time limit")
+    parser.add_argument("--output", default=None, help="script path; default: <run_dir>/job.sbatch")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``python -m lightning_mlopt slurm``; returns the exit status (2 on bad input)."""
+    from lightning_mlopt.cli import check_arguments
+
+    options, extra = _parser().parse_known_args(list(argv))
+    fit_args = [arg for path in options.config for arg in ("--config", path)] + extra
+    try:
+        if options.nodes < 1 or options.gpus_per_node < 1:
+            raise BadInputError("--nodes and --gpus_per_node must be >= 1")
+        if options.signal_seconds < 1:
+            raise BadInputError(f"--signal_seconds must be >= 1, got {options.signal_seconds}")
+        if options.time and time_limit_seconds(options.time) <= options.signal_seconds:
+            raise BadInputError(
+                f"--time {options.time} leaves no time before the SIGUSR1 sent {options.signal_seconds}s before it"
+            )
+        for name in ("partition", "account", "job_name"):
+            value = getattr(options, name)
+            if value is not None and not _NAME.match(value):
+                raise BadInputError(f"--{name} {value!r}: letters, digits and . _ + - only")
+        config = check_arguments(fit_args).as_dict()
+        check_task_count(config.get("trainer") or {}, options.nodes, options.gpus_per_node)
+    except BadInputError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    trainer = config.get("trainer") or {}
+    resolved = {**config, "trainer": {**trainer, "num_nodes": options.nodes, "devices": options.gpus_per_node}}
+    root = trainer.get("default_root_dir") or "runs"
+    run_dir = (
+        Path(config["run_dir"]) if config.get("run_dir") else default_run_dir(root, config_paths(fit_args), resolved)
+    )
+    fit_args = _without_run_dir(fit_args)  # the script names it explicitly
+    stems = "-".join(Path(path).stem for path in options.config)
+    script = sbatch_script(
+        fit_args,
+        run_dir,
+        options.nodes,
+        options.gpus_per_node,
+        gpus=trainer.get("accelerator") != "cpu",
+        job_name=options.job_name or stems,
+        time=options.time,
+        partition=options.partition,
+        account=options.account,
+        cpus_per_task=options.cpus_per_task,
+        signal_seconds=options.signal_seconds,
+        requeue_exit_code=int((config.get("checkpoint") or {}).get("exit_code") or 75),
+    )
+    target = Path(options.output) if options.output else run_dir / "job.sbatch"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(script)
+    target.chmod(0o755)
+    print(f"Wrote {target} ({options.nodes} node(s) x {options.gpus_per_node} tasks). Submit with: sbatch {target}")
+    return 0

@@ -1,0 +1,167 @@
+"""WandbTracker: Lightning's WandbLogger, made safe for multi-process jobs that get killed and relaunched."""
+
+from __future__ import annotations
+
+import netrc
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlparse
+
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.tracking.provenance import run_provenance
+from lightning_mlopt.tracking.secrets import redact
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
+
+Mode = Literal["auto", "online", "offline", "disabled"]
+
+
+class WandbTracker(WandbLogger):
+    """Weights & Biases logging that works without a network and continues one run across relaunches.
+
+    On top of Lightning's ``WandbLogger`` (rank zero logs; other ranks get a no-op experiment):
+
+    - ``mode: auto`` (the default) is online when an API key is configured (``WANDB_API_KEY`` or
+      ``wandb login``) and offline otherwise, so a run never fails for lack of network; ``WANDB_MODE`` wins.
+      Offline runs are synced later with ``wandb sync <save_dir>/wandb/offline-run-*``.
+    - One W&B run per job, continued across relaunches: the run id is the explicit ``id``, else the one a
+      W&B sweep agent set (``WANDB_RUN_ID``), else the one recorded in the newest committed
+      FaultTolerantCheckpoint under ``checkpoint_dir``, so a resumed or requeued job logs into the same run.
+    - Provenance logged once per job under the config key ``lightning_mlopt``: our version, git commit,
+      dirty flag and origin URL (without credentials), the command, the environment fingerprint.
+    - The CLI sends the full resolved config through :meth:`log_run_config`.
+    - Secrets (secret-named environment variables, URL credentials) are redacted from everything this
+      logger sends; W&B's own git capture is off, since it records the remote URL as written.
+    - ``upload_checkpoints``: each checkpoint FaultTolerantCheckpoint commits is logged as a ``model``
+      artifact ``checkpoint-<run id>`` with aliases ``latest``, ``step-<N>`` (and ``final``). Costs one copy
+      of the checkpoint into W&B's staging folder on rank zero per save; offline runs upload on sync.
+
+    Args:
+        project: W&B project (``WANDB_PROJECT`` when unset).
+        name: display name of the run; None: W&B picks one.
+        save_dir: folder for W&B's files (``<save_dir>/wandb``). In the CLI, ``"{run_dir}"`` is the run
+            directory.
+        id: a fixed run id; None: chosen as described above.
+        mode: ``auto``, ``online``, ``offline`` or ``disabled``.
+        entity: W&B entity (user or team); None: the account's default.
+        group: group runs together, e.g. the trials of a sweep.
+        tags: tags for the run.
+        checkpoint_dir: where FaultTolerantCheckpoint commits; None: ``<save_dir>/checkpoints`` (its default
+            in the CLI's run directory).
+        upload_checkpoints: log committed checkpoints as W&B artifacts.
+        log_provenance: log git state, command and environment fingerprint once per job.
+
+    Example::
+
+        trainer = Trainer(logger=WandbTracker(project="gpt", save_dir="runs/gpt"),
+                          callbacks=[FaultTolerantCheckpoint(dirpath="runs/gpt/checkpoints")])
+
+    """
+
+    def __init__(
+        self,
+        project: str | None = None,
+        name: str | None = None,
+        save_dir: str = ".",
+        id: str | None = None,
+        mode: Mode = "auto",
+        entity: str | None = None,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        checkpoint_dir: str | None = None,
+        upload_checkpoints: bool = False,
+        log_provenance: bool = True,
+    ) -> None:
+        if mode not in ("auto", "online", "offline", "disabled"):
+            raise ValueError(f"mode must be one of auto, online, offline, disabled; got {mode!r}")
+        super().__init__(name=name, save_dir=save_dir, id=id, project=project, entity=entity, group=group, tags=tags)
+        self._wandb_init.pop("anonymous", None)  # deprecated in wandb; passing it (even None) warns
+        self.mode = mode
+        self.checkpoint_dir = checkpoint_dir
+        self.upload_checkpoints = upload_checkpoints
+        self.log_provenance = log_provenance
+
+    def resolved_mode(self) -> str:
+        """The mode a run created now would use (``auto`` resolved)."""
+        if self.mode != "auto":
+            return self.mode
+        return os.environ.get("WANDB_MODE") or ("online" if _api_key_configured() else "offline")
+
+    @property
+    @rank_zero_experiment
+    @override
+    def experiment(self) -> Run:
+        if self._experiment is None:
+            import wandb
+
+            run_id = self._choose_run_id()
+            self._wandb_init.update(
+                mode=self.resolved_mode(),
+                id=run_id,
+                settings=wandb.Settings(disable_git=True),  # we record git ourselves, without credentials
+            )
+            run = WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
+            if self.log_provenance:
+                run.config.update({"lightning_mlopt": run_provenance()}, allow_val_change=True)
+        return self._experiment  # type: ignore[return-value]
+
+    @rank_zero_only
+    def log_run_config(self, config: dict[str, Any]) -> None:
+        """Log a run's full resolved configuration (secrets redacted) into the W&B config, rank zero."""
+        self.experiment.config.update(redact(config), allow_val_change=True)
+
+    @override
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        super().log_hyperparams(redact(params) if isinstance(params, dict) else params)
+
+    @rank_zero_only
+    def log_checkpoint_artifact(self, path: Path, manifest: Manifest) -> None:
+        """Log a committed checkpoint folder as an artifact, when ``upload_checkpoints`` is on (rank zero)."""
+        if not self.upload_checkpoints or not path.is_dir():
+            return
+        import wandb
+
+        run = self.experiment
+        metadata = {"step": manifest.step, "epoch": manifest.epoch, "strategy": manifest.strategy}
+        if manifest.metric:
+            metadata.update(manifest.metric)
+        artifact = wandb.Artifact(f"checkpoint-{run.id}", type="model", metadata=metadata)
+        artifact.add_dir(str(path))
+        aliases = ["latest", f"step-{manifest.step}", *(["final"] if manifest.final else [])]
+        run.log_artifact(artifact, aliases=aliases)
+
+    def describe_location(self) -> str:
+        """Where this logger's files go and how to see them, for the CLI's start-up summary."""
+        where = Path(self.save_dir or ".") / "wandb"
+        mode = self.resolved_mode()
+        if mode == "offline":
+            return f"{where} (offline; upload later with `wandb sync {where}/offline-run-*`)"
+        return f"{where} ({mode})"
+
+    def _choose_run_id(self) -> str | None:
+        if self._id:
+            return self._id
+        if os.environ.get("WANDB_RUN_ID"):
+            return None  # a W&B sweep agent (or the user) chose it; wandb.init reads it
+        root = Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.save_dir or ".") / "checkpoints"
+        return CheckpointStore(root).recorded_run_id("wandb")
+
+
+def _api_key_configured() -> bool:
+    """Whether W&B has credentials here: ``WANDB_API_KEY``, or a netrc entry from ``wandb login``."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

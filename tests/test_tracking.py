@@ -1,0 +1,253 @@
+"""Experiment tracking: W&B offline (read back), secrets kept out of every output, provenance, progress bar."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_mlopt.checkpoint import CheckpointStore
+from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.cli import main
+from lightning_mlopt.distributed.fingerprint import collect_fingerprint
+from lightning_mlopt.tracking import WandbTracker
+from lightning_mlopt.tracking.progress import ThroughputMeter, count_items, format_rate
+from lightning_mlopt.tracking.provenance import git_state
+from lightning_mlopt.tracking.secrets import REDACTED, is_secret_name, redact, secret_values
+from tests.conftest import CONFIGS, SMOKE, run_cli
+from tests.wandb_records import summary_of
+
+QUICK = ["fit", "--config", str(CONFIGS / "quickstart.yaml")]
+WANDB = ["--config", str(CONFIGS / "trackers" / "wandb.yaml")]
+
+
+# ---------------------------------------------------------------------- secrets and provenance
+
+
+def test_redact_replaces_secret_keys_url_credentials_and_secret_values_anywhere():
+    secrets = ["hunter2-very-secret"]
+    value = {
+        "remote": "https://alice:ghp_token@github.com/lab/repo.git",
+        "password": "x",
+        "nested": [{"note": "key is hunter2-very-secret!"}, ("a", 1)],
+        "lr": 0.1,
+    }
+    assert redact(value, secrets) == {
+        "remote": f"https://{REDACTED}@github.com/lab/repo.git",
+        "password": REDACTED,
+        "nested": [{"note": f"key is {REDACTED}!"}, ("a", 1)],
+        "lr": 0.1,
+    }
+    assert is_secret_name("HF_TOKEN") and is_secret_name("aws_secret_access_key") and not is_secret_name("NCCL_DEBUG")
+    assert secret_values({"MY_TOKEN": "abcdefgh", "SHORT_KEY": "1", "PATH": "/usr/bin/longish"}) == ["abcdefgh"]
+
+
+def test_fingerprint_redacts_a_secret_named_nccl_variable(monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    monkeypatch.setenv("NCCL_TEST_AUTH_TOKEN", "planted-nccl-secret")
+    fingerprint = collect_fingerprint()
+    assert fingerprint["env:NCCL_SOCKET_IFNAME"] == "eth0"
+    assert fingerprint["env:NCCL_TEST_AUTH_TOKEN"] == REDACTED
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _make_repo(folder: Path, remote: str) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    _git(folder, "init", "-q")
+    _git(folder, "config", "user.email", "t@example.com")
+    _git(folder, "config", "user.name", "t")
+    _git(folder, "remote", "add", "origin", remote)
+    (folder / "train.py").write_text("print('v1')\n")
+    _git(folder, "add", "train.py")
+    _git(folder, "commit", "-q", "-m", "v1")
+    return _git(folder, "rev-parse", "HEAD")
+
+
+def test_git_state_names_the_commit_the_dirty_flag_and_a_remote_without_credentials(tmp_path):
+    commit = _make_repo(tmp_path, "https://bob:planted-git-token@example.com/lab/repo.git")
+    state = git_state(tmp_path)
+    assert state == {"commit": commit, "dirty": False, "remote": f"https://{REDACTED}@example.com/lab/repo.git"}
+    (tmp_path / "train.py").write_text("print('v2')\n")
+    assert git_state(tmp_path)["dirty"] is True
+    assert git_state(tmp_path / "..").get("commit") is None or True  # outside: no crash (may be inside a repo)
+
+
+# ---------------------------------------------------------------------- W&B logger, unit
+
+
+def test_mode_auto_is_offline_without_a_key_and_online_with_one(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no `wandb login` here
+    tracker = WandbTracker(save_dir=str(tmp_path))
+    assert tracker.resolved_mode() == "offline"
+    assert "wandb sync" in tracker.describe_location()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    assert tracker.resolved_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert tracker.resolved_mode() == "disabled"
+    assert WandbTracker(mode="offline").resolved_mode() == "offline"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        WandbTracker(mode="cloud")  # type: ignore[arg-type]
+
+
+def test_the_run_id_comes_from_the_newest_checkpoint_that_records_one(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for step, run_ids in ((2, {"wandb": "older"}), (4, {"wandb": "newest"}), (6, {})):
+        staging = store.stage(step)
+        store.commit(staging, Manifest(step=step, epoch=0, world_size=1, strategy="x", reason="t", run_ids=run_ids))
+    assert store.recorded_run_id("wandb") == "newest"
+    assert WandbTracker(save_dir=str(tmp_path))._choose_run_id() == "newest"
+    assert WandbTracker(save_dir=str(tmp_path), id="fixed")._choose_run_id() == "fixed"
+    assert WandbTracker(save_dir=str(tmp_path / "elsewhere"))._choose_run_id() is None
+
+
+# ---------------------------------------------------------------------- W&B end to end (offline, read back)
+
+
+def _wandb_env(tmp_path: Path) -> dict[str, str]:
+    """W&B offline, with every folder it writes inside the test's tmp_path (so all of it is searched)."""
+    home = tmp_path / "wandb-home"
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(home / "dir"),
+        "WANDB_CACHE_DIR": str(home / "cache"),
+        "WANDB_DATA_DIR": str(home / "data"),
+        "WANDB_CONFIG_DIR": str(home / "config"),
+        "WANDB_ARTIFACT_DIR": str(home / "artifacts"),
+        "WANDB_SILENT": "true",
+    }
+
+
+def _offline_runs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.multiprocess
+def test_wandb_offline_one_run_per_job_continued_on_relaunch_and_no_secret_in_any_output(tmp_path):
+    planted = {
+        "WANDB_API_KEY": "planted-wandb-key-0123456789abcdef0123456789abcdef01234567",
+        "HF_TOKEN": "planted-hf-token-9f8e7d6c",
+        "AWS_SECRET_ACCESS_KEY": "planted-aws-secret-5a4b3c",
+        "NCCL_TEST_AUTH_TOKEN": "planted-nccl-token-77aa",
+    }
+    git_secret = "planted-git-token-31d4"
+    commit = _make_repo(tmp_path, f"https://bob:{git_secret}@example.com/lab/repo.git")
+    run_dir = tmp_path / "run"
+    args = [
+        *QUICK,
+        *WANDB,
+        "--trainer.devices=2",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.log_every_n_steps=1",
+        f"--run_dir={run_dir}",
+        "--trainer.logger.init_args.upload_checkpoints=true",
+        "--trainer.callbacks+=lightning_mlopt.callbacks.NCCLHealthCheck",
+        "--trainer.callbacks.probe_mb=1",
+    ]
+    env = {**_wandb_env(tmp_path), **planted}
+    # The first launch stops at step 3 with a committed, non-final checkpoint, as a preempted job would.
+    first_only = ["--trainer.max_steps=3", "--checkpoint.every_n_steps=3", "--checkpoint.save_on_train_end=false"]
+    first = run_cli([*args, *first_only], cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"WandbTracker: {run_dir}/wandb (offline" in first.stdout  # where the logs go, said at start
+    (run,) = _offline_runs(run_dir)  # one W&B run for the 2-process job, not one per rank
+    logged = summary_of(run)
+    run_id = logged["id"]
+    # The full resolved config, once, from rank 0; provenance with the git state of the launch folder.
+    assert str(logged["config"]["trainer"]["devices"]) == "2"
+    assert logged["config"]["model"]["init_args"]["depth"] == 18
+    provenance = logged["config"]["lightning_mlopt"]
+    assert provenance["git"]["commit"] == commit and provenance["git"]["dirty"] is False
+    assert provenance["fingerprint"]["torch"] == torch.__version__
+    assert [row["trainer/global_step"] for row in logged["history"] if "train/loss" in row] == [0, 1, 2]
+    # The run id is in the committed checkpoint; the committed checkpoint is an artifact.
+    manifest = CheckpointStore(run_dir / "checkpoints").newest_valid().manifest
+    assert manifest.run_ids == {"wandb": run_id}
+    (artifact,) = logged["artifacts"]
+    assert artifact["name"] == f"checkpoint-{run_id}" and set(artifact["aliases"]) == {"latest", "step-3"}
+    assert "state.ckpt" in artifact["files"]
+
+    # A relaunch with more steps (a requeued job) resumes from the checkpoint and logs into the same run.
+    second = run_cli([*args, "--trainer.max_steps=5"], cwd=tmp_path, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Auto-resuming from" in second.stdout + second.stderr
+    runs = _offline_runs(run_dir)
+    assert len(runs) == 2 and {summary_of(r)["id"] for r in runs} == {run_id}
+    resumed = summary_of(runs[1])
+    assert [row["trainer/global_step"] for row in resumed["history"] if "train/loss" in row] == [3, 4]
+    assert "final" in resumed["artifacts"][-1]["aliases"]
+
+    # No planted secret anywhere: console, run directory, checkpoints, W&B files and staging, health logs.
+    outputs = [first.stdout, first.stderr, second.stdout, second.stderr]
+    for secret in [*planted.values(), git_secret]:
+        assert all(secret not in text for text in outputs), secret
+        leaks = [
+            p
+            for p in tmp_path.rglob("*")
+            if p.is_file() and ".git" not in p.parts and secret.encode() in p.read_bytes()
+        ]
+        assert leaks == [], (secret, leaks)
+
+
+@pytest.mark.parametrize("tracker", ["csv", "tensorboard"])
+def test_csv_and_tensorboard_trackers_write_into_the_run_directory(tracker, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    overlay = CONFIGS / "trackers" / f"{tracker}.yaml"
+    main([*QUICK, "--config", str(overlay), *SMOKE, "--trainer.log_every_n_steps=1", "--run_dir=run"])
+    out = capsys.readouterr().out
+    folder = tmp_path / "run" / tracker / "version_0"
+    assert f"logs         {'CSVLogger' if tracker == 'csv' else 'TensorBoardLogger'}: run/{tracker}/version_0" in out
+    if tracker == "csv":
+        header, *rows = (folder / "metrics.csv").read_text().splitlines()
+        assert "train/loss" in header.split(",") and len(rows) >= 2
+    else:
+        assert list(folder.glob("events.out.tfevents.*"))
+    assert (
+        yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"]["logger"]["init_args"]["save_dir"]
+        == "run"
+    )  # "{run_dir}" was filled in
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 2
+
+
+# ---------------------------------------------------------------------- progress bar
+
+
+def test_count_items_tells_tokens_from_samples():
+    assert count_items((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long))) == (64, "tokens")
+    assert count_items([torch.zeros(8, 1, 8, 8), torch.zeros(8, dtype=torch.long)]) == (8, "samples")
+    assert count_items({"x": torch.zeros(5, 3)}) == (5, "samples")
+    assert count_items("no tensors") == (1, "samples")
+
+
+def test_throughput_meter_rate_eta_and_pause():
+    meter = ThroughputMeter(window=3)
+    assert meter.rate() is None and meter.seconds_left(10) is None
+    for now in (0.0, 0.5, 1.0, 1.5):
+        meter.batch_done(items=100, now=now)
+    assert meter.rate() == pytest.approx(200.0)
+    assert meter.seconds_left(batches_left=10) == pytest.approx(5.0)
+    assert meter.seconds_left(float("inf")) is None
+    meter.pause()  # validation ran: its time is not a batch interval
+    meter.batch_done(items=100, now=100.0)
+    meter.batch_done(items=100, now=100.5)
+    assert meter.rate() == pytest.approx(200.0)
+    assert format_rate(1234.5) == "1.23k" and format_rate(2.5e6) == "2.50M" and format_rate(12.0) == "12.0"
+
+
+def test_the_cli_progress_bar_shows_throughput_and_eta(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = [*QUICK, "--trainer.max_steps=6", "--trainer.max_epochs=1", "--trainer.limit_val_batches=1"]
+    main([*args, "--trainer.num_sanity_val_steps=0", "--run_dir=run"])
+    captured = capsys.readouterr()
+    bar = captured.out + captured.err
+    assert "samples/s=" in bar and "eta=0:00:" in bar
