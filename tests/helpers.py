@@ -120,7 +120,7 @@ class Pace(pl.Callback):
     """Slows each step and marks progress on disk, so a test can signal or kill a run mid-training.
 
     Args:
-        out_dir: where ``step-<N>.rank<R>`` marker files go.
+        out_dir: where ``step-<N>.rank<R>`` marker files go (each holds the process id that wrote it).
         seconds_per_step: sleep after every training step.
     """
 
@@ -131,7 +131,7 @@ class Pace(pl.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / f"step-{trainer.global_step}.rank{trainer.global_rank}").touch()
+        (self.out_dir / f"step-{trainer.global_step}.rank{trainer.global_rank}").write_text(str(os.getpid()))
         if self.seconds_per_step:
             import time
 
@@ -276,3 +276,14 @@ class LateToSetup(pl.Callback):
             import time
 
             time.sleep(self.seconds)
+
+
+class RecordHyperparameters(pl.Callback):
+    """Writes ``hparams-rank<R>.json`` (the model's hyperparameters as this rank sees them) into the run dir."""
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        folder = Path(trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        hparams = {key: value for key, value in pl_module.hparams.items() if isinstance(value, (int, float, str))}
+        (folder / f"hparams-rank{trainer.global_rank}.json").write_text(json.dumps(hparams))

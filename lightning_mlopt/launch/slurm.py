@@ -234,8 +234,10 @@ def main(argv: Sequence[str]) -> int:
         requeue_exit_code=int((config.get("checkpoint") or {}).get("exit_code") or 75),
     )
     target = Path(options.output) if options.output else run_dir / "job.sbatch"
+    run_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens the --output file there before the job starts
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(script)
     target.chmod(0o755)
     print(f"Wrote {target} ({options.nodes} node(s) x {options.gpus_per_node} tasks). Submit with: sbatch {target}")
+    print(f"Run directory: {run_dir} (checkpoints, logs, slurm-<job id>.out)")
     return 0

@@ -98,10 +98,10 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if not isinstance(parameters, dict) or not parameters:
         raise BadInputError(f"{where}: parameters is empty; name at least one dotted key to sweep")
     for key, spec in parameters.items():
+        if isinstance(spec, dict) and "parameters" in spec:
+            raise BadInputError(f"{where}: parameters.{key}: write nested keys dotted (model.init_args.lr)")
         if not isinstance(spec, dict) or not ({"value", "values", "distribution", "min"} & spec.keys()):
             raise BadInputError(f"{where}: parameters.{key} needs value, values, or a distribution with min/max")
-        if "parameters" in spec:
-            raise BadInputError(f"{where}: parameters.{key}: write nested keys dotted (model.init_args.lr)")
     run_cap = raw.get("run_cap")
     if run_cap is not None and (not isinstance(run_cap, int) or run_cap < 1):
         raise BadInputError(f"{where}: run_cap must be a positive integer; got {run_cap!r}")

@@ -1,0 +1,192 @@
+"""SLURM: the sbatch script is checked, then run with stand-in srun/scontrol: signal, save, requeue, resume."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from lightning_mlopt._bad_input import BadInputError
+from lightning_mlopt.checkpoint import CheckpointStore
+from lightning_mlopt.launch.slurm import check_task_count, time_limit_seconds
+from tests.conftest import CONFIGS, REPO, run_cli
+
+# srun as SLURM runs it: one task per SLURM_NTASKS with SLURM_PROCID/LOCALID/NODEID, exit status the highest
+# of the tasks'. Like `#SBATCH --signal=USR1@N`, it sends SIGUSR1 to every task, here once the run has
+# committed its first checkpoint (STANDIN_SIGNAL_AFTER_GLOB), so the job is interrupted mid-training.
+SRUN = """#!{python}
+import glob, os, signal, subprocess, sys, time
+args = sys.argv[1:]
+while args and args[0].startswith("-"):
+    args.pop(0)
+tasks, per_node = int(os.environ["SLURM_NTASKS"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
+with open(os.environ["STANDIN_LOG"], "a") as log:
+    log.write("srun " + " ".join(args) + "\\n")
+procs = [subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % per_node),
+                                      "SLURM_NODEID": str(r // per_node)}}) for r in range(tasks)]
+pattern, signalled = os.environ.get("STANDIN_SIGNAL_AFTER_GLOB"), False
+while any(p.poll() is None for p in procs):
+    if pattern and not signalled and glob.glob(pattern):
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        signalled = True
+    time.sleep(0.1)
+sys.exit(max(p.returncode for p in procs))
+"""
+SCONTROL = """#!/bin/sh
+echo "scontrol $*" >> "$STANDIN_LOG"
+"""
+
+
+def test_time_limits_and_task_counts():
+    assert time_limit_seconds("1-02:00:00") == 93600 and time_limit_seconds("30") == 1800
+    assert time_limit_seconds("04:30:00") == 16200 and time_limit_seconds("10:30") == 630
+    assert time_limit_seconds("2-12") == 216000
+    with pytest.raises(BadInputError, match="not a SLURM time limit"):
+        time_limit_seconds("4h")
+    check_task_count({"devices": "auto", "num_nodes": 1}, nodes=2, gpus_per_node=8)
+    check_task_count({"devices": 8, "num_nodes": 2}, nodes=2, gpus_per_node=8)
+    with pytest.raises(BadInputError, match=r"trainer\.devices is 4 in the config but --gpus_per_node is 8"):
+        check_task_count({"devices": 4}, nodes=2, gpus_per_node=8)
+    with pytest.raises(BadInputError, match=r"trainer\.num_nodes is 4 in the config but --nodes is 2"):
+        check_task_count({"devices": 8, "num_nodes": 4}, nodes=2, gpus_per_node=8)
+
+
+def test_a_task_count_mismatch_is_an_error_and_writes_nothing(tmp_path):
+    result = run_cli(
+        ["slurm", "--config", str(CONFIGS / "quickstart.yaml"), "--nodes", "2", "--gpus_per_node", "8"], cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "trainer.devices is 1 in the config but --gpus_per_node is 8" in result.stderr
+    assert not (tmp_path / "runs").exists()
+    late = run_cli(
+        ["slurm", "--config", str(CONFIGS / "gpt.yaml"), "--nodes", "1", "--gpus_per_node", "8", "--time", "00:01:30"],
+        cwd=tmp_path,
+    )
+    assert late.returncode == 2 and "leaves no time before the SIGUSR1" in late.stderr
+
+
+def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path):
+    result = run_cli(
+        [
+            "slurm",
+            "--config",
+            str(CONFIGS / "gpt.yaml"),
+            "--trainer.accelerator=gpu",
+            "--nodes",
+            "2",
+            "--gpus_per_node",
+            "8",
+            "--time",
+            "1-00:00:00",
+            "--partition",
+            "a100",
+            "--account",
+            "lab",
+            "--output",
+            "job.sbatch",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    script = (tmp_path / "job.sbatch").read_text()
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=1-00:00:00",
+        "#SBATCH --partition=a100",
+        "#SBATCH --account=lab",
+        "#SBATCH --signal=USR1@120",
+        "#SBATCH --requeue",
+    ]:
+        assert line in script.splitlines()
+    assert "--trainer.num_nodes=2 --trainer.devices=8" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+@pytest.mark.multiprocess
+def test_the_generated_script_saves_on_the_signal_requeues_and_the_requeued_job_resumes(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(SRUN.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text(SCONTROL)
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    generated = run_cli(
+        [
+            "slurm",
+            "--config",
+            str(CONFIGS / "quickstart.yaml"),
+            "--trainer.devices=auto",
+            "--nodes",
+            "1",
+            "--gpus_per_node",
+            "2",
+            "--time",
+            "00:10:00",
+            "--output",
+            "job.sbatch",
+            "--trainer.max_steps=10",
+            "--trainer.max_epochs=-1",
+            "--trainer.limit_val_batches=1",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.enable_progress_bar=false",
+            "--checkpoint.every_n_steps=2",
+            "--trainer.callbacks+=tests.helpers.Pace",
+            f"--trainer.callbacks.out_dir={tmp_path / 'pace'}",
+            "--trainer.callbacks.seconds_per_step=0.3",
+        ],
+        cwd=tmp_path,
+    )
+    assert generated.returncode == 0, generated.stderr
+    run_dir = tmp_path / generated.stdout.split("Run directory: ")[1].split()[0]
+    job_id = str(random.randint(20000, 29999))
+    slurm_env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "STANDIN_LOG": str(tmp_path / "calls.log"),
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOB_NAME": "quickstart",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NODELIST": "127.0.0.1",
+    }
+    slurm_env.pop("MASTER_PORT", None)
+    slurm_env.pop("MASTER_ADDR", None)
+
+    def sbatch_runs(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "job.sbatch"],
+            cwd=tmp_path,
+            env={**slurm_env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    # A wrong allocation is refused before training.
+    wrong = sbatch_runs({"SLURM_NTASKS": "3"})
+    assert wrong.returncode == 2 and "SLURM allocated 3 tasks but the run needs 1 x 2 = 2" in wrong.stderr
+    assert not (run_dir / "checkpoints").exists()
+
+    interrupted = sbatch_runs({"STANDIN_SIGNAL_AFTER_GLOB": str(run_dir / "checkpoints" / "step-*")})
+    assert interrupted.returncode == 75, interrupted.stdout[-2000:] + interrupted.stderr[-3000:]
+    assert f"scontrol requeue {job_id}" in (tmp_path / "calls.log").read_text()
+    saved = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    assert saved is not None and saved.manifest.reason == "signal" and 2 <= saved.step < 10
+    assert saved.manifest.world_size == 2
+
+    requeued = sbatch_runs({"SLURM_RESTART_COUNT": "1"})
+    assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-3000:]
+    assert "Auto-resuming from" in requeued.stdout + requeued.stderr
+    final = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    assert final is not None and final.step == 10 and final.manifest.final
+    assert (tmp_path / "calls.log").read_text().count("scontrol requeue") == 1
+    resumed_steps = sorted(int(p.name.split("-")[1].split(".")[0]) for p in (tmp_path / "pace").glob("*.rank0"))
+    assert resumed_steps[-1] == 10

@@ -1,0 +1,152 @@
+"""Sweeps: keys checked before anything runs, local grid/random on 2-process trials, the W&B agent contract."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_mlopt._bad_input import BadInputError
+from lightning_mlopt.cli import check_arguments
+from lightning_mlopt.launch.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
+from tests.conftest import CONFIGS, run_cli
+
+BASE = ["--config", str(CONFIGS / "quickstart.yaml")]
+
+
+def _sweep_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_grid_and_random_trials_and_their_arguments(tmp_path):
+    spec = load_sweep(
+        _sweep_file(
+            tmp_path,
+            "method: random\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
+            "  model.init_args.lr: {distribution: log_uniform_values, min: 0.001, max: 0.1}\n"
+            "  model.init_args.width: {values: [8, 16]}\n"
+            "  trainer.deterministic: {value: true}\n",
+        )
+    )
+    trials = random_trials(spec, count=20, seed=3)
+    assert trials == random_trials(spec, count=20, seed=3)  # a relaunched sweep draws the same trials
+    assert all(0.001 <= t["model.init_args.lr"] <= 0.1 and t["model.init_args.width"] in (8, 16) for t in trials)
+    assert len({t["model.init_args.lr"] for t in trials}) == 20
+    assert trial_arguments(trials[0])[1:] == [
+        f"--model.init_args.width={trials[0]['model.init_args.width']}",
+        "--trainer.deterministic=true",
+    ]
+    grid = SweepSpec("grid", "m", "minimize", {"a": {"values": [1, 2]}, "b": {"values": ["x", "y"]}}, None, {})
+    assert grid_trials(grid) == [{"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y"}]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("method: grid\nparameters: {a: {values: [1]}}\n", "metric.name is required"),
+        ("method: hyperband\nmetric: {name: m}\nparameters: {a: {values: [1]}}\n", "method must be grid, random"),
+        ("metric: {name: m}\nparameters: {model: {parameters: {lr: {value: 1}}}}\n", "write nested keys dotted"),
+        ("metric: {name: m, goal: up}\nparameters: {a: {value: 1}}\n", "goal must be maximize or minimize"),
+        ("metric: {name: m}\nparameters: {}\n", "parameters is empty"),
+    ],
+)
+def test_bad_sweep_files_are_named(tmp_path, text, message):
+    with pytest.raises(BadInputError, match=message):
+        load_sweep(_sweep_file(tmp_path, text))
+
+
+def test_a_typo_in_a_swept_key_fails_at_once_naming_it_and_nothing_is_created(tmp_path):
+    sweep = _sweep_file(
+        tmp_path,
+        "method: grid\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
+        "  model.init_args.lr: {values: [0.01, 0.1]}\n  model.init_args.widht: {values: [8, 16]}\n",
+    )
+    result = run_cli(["sweep", *BASE, "--sweep", str(sweep)], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "sweep parameter 'model.init_args.widht'" in result.stderr
+    assert "valid keys under model.init_args:" in result.stderr and "width" in result.stderr
+    assert len(result.stderr.splitlines()) <= 15
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_value_of_the_wrong_type_fails_naming_key_and_value(tmp_path):
+    sweep = _sweep_file(
+        tmp_path, "metric: {name: val/acc}\nparameters:\n  model.init_args.lr: {values: [0.01, fast]}\n"
+    )
+    result = run_cli(["sweep", *BASE, "--sweep", str(sweep)], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "sweep parameter 'model.init_args.lr' (value 'fast')" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.multiprocess
+def test_local_grid_on_two_process_trials_ranks_results_and_every_rank_gets_the_same_values(tmp_path):
+    sweep = _sweep_file(
+        tmp_path,
+        "method: grid\nmetric: {name: train/loss, goal: minimize}\nparameters:\n"
+        "  model.init_args.lr: {values: [0.0001, 0.1]}\n",
+    )
+    args = [
+        "sweep",
+        *BASE,
+        "--sweep",
+        str(sweep),
+        "--sweep_dir=sweep",
+        "--trainer.devices=2",
+        "--trainer.max_steps=4",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=tests.helpers.RecordHyperparameters",
+    ]
+    result = run_cli(args, cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for number, lr in enumerate([0.0001, 0.1]):
+        folder = tmp_path / "sweep" / f"trial-{number:03d}"
+        seen = [json.loads((folder / f"hparams-rank{rank}.json").read_text())["lr"] for rank in (0, 1)]
+        assert seen == [lr, lr], "both ranks of a trial train with the trial's values"
+    losses = {
+        number: json.loads((tmp_path / "sweep" / f"trial-{number:03d}" / "metrics.json").read_text())["metrics"][
+            "train/loss"
+        ]
+        for number in (0, 1)
+    }
+    best = min(losses, key=losses.get)
+    table = result.stdout[result.stdout.index("rank  trial") :].splitlines()
+    assert table[1].split()[:3] == ["1", f"trial-{best:03d}", f"{losses[best]:.6g}"]  # best first
+    assert table[2].split()[0] == "2" and table[3] == "Results: sweep/results.csv"
+    csv_rows = (tmp_path / "sweep" / "results.csv").read_text().splitlines()
+    assert csv_rows[0] == "trial,train/loss,model.init_args.lr,status,seconds" and csv_rows[1].startswith(
+        f"trial-{best:03d},"
+    )
+    # The same sweep again: finished trials are read, not trained again.
+    again = run_cli(args, cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout.count(": done earlier") == 2
+
+
+def test_wandb_mode_needs_a_key_and_its_agent_command_is_our_cli(tmp_path):
+    sweep = _sweep_file(
+        tmp_path,
+        "method: bayes\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
+        "  model.init_args.lr: {distribution: log_uniform_values, min: 0.001, max: 0.1}\n",
+    )
+    env = {"WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc"), "WANDB_MODE": "offline"}
+    refused = run_cli(["sweep", *BASE, "--sweep", str(sweep), "--mode", "wandb"], cwd=tmp_path, env=env)
+    assert refused.returncode == 2 and "needs a W&B server and an API key" in refused.stderr
+    local_bayes = run_cli(["sweep", *BASE, "--sweep", str(sweep)], cwd=tmp_path, env=env)
+    assert local_bayes.returncode == 2 and "bayes needs the W&B server" in local_bayes.stderr
+
+    shown = run_cli(["sweep", *BASE, "--sweep", str(sweep), "--mode", "wandb", "--dry_run"], cwd=tmp_path, env=env)
+    assert shown.returncode == 0, shown.stderr
+    config = json.loads(shown.stdout[shown.stdout.index("{") :])
+    assert config["method"] == "bayes" and config["metric"]["name"] == "val/acc"
+    command = config["command"]
+    assert command[0] == "${env}" and command[-1] == "${args}" and command[2:5] == ["-m", "lightning_mlopt", "fit"]
+    # What a W&B agent runs: ${args} becomes --key=value; our CLI accepts it as is.
+    agent_args = [*command[5:-1], "--model.init_args.lr=0.0123"]
+    parsed = check_arguments(agent_args)
+    assert parsed["model"]["init_args"]["lr"] == pytest.approx(0.0123)
