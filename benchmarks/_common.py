@@ -76,18 +76,31 @@ def gpt_step_time(
 
     Run inside a worker process: Lightning launches the second rank by re-running that command.
     """
+    gaps = gpt_step_gaps(strategy, callbacks, steps)
+    return None if gaps is None else median([seconds for step, seconds in gaps if step >= warmup])
+
+
+def gpt_step_gaps(
+    strategy: object, callbacks: Sequence[object] = (), steps: int = 60
+) -> list[tuple[int, float]] | None:
+    """Like ``gpt_step_time``, but every step's wall time (end to end), with the global step it started at."""
     import time
 
     import lightning.pytorch as pl
+    import torch.distributed as dist
 
     from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
 
     class StepTimer(pl.Callback):
         def __init__(self) -> None:
-            self.ends: list[float] = []
+            self.ends: list[tuple[int, float]] = []
+            self.step = 0
+
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+            self.step = trainer.global_step
 
         def on_train_batch_end(self, *args: object) -> None:
-            self.ends.append(time.perf_counter())
+            self.ends.append((self.step, time.perf_counter()))
 
     pl.seed_everything(0, verbose=False)
     timer = StepTimer()
@@ -105,10 +118,12 @@ def gpt_step_time(
     )
     model = GPTLanguageModel(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
     trainer.fit(model, TokenDataModule(num_sequences=steps * 32, batch_size=16))
+    # As the CLI does: no rank may exit while another is still inside gloo (its thread would abort it).
+    trainer.strategy.barrier()
+    dist.destroy_process_group()
     if not trainer.is_global_zero:
         return None
-    gaps = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
-    return median(gaps)
+    return [(step, end - previous) for (_, previous), (step, end) in zip(timer.ends, timer.ends[1:], strict=False)]
 
 
 def run_worker(script: str, mode: str, steps: int, warmup: int) -> dict:

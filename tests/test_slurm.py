@@ -2,43 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import random
 import subprocess
-import sys
 
 import pytest
 
 from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.launch.slurm import check_task_count, time_limit_seconds
-from tests.conftest import CONFIGS, REPO, run_cli
-
-# srun as SLURM runs it: one task per SLURM_NTASKS with SLURM_PROCID/LOCALID/NODEID, exit status the highest
-# of the tasks'. Like `#SBATCH --signal=USR1@N`, it sends SIGUSR1 to every task, here once the run has
-# committed its first checkpoint (STANDIN_SIGNAL_AFTER_GLOB), so the job is interrupted mid-training.
-SRUN = """#!{python}
-import glob, os, signal, subprocess, sys, time
-args = sys.argv[1:]
-while args and args[0].startswith("-"):
-    args.pop(0)
-tasks, per_node = int(os.environ["SLURM_NTASKS"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
-with open(os.environ["STANDIN_LOG"], "a") as log:
-    log.write("srun " + " ".join(args) + "\\n")
-procs = [subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % per_node),
-                                      "SLURM_NODEID": str(r // per_node)}}) for r in range(tasks)]
-pattern, signalled = os.environ.get("STANDIN_SIGNAL_AFTER_GLOB"), False
-while any(p.poll() is None for p in procs):
-    if pattern and not signalled and glob.glob(pattern):
-        for p in procs:
-            p.send_signal(signal.SIGUSR1)
-        signalled = True
-    time.sleep(0.1)
-sys.exit(max(p.returncode for p in procs))
-"""
-SCONTROL = """#!/bin/sh
-echo "scontrol $*" >> "$STANDIN_LOG"
-"""
+from tests.conftest import CONFIGS, run_cli
+from tests.slurm_standins import slurm_environment
 
 
 def test_time_limits_and_task_counts():
@@ -104,17 +76,11 @@ def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path):
         "#SBATCH --requeue",
     ]:
         assert line in script.splitlines()
-    assert "--trainer.num_nodes=2 --trainer.devices=8" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert "--trainer.num_nodes=2 --trainer.devices=8" in script and 'scontrol requeue "$job"' in script
 
 
 @pytest.mark.multiprocess
 def test_the_generated_script_saves_on_the_signal_requeues_and_the_requeued_job_resumes(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(SRUN.format(python=sys.executable))
-    (bin_dir / "scontrol").write_text(SCONTROL)
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
     generated = run_cli(
         [
             "slurm",
@@ -143,22 +109,8 @@ def test_the_generated_script_saves_on_the_signal_requeues_and_the_requeued_job_
     )
     assert generated.returncode == 0, generated.stderr
     run_dir = tmp_path / generated.stdout.split("Run directory: ")[1].split()[0]
-    job_id = str(random.randint(20000, 29999))
-    slurm_env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "PYTHONPATH": str(REPO),
-        "STANDIN_LOG": str(tmp_path / "calls.log"),
-        "SLURM_JOB_ID": job_id,
-        "SLURM_JOB_NAME": "quickstart",
-        "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_NNODES": "1",
-        "SLURM_JOB_NUM_NODES": "1",
-        "SLURM_NODELIST": "127.0.0.1",
-    }
-    slurm_env.pop("MASTER_PORT", None)
-    slurm_env.pop("MASTER_ADDR", None)
+    slurm_env = slurm_environment(tmp_path, tasks_per_node=2, job_name="quickstart")
+    job_id = slurm_env["SLURM_JOB_ID"]
 
     def sbatch_runs(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

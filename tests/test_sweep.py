@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.cli import check_arguments
 from lightning_mlopt.launch.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
 from tests.conftest import CONFIGS, run_cli
+from tests.slurm_standins import slurm_environment
 
 BASE = ["--config", str(CONFIGS / "quickstart.yaml")]
 
@@ -150,3 +152,69 @@ def test_wandb_mode_needs_a_key_and_its_agent_command_is_our_cli(tmp_path):
     agent_args = [*command[5:-1], "--model.init_args.lr=0.0123"]
     parsed = check_arguments(agent_args)
     assert parsed["model"]["init_args"]["lr"] == pytest.approx(0.0123)
+
+
+@pytest.mark.multiprocess
+def test_a_sweep_as_a_slurm_job_array_runs_one_trial_per_array_task_and_the_results_are_read_back(tmp_path):
+    sweep = _sweep_file(
+        tmp_path,
+        "method: grid\nmetric: {name: train/loss, goal: minimize}\nparameters:\n"
+        "  model.init_args.lr: {values: [0.0001, 0.1]}\n",
+    )
+    fit_args = [
+        "--trainer.devices=auto",
+        "--trainer.max_steps=3",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=tests.helpers.RecordHyperparameters",
+    ]
+    sweep_args = ["sweep", *BASE, "--sweep", str(sweep), "--sweep_dir=sweep", *fit_args]
+    emitted = run_cli(
+        [*sweep_args, "--slurm", "--nodes", "1", "--gpus_per_node", "2", "--max_parallel", "1", "--time", "01:00:00"],
+        cwd=tmp_path,
+    )
+    assert emitted.returncode == 0, emitted.stderr
+    script = (tmp_path / "sweep" / "sweep.sbatch").read_text()
+    assert "#SBATCH --array=0-1%1" in script.splitlines() and "--trial=$SLURM_ARRAY_TASK_ID" in script
+    assert "--slurm" not in script.split("srun ", 1)[1]  # each array task runs a trial, not another array
+    assert not list((tmp_path / "sweep").glob("trial-*"))  # nothing ran yet
+
+    env = slurm_environment(tmp_path, tasks_per_node=2, job_name="sweep")
+    for task in ("0", "1"):
+        done = subprocess.run(
+            ["bash", "sweep/sweep.sbatch"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**env, "SLURM_ARRAY_JOB_ID": "777", "SLURM_ARRAY_TASK_ID": task},
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for number, lr in enumerate([0.0001, 0.1]):
+        folder = tmp_path / "sweep" / f"trial-{number:03d}"
+        assert [json.loads((folder / f"hparams-rank{r}.json").read_text())["lr"] for r in (0, 1)] == [lr, lr]
+    table = run_cli([*sweep_args, "--results"], cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    rows = table.stdout[table.stdout.index("rank  trial") :].splitlines()[1:3]
+    assert [row.split()[0] for row in rows] == ["1", "2"] and all(row.split()[-1] == "done" for row in rows)
+
+
+def test_results_of_trials_an_agent_ran_are_read_from_their_run_directories(tmp_path):
+    from lightning_mlopt.launch.sweep import collect_run_dirs, results_table
+
+    spec = SweepSpec("bayes", "val/acc", "maximize", {"model.init_args.lr": {"min": 0.001, "max": 0.1}}, None, {})
+    for name, lr, acc in (("quickstart-aaaa1111", 0.01, 0.81), ("quickstart-bbbb2222", 0.05, 0.93)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.yaml").write_text(f"model:\n  init_args:\n    lr: {lr}\n")
+        (folder / "metrics.json").write_text(json.dumps({"metrics": {"val/acc": acc}}))
+    (tmp_path / "quickstart-cccc3333").mkdir()
+    (tmp_path / "quickstart-cccc3333" / "config.yaml").write_text("model:\n  init_args:\n    lr: 0.09\n")  # crashed
+    rows = results_table(collect_run_dirs(spec, tmp_path), spec).splitlines()[1:]
+    assert [row.split()[:4] for row in rows] == [
+        ["1", "quickstart-bbbb2222", "0.93", "0.05"],
+        ["2", "quickstart-aaaa1111", "0.81", "0.01"],
+        ["-", "quickstart-cccc3333", "-", "0.09"],
+    ]

@@ -15,6 +15,7 @@ import re
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -76,53 +77,62 @@ def check_task_count(trainer: dict[str, Any], nodes: int, gpus_per_node: int) ->
         raise BadInputError(f"trainer.num_nodes is {num_nodes} in the config but --nodes is {nodes}; make them equal")
 
 
+@dataclass(frozen=True)
+class SlurmJob:
+    """What the sbatch directives ask for (``add_slurm_arguments`` defines the flags)."""
+
+    nodes: int
+    gpus_per_node: int
+    gpus: bool = True  # False for trainer.accelerator: cpu (no GPU request)
+    job_name: str = "lightning_mlopt"
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    cpus_per_task: int | None = None
+    signal_seconds: int = 120
+
+    @property
+    def tasks(self) -> int:
+        """One task per device over all nodes."""
+        return self.nodes * self.gpus_per_node
+
+
 def sbatch_script(
-    fit_args: Sequence[str],
-    run_dir: Path,
-    nodes: int,
-    gpus_per_node: int,
+    command: Sequence[str],
+    log_dir: Path,
+    job: SlurmJob,
     *,
-    gpus: bool = True,
-    job_name: str = "lightning_mlopt",
-    time: str | None = None,
-    partition: str | None = None,
-    account: str | None = None,
-    cpus_per_task: int | None = None,
-    signal_seconds: int = 120,
     requeue_exit_code: int = 75,
+    array: str | None = None,
     workdir: Path | None = None,
+    script_path: Path | None = None,
 ) -> str:
-    """The text of an sbatch script that trains ``fit_args`` on ``nodes`` x ``gpus_per_node`` tasks."""
-    run_dir = run_dir.resolve()
+    """The text of an sbatch script that runs ``command`` under ``srun`` on ``job.tasks`` tasks.
+
+    With ``array`` (e.g. ``0-23%4``) it is a job array: ``$SLURM_ARRAY_TASK_ID`` may appear in ``command``,
+    and a requeue targets the one array task.
+    """
+    log_dir = log_dir.resolve()
     directives = [
-        f"--job-name={job_name}",
-        f"--nodes={nodes}",
-        f"--ntasks-per-node={gpus_per_node}",
-        *([f"--gpus-per-node={gpus_per_node}"] if gpus else []),
-        *([f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []),
-        *([f"--time={time}"] if time else []),
-        *([f"--partition={partition}"] if partition else []),
-        *([f"--account={account}"] if account else []),
-        f"--signal=USR1@{signal_seconds}",
+        f"--job-name={job.job_name}",
+        f"--nodes={job.nodes}",
+        f"--ntasks-per-node={job.gpus_per_node}",
+        *([f"--gpus-per-node={job.gpus_per_node}"] if job.gpus else []),
+        *([f"--cpus-per-task={job.cpus_per_task}"] if job.cpus_per_task else []),
+        *([f"--time={job.time}"] if job.time else []),
+        *([f"--partition={job.partition}"] if job.partition else []),
+        *([f"--account={job.account}"] if job.account else []),
+        *([f"--array={array}"] if array else []),
+        f"--signal=USR1@{job.signal_seconds}",
         "--requeue",
         "--open-mode=append",
-        f"--output={run_dir}/slurm-%j.out",
+        f"--output={log_dir}/slurm-{'%A_%a' if array else '%j'}.out",
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_mlopt",
-        "fit",
-        *fit_args,
-        f"--trainer.num_nodes={nodes}",
-        f"--trainer.devices={gpus_per_node}",
-        f"--run_dir={run_dir}",
-    ]
-    expected = nodes * gpus_per_node
+    quoted = " ".join(arg if "$SLURM_ARRAY_TASK_ID" in arg else shlex.quote(arg) for arg in command)
+    where = script_path or log_dir / "job.sbatch"
     lines = [
         "#!/bin/bash",
-        "# Written by `python -m lightning_mlopt slurm`; submit with: sbatch "
-        + shlex.quote(str(run_dir / "job.sbatch")),
+        "# Written by lightning_mlopt; submit with: sbatch " + shlex.quote(str(where)),
         *[f"#SBATCH {directive}" for directive in directives],
         "",
         "# SLURM sends SIGUSR1 to every task --signal seconds before the time limit (and SIGTERM on preemption):",
@@ -131,23 +141,80 @@ def sbatch_script(
         "set -uo pipefail",
         f"cd {shlex.quote(str((workdir or Path.cwd()).resolve()))}",
         "export PYTHONUNBUFFERED=1",
-        f'if [ "${{SLURM_NTASKS:-{expected}}}" != "{expected}" ]; then',
-        f'  echo "error: SLURM allocated $SLURM_NTASKS tasks but the run needs {nodes} x {gpus_per_node} = {expected}'
-        ' (one per device); resubmit with matching --nodes/--ntasks-per-node" >&2',
+        f'if [ "${{SLURM_NTASKS:-{job.tasks}}}" != "{job.tasks}" ]; then',
+        f'  echo "error: SLURM allocated $SLURM_NTASKS tasks but the run needs {job.nodes} x {job.gpus_per_node} = '
+        f'{job.tasks} (one per device); resubmit with matching --nodes/--ntasks-per-node" >&2',
         "  exit 2",
         "fi",
-        f'echo "job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {nodes} node(s) x {gpus_per_node} tasks, '
-        f'run directory {run_dir}"',
-        "srun " + shlex.join(command),
+        # An array task is requeued as <array job>_<task>, a plain job by its id.
+        'job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"',
+        'job="${job:-$SLURM_JOB_ID}"',
+        f'echo "job $job (restart ${{SLURM_RESTART_COUNT:-0}}): {job.nodes} node(s) x {job.gpus_per_node} tasks, '
+        f'logs in {log_dir}"',
+        "srun " + quoted,
         "status=$?",
         f'if [ "$status" -eq {requeue_exit_code} ]; then',
-        '  echo "checkpoint saved after a signal; requeueing job $SLURM_JOB_ID"',
-        '  scontrol requeue "$SLURM_JOB_ID"',
+        '  echo "checkpoint saved after a signal; requeueing job $job"',
+        '  scontrol requeue "$job"',
         "fi",
         'exit "$status"',
         "",
     ]
     return "\n".join(lines)
+
+
+def add_slurm_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """The sbatch flags shared by ``slurm`` and ``sweep --slurm``."""
+    parser.add_argument("--nodes", type=int, required=required, default=None)
+    parser.add_argument("--gpus_per_node", type=int, required=required, default=None, help="devices (= tasks) per node")
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--time", default=None, help="time limit, e.g. 04:00:00 or 1-12:00:00")
+    parser.add_argument("--account", default=None)
+    parser.add_argument("--job_name", default=None, help="default: the config file stems")
+    parser.add_argument("--cpus_per_task", type=int, default=None)
+    parser.add_argument("--signal_seconds", type=int, default=120, help="SIGUSR1 this long before the time limit")
+
+
+def slurm_job(options: argparse.Namespace, trainer: dict[str, Any], default_name: str) -> SlurmJob:
+    """Check the sbatch flags against each other and the config's trainer section; raise BadInputError."""
+    if options.nodes is None or options.gpus_per_node is None:
+        raise BadInputError("--nodes and --gpus_per_node are required for a SLURM script")
+    if options.nodes < 1 or options.gpus_per_node < 1:
+        raise BadInputError("--nodes and --gpus_per_node must be >= 1")
+    if options.signal_seconds < 1:
+        raise BadInputError(f"--signal_seconds must be >= 1, got {options.signal_seconds}")
+    if options.time and time_limit_seconds(options.time) <= options.signal_seconds:
+        raise BadInputError(
+            f"--time {options.time} leaves no time before the SIGUSR1 sent {options.signal_seconds}s before it"
+        )
+    for name in ("partition", "account", "job_name"):
+        value = getattr(options, name)
+        if value is not None and not _NAME.match(value):
+            raise BadInputError(f"--{name} {value!r}: letters, digits and . _ + - only")
+    check_task_count(trainer, options.nodes, options.gpus_per_node)
+    return SlurmJob(
+        nodes=options.nodes,
+        gpus_per_node=options.gpus_per_node,
+        gpus=trainer.get("accelerator") != "cpu",
+        job_name=options.job_name or default_name,
+        time=options.time,
+        partition=options.partition,
+        account=options.account,
+        cpus_per_task=options.cpus_per_task,
+        signal_seconds=options.signal_seconds,
+    )
+
+
+def requeue_exit_code(config: dict[str, Any]) -> int:
+    """The exit status FaultTolerantCheckpoint uses after a signal-triggered save, from the config."""
+    return int((config.get("checkpoint") or {}).get("exit_code") or 75)
+
+
+def write_script(path: Path, text: str) -> None:
+    """Write an executable script, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
 
 
 def _without_run_dir(args: Sequence[str]) -> list[str]:
@@ -175,14 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Write an sbatch script for `fit`. Other arguments (e.g. --trainer.max_steps=1000) go to fit.",
     )
     parser.add_argument("--config", "-c", action="append", required=True, help="config file(s), in order")
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus_per_node", type=int, required=True, help="devices (= tasks) per node")
-    parser.add_argument("--partition", default=None)
-    parser.add_argument("--time", default=None, help="time limit, e.g. 04:00:00 or 1-12:00:00")
-    parser.add_argument("--account", default=None)
-    parser.add_argument("--job_name", default=None, help="default: the config file stems")
-    parser.add_argument("--cpus_per_task", type=int, default=None)
-    parser.add_argument("--signal_seconds", type=int, default=120, help="SIGUSR1 this long before the time limit")
+    add_slurm_arguments(parser)
     parser.add_argument("--output", default=None, help="script path; default: <run_dir>/job.sbatch")
     return parser
 
@@ -193,51 +253,34 @@ def main(argv: Sequence[str]) -> int:
 
     options, extra = _parser().parse_known_args(list(argv))
     fit_args = [arg for path in options.config for arg in ("--config", path)] + extra
+    stems = "-".join(Path(path).stem for path in options.config)
     try:
-        if options.nodes < 1 or options.gpus_per_node < 1:
-            raise BadInputError("--nodes and --gpus_per_node must be >= 1")
-        if options.signal_seconds < 1:
-            raise BadInputError(f"--signal_seconds must be >= 1, got {options.signal_seconds}")
-        if options.time and time_limit_seconds(options.time) <= options.signal_seconds:
-            raise BadInputError(
-                f"--time {options.time} leaves no time before the SIGUSR1 sent {options.signal_seconds}s before it"
-            )
-        for name in ("partition", "account", "job_name"):
-            value = getattr(options, name)
-            if value is not None and not _NAME.match(value):
-                raise BadInputError(f"--{name} {value!r}: letters, digits and . _ + - only")
+        slurm_job(options, {}, stems)  # the flags alone first: cheap, before parsing the config
         config = check_arguments(fit_args).as_dict()
-        check_task_count(config.get("trainer") or {}, options.nodes, options.gpus_per_node)
+        job = slurm_job(options, config.get("trainer") or {}, stems)
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")
         return 2
     trainer = config.get("trainer") or {}
-    resolved = {**config, "trainer": {**trainer, "num_nodes": options.nodes, "devices": options.gpus_per_node}}
+    resolved = {**config, "trainer": {**trainer, "num_nodes": job.nodes, "devices": job.gpus_per_node}}
     root = trainer.get("default_root_dir") or "runs"
     run_dir = (
         Path(config["run_dir"]) if config.get("run_dir") else default_run_dir(root, config_paths(fit_args), resolved)
-    )
-    fit_args = _without_run_dir(fit_args)  # the script names it explicitly
-    stems = "-".join(Path(path).stem for path in options.config)
-    script = sbatch_script(
-        fit_args,
-        run_dir,
-        options.nodes,
-        options.gpus_per_node,
-        gpus=trainer.get("accelerator") != "cpu",
-        job_name=options.job_name or stems,
-        time=options.time,
-        partition=options.partition,
-        account=options.account,
-        cpus_per_task=options.cpus_per_task,
-        signal_seconds=options.signal_seconds,
-        requeue_exit_code=int((config.get("checkpoint") or {}).get("exit_code") or 75),
-    )
+    ).resolve()
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_mlopt",
+        "fit",
+        *_without_run_dir(fit_args),
+        f"--trainer.num_nodes={job.nodes}",
+        f"--trainer.devices={job.gpus_per_node}",
+        f"--run_dir={run_dir}",
+    ]
     target = Path(options.output) if options.output else run_dir / "job.sbatch"
     run_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens the --output file there before the job starts
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(script)
-    target.chmod(0o755)
-    print(f"Wrote {target} ({options.nodes} node(s) x {options.gpus_per_node} tasks). Submit with: sbatch {target}")
+    script = sbatch_script(command, run_dir, job, requeue_exit_code=requeue_exit_code(config), script_path=target)
+    write_script(target, script)
+    print(f"Wrote {target} ({job.nodes} node(s) x {job.gpus_per_node} tasks). Submit with: sbatch {target}")
     print(f"Run directory: {run_dir} (checkpoints, logs, slurm-<job id>.out)")
     return 0

@@ -31,17 +31,20 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 import yaml
 
 from lightning_mlopt._bad_input import BadInputError
+from lightning_mlopt.launch.slurm import add_slurm_arguments
 
 _LOCAL_DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "normal", "categorical")
 Trial = dict[str, Any]
@@ -233,42 +236,117 @@ class TrialResult:
     metric: float | None
     status: str
     seconds: float
+    exit_code: int = 0
 
 
-def run_local(base_args: Sequence[str], spec: SweepSpec, trials: Sequence[Trial], sweep_dir: Path) -> list[TrialResult]:
-    """Run the trials one after another; a trial that finished before is read, not run again."""
+def run_local(
+    base_args: Sequence[str],
+    spec: SweepSpec,
+    trials: Sequence[Trial],
+    sweep_dir: Path,
+    only: int | None = None,
+) -> list[TrialResult]:
+    """Run the trials one after another (or just trial ``only``); a finished trial is read, not run again."""
     results: list[TrialResult] = []
     durations: list[float] = []
     env = {**os.environ, "WANDB_RUN_GROUP": sweep_dir.name}  # a WandbTracker groups the trials in W&B
-    env.pop("MASTER_PORT", None)  # each trial's ranks pick a free port
+    if "SLURM_NTASKS" not in env:
+        env.pop("MASTER_PORT", None)  # each trial's ranks pick a free port (under srun, SLURM's rules hold)
     for number, trial in enumerate(trials):
+        if only is not None and number != only:
+            continue
         name = f"trial-{number:03d}"
         folder = sweep_dir / name
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "params.json").write_text(json.dumps(trial, indent=2, sort_keys=True))
         metric = _read_metric(folder, spec.metric)
         if metric is not None:
-            results.append(TrialResult(name, trial, metric, "done earlier", 0.0))
+            results.append(TrialResult(name, trial, metric, "done earlier", 0.0, 0))
             print(f"[{number + 1}/{len(trials)}] {name}: done earlier, {spec.metric}={metric:.4g}", flush=True)
             continue
         command = [sys.executable, "-m", "lightning_mlopt", "fit", *base_args, *trial_arguments(trial)]
         command.append(f"--run_dir={folder}")
         started = time.monotonic()
         with open(folder / "output.log", "ab") as log:
-            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            code, signalled = _run_forwarding_signals(command, log, env)
         seconds = time.monotonic() - started
         durations.append(seconds)
         metric = _read_metric(folder, spec.metric)
         status = "ok" if code == 0 and metric is not None else f"failed (exit {code})" if code else "no metric"
-        results.append(TrialResult(name, trial, metric, status, seconds))
-        left = len(trials) - number - 1
+        results.append(TrialResult(name, trial, metric, status, seconds, code))
+        left = (len(trials) - number - 1) if only is None else 0
         eta = datetime.timedelta(seconds=round(left * sum(durations) / len(durations)))
         shown = f"{spec.metric}={metric:.4g}" if metric is not None else status
         print(
             f"[{number + 1}/{len(trials)}] {name} ({_describe(trial)}): {shown} in {seconds:.0f}s, eta {eta}",
             flush=True,
         )
+        if signalled:
+            print(f"Stopped after {name}: the sweep was signalled (the trial saved and can resume)", flush=True)
+            break
     return results
+
+
+_FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _run_forwarding_signals(command: Sequence[str], log: IO[bytes], env: dict[str, str]) -> tuple[int, bool]:
+    """Run a trial, forwarding SIGTERM/SIGUSR1 sent to the sweep (preemption, a SLURM time limit) to it.
+
+    The trial's FaultTolerantCheckpoint saves and exits 75, instead of the signal killing the sweep and
+    orphaning the trial. Returns the trial's exit status and whether a signal came.
+    """
+    child = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env)
+    received: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {number: signal.signal(number, forward) for number in _FORWARDED} if in_main_thread else {}
+    try:
+        return child.wait(), bool(received)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def collect_results(spec: SweepSpec, trials: Sequence[Trial], sweep_dir: Path) -> list[TrialResult]:
+    """What is on disk for each trial (its ``metrics.json``), without running anything."""
+    results = []
+    for number, trial in enumerate(trials):
+        name = f"trial-{number:03d}"
+        metric = _read_metric(sweep_dir / name, spec.metric)
+        started = (sweep_dir / name / "params.json").is_file()
+        status = "done" if metric is not None else "not finished" if started else "not started"
+        results.append(TrialResult(name, trial, metric, status, 0.0))
+    return results
+
+
+def collect_run_dirs(spec: SweepSpec, sweep_dir: Path) -> list[TrialResult]:
+    """Results of the trials a W&B agent ran under ``sweep_dir``.
+
+    Each trial's values come from its resolved ``config.yaml`` (the CLI writes it), its metric from
+    ``metrics.json``.
+    """
+    results = []
+    for config_path in sorted(sweep_dir.glob("*/config.yaml")):
+        config = yaml.safe_load(config_path.read_text()) or {}
+        trial = {key: _lookup(config, key) for key in spec.parameters}
+        metric = _read_metric(config_path.parent, spec.metric)
+        results.append(TrialResult(config_path.parent.name, trial, metric, "done" if metric is not None else "-", 0.0))
+    return results
+
+
+def _lookup(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def _read_metric(folder: Path, name: str) -> float | None:
@@ -340,7 +418,84 @@ def run_wandb(spec: SweepSpec, base_args: Sequence[str], sweep_dir: Path, option
     print(f"W&B sweep {sweep_id}: more agents with `wandb agent <entity>/{options.project}/{sweep_id}`", flush=True)
     target = "/".join(part for part in (options.entity, options.project, sweep_id) if part)
     agent = [sys.executable, "-m", "wandb", "agent", *(["--count", str(options.count)] if options.count else [])]
-    return subprocess.call([*agent, target])
+    status = subprocess.call([*agent, target])
+    results = collect_run_dirs(spec, sweep_dir)  # the trials this and other agents ran into sweep_dir
+    if results:
+        print(results_table(results, spec))
+        print(f"Results: {write_results(results, spec, sweep_dir)}")
+    return status
+
+
+def write_slurm_array(
+    argv: Sequence[str],
+    options: argparse.Namespace,
+    base_args: Sequence[str],
+    trials: Sequence[Trial],
+    sweep_dir: Path,
+) -> Path:
+    """Write an sbatch job array with one task per trial (``--max_parallel`` at a time).
+
+    Each array task runs this sweep with ``--trial $SLURM_ARRAY_TASK_ID`` on ``--nodes`` x ``--gpus_per_node``
+    tasks; a trial saved after a signal is requeued as its own array task and resumes.
+    """
+    from lightning_mlopt.cli import check_arguments
+    from lightning_mlopt.launch.slurm import requeue_exit_code, sbatch_script, slurm_job, write_script
+
+    config = check_arguments(base_args).as_dict()
+    job = slurm_job(options, config.get("trainer") or {}, f"sweep-{sweep_dir.name}")
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_mlopt",
+        "sweep",
+        *_without_options(argv, _SLURM_ONLY_FLAGS),
+        f"--sweep_dir={sweep_dir.resolve()}",
+        "--trial=$SLURM_ARRAY_TASK_ID",
+        f"--trainer.num_nodes={job.nodes}",
+        f"--trainer.devices={job.gpus_per_node}",
+    ]
+    array = f"0-{len(trials) - 1}" + (f"%{options.max_parallel}" if options.max_parallel else "")
+    path = sweep_dir / "sweep.sbatch"
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    script = sbatch_script(
+        command, sweep_dir, job, requeue_exit_code=requeue_exit_code(config), array=array, script_path=path
+    )
+    write_script(path, script)
+    return path
+
+
+# Flags of `sweep` that describe the SLURM array itself, not what each array task runs.
+_SLURM_ONLY_FLAGS = (
+    "--slurm",
+    "--nodes",
+    "--gpus_per_node",
+    "--partition",
+    "--time",
+    "--account",
+    "--job_name",
+    "--cpus_per_task",
+    "--signal_seconds",
+    "--max_parallel",
+    "--sweep_dir",
+    "--dry_run",
+)
+_FLAGS_WITHOUT_VALUE = ("--slurm", "--dry_run")
+
+
+def _without_options(argv: Sequence[str], names: Sequence[str]) -> list[str]:
+    """``argv`` without the given options, as ``--name value`` or ``--name=value``."""
+    kept: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in names:
+            skip_next = "=" not in arg and name not in _FLAGS_WITHOUT_VALUE
+            continue
+        kept.append(arg)
+    return kept
 
 
 # ---------------------------------------------------------------------- command line
@@ -367,6 +522,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--project", default="lightning_mlopt", help="W&B project (--mode wandb)")
     parser.add_argument("--entity", default=None, help="W&B entity (--mode wandb)")
     parser.add_argument("--dry_run", action="store_true", help="check and print the trials; run nothing")
+    parser.add_argument("--trial", type=int, default=None, help="run only trial K (0-based), e.g. in a job array")
+    parser.add_argument("--results", action="store_true", help="print the results table from disk; run nothing")
+    slurm = parser.add_argument_group("SLURM job array (--slurm): one array task per trial")
+    slurm.add_argument("--slurm", action="store_true", help="write <sweep_dir>/sweep.sbatch instead of running")
+    slurm.add_argument("--max_parallel", type=int, default=None, help="array tasks running at once")
+    add_slurm_arguments(slurm, required=False)  # type: ignore[arg-type]
     return parser
 
 
@@ -395,6 +556,11 @@ def main(argv: Sequence[str]) -> int:
                 trials = random_trials(spec, count, options.seed)
         else:
             trials = []  # W&B draws them; the keys and their bounds are still checked below
+        if options.trial is not None and not 0 <= options.trial < len(trials):
+            raise BadInputError(f"--trial {options.trial}: this sweep has trials 0..{len(trials) - 1}")
+        if (options.slurm or options.trial is not None) and options.mode != "local":
+            raise BadInputError("--slurm and --trial run trials of a local-mode sweep; drop --mode wandb")
+        # Every rank of an array task runs this check too: it is cheap, and a bad argument stops all of them.
         check_trials(base_args, spec, trials)
         sweep_dir = Path(options.sweep_dir) if options.sweep_dir else _default_sweep_dir(options.sweep, base_args, spec)
         if options.dry_run:
@@ -403,9 +569,22 @@ def main(argv: Sequence[str]) -> int:
             return 0
         if options.mode == "wandb":
             return run_wandb(spec, base_args, sweep_dir, options)
+        if options.slurm:
+            path = write_slurm_array(argv, options, base_args, trials, sweep_dir)
+            print(f"Wrote {path}: a job array of {len(trials)} trials. Submit with: sbatch {path}")
+            print(f"Results so far: python -m lightning_mlopt sweep <same arguments> --sweep_dir={sweep_dir} --results")
+            return 0
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")
         return 2
+    if options.results:
+        results = collect_results(spec, trials, sweep_dir)
+        print(results_table(results, spec))
+        print(f"Results: {write_results(results, spec, sweep_dir)}")
+        return 0
+    if options.trial is not None:
+        (result,) = run_local(base_args, spec, trials, sweep_dir, only=options.trial)
+        return result.exit_code  # 75 after a signal-triggered save: the script requeues the array task
     print(f"Sweep of {len(trials)} trials in {sweep_dir}, ranked by {spec.metric} ({spec.goal})", flush=True)
     results = run_local(base_args, spec, trials, sweep_dir)
     print(results_table(results, spec))
