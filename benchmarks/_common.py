@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import platform
 import statistics
@@ -51,6 +52,26 @@ def versions() -> str:
 def median(values: Sequence[float]) -> float:
     """Median of repeats: robust to the one run the OS scheduler disturbed."""
     return statistics.median(values)
+
+
+def worker_parser(
+    description: str | None, repeats: int, steps: int, warmup: int = 10, workers: Sequence[str] | None = None
+) -> argparse.ArgumentParser:
+    """The arguments every multi-process benchmark takes; ``--worker``/``--out`` are set by ``run_worker``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def publish(topic: str, hardware_tag: str, body: str) -> None:
+    """Write the dated result file and show it."""
+    path = write_result(topic, hardware_tag, body)
+    print(body)
+    print(f"written to {path}")
 
 
 def write_result(topic: str, hardware_tag: str, body: str) -> Path:

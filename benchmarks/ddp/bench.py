@@ -10,13 +10,12 @@ the ratio ours / Lightning's. Goal: ratio <= 1.02.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import gpt_step_time, median, run_worker, write_result
+from _common import gpt_step_time, median, publish, run_worker, worker_parser
 
 
 def _worker(strategy_name: str, steps: int, warmup: int, out: Path) -> None:
@@ -28,12 +27,7 @@ def _worker(strategy_name: str, steps: int, warmup: int, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--worker", choices=["ours", "lightning"])
-    parser.add_argument("--out", type=Path)
+    parser = worker_parser(__doc__, repeats=5, steps=60, workers=["ours", "lightning"])
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker, args.steps, args.warmup, args.out)
@@ -57,9 +51,7 @@ def main() -> None:
         f"{', '.join(f'{t * 1e3:.1f}' for t in times['ours'])} |\n\n"
         f"**Ratio ours / Lightning: {ratio:.3f}** (goal <= 1.02: {verdict}).\n"
     )
-    path = write_result("ddp_step_time", "cpu-2proc", body)
-    print(body)
-    print(f"written to {path}")
+    publish("ddp_step_time", "cpu-2proc", body)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ over jobs. Goals: <= 3% and <= 0.5% overhead.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import gpt_step_gaps, median, run_worker, write_result
+from _common import gpt_step_gaps, median, publish, run_worker, worker_parser
 
 
 def _part_a(repeats: int, d_model: int) -> str:
@@ -161,13 +160,8 @@ def _part_b(repeats: int, steps: int, warmup: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = worker_parser(__doc__, repeats=4, steps=310)
     parser.add_argument("--part", choices=["a", "b", "both"], default="both")
-    parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=310)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--worker")
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker, args.steps, args.warmup, args.out)
@@ -180,9 +174,7 @@ def main() -> None:
         print(body, flush=True)
     if args.part in ("b", "both"):
         body += _part_b(args.repeats, args.steps, args.warmup)
-    path = write_result("grad_norm", "cpu", body)
-    print(body)
-    print(f"written to {path}")
+    publish("grad_norm", "cpu", body)
 
 
 if __name__ == "__main__":

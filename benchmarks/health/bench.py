@@ -10,14 +10,13 @@ interleaved fresh jobs, median of repeats; goal <= 1%.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import gpt_step_time, median, run_worker, write_result
+from _common import gpt_step_time, median, publish, run_worker, worker_parser
 
 
 def _worker(mode: str, steps: int, warmup: int, out: Path) -> None:
@@ -39,12 +38,7 @@ def _worker(mode: str, steps: int, warmup: int, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--worker")
-    parser.add_argument("--out", type=Path)
+    parser = worker_parser(__doc__, repeats=5, steps=80)
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker, args.steps, args.warmup, args.out)
@@ -71,9 +65,7 @@ def main() -> None:
         f"| watchdog and straggler overhead | {overhead * 100:+.2f}% | "
         f"<= 1%: {'met' if overhead <= 0.01 else 'NOT met'} |\n"
     )
-    path = write_result("health", "cpu-2proc", body)
-    print(body)
-    print(f"written to {path}")
+    publish("health", "cpu-2proc", body)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ are what rank 0 holds after the first optimizer step (lightning_mlopt.distribute
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import gpt_step_time, median, run_worker, write_result
+from _common import gpt_step_time, median, publish, run_worker, worker_parser
 
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -53,12 +52,7 @@ def _mib(value: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--worker", choices=STRATEGIES)
-    parser.add_argument("--out", type=Path)
+    parser = worker_parser(__doc__, repeats=3, steps=40, workers=STRATEGIES)
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker, args.steps, args.warmup, args.out)
@@ -95,9 +89,7 @@ def main() -> None:
         + "\n\nOn 2 CPU cores communication is cheap and compute is scarce, so sharding's extra collectives "
         "and DeepSpeed's flat-buffer copies show up as overhead; the byte columns are what transfers to GPUs.\n"
     )
-    path = write_result("strategies", "cpu-2proc", body)
-    print(body)
-    print(f"written to {path}")
+    publish("strategies", "cpu-2proc", body)
 
 
 if __name__ == "__main__":
