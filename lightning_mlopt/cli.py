@@ -10,6 +10,7 @@ text, before anything is written. Two more subcommands are dispatched before the
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -287,25 +288,34 @@ def _rank_zero_print(text: str) -> None:
         print(text, flush=True)
 
 
+# Subcommands that are tools, not Trainer runs: dispatched before the LightningCLI is built (module, summary).
+TOOLS = {
+    "plan": ("lightning_mlopt.planning.tool", "memory per rank for each strategy, from numbers or a config"),
+    "checkpoint": ("lightning_mlopt.checkpoint.tool", "list, verify or consolidate committed checkpoints"),
+    "sweep": ("lightning_mlopt.launch.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
+    "slurm": ("lightning_mlopt.launch.slurm", "write an sbatch script that requeues and resumes the run"),
+}
+_TRAINER_SUBCOMMANDS = "fit, validate, test, predict"
+
+
+def _tools_help(below: bool = False) -> str:
+    lines = [f"Trainer runs: {_TRAINER_SUBCOMMANDS}{' (below)' if below else ''}. Tools, each with its own --help:"]
+    lines += [f"  {name:<11} {summary}" for name, (_, summary) in TOOLS.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Run the CLI; bad input exits with status 2 and a short message on stderr."""
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["checkpoint"]:
-        from lightning_mlopt.checkpoint.tool import main as checkpoint_main
-
-        raise SystemExit(checkpoint_main(argv[1:]))
-    if argv[:1] == ["plan"]:
-        from lightning_mlopt.planning.tool import main as plan_main
-
-        raise SystemExit(plan_main(argv[1:]))
-    if argv[:1] == ["sweep"]:
-        from lightning_mlopt.launch.sweep import main as sweep_main
-
-        raise SystemExit(sweep_main(argv[1:]))
-    if argv[:1] == ["slurm"]:
-        from lightning_mlopt.launch.slurm import main as slurm_main
-
-        raise SystemExit(slurm_main(argv[1:]))
+    if argv[:1] and argv[0] in TOOLS:
+        tool = importlib.import_module(TOOLS[argv[0]][0])
+        raise SystemExit(tool.main(argv[1:]))
+    if not argv:
+        sys.stderr.write(f"error: name a subcommand: {_TRAINER_SUBCOMMANDS}, {', '.join(TOOLS)}\n")
+        sys.stderr.write(_tools_help())
+        raise SystemExit(2)
+    if argv in (["-h"], ["--help"]):
+        print(_tools_help(below=True))
     try:
         check_config_files(config_paths(argv))
         _Parser.argv = argv

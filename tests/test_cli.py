@@ -93,3 +93,16 @@ def test_quickstart_learns(tmp_path, monkeypatch, capsys):
     line = next(line for line in out.splitlines() if line.startswith("Final validation metrics:"))
     accuracy = float(line.split("val/acc=")[1].split()[0])
     assert accuracy > 0.8, line
+
+
+def test_without_a_subcommand_every_subcommand_is_named_and_help_lists_the_tools(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "name a subcommand: fit, validate, test, predict, plan, checkpoint, sweep, slurm" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"  {tool}" in out for tool in ("plan", "checkpoint", "sweep", "slurm")) and "{fit,validate" in out
