@@ -79,7 +79,14 @@ def check_task_count(trainer: dict[str, Any], nodes: int, gpus_per_node: int) ->
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """What the sbatch directives ask for (``add_slurm_arguments`` defines the flags)."""
+    """What the sbatch directives ask for (``add_slurm_arguments`` defines the flags).
+
+    Example::
+
+        job = SlurmJob(nodes=2, gpus_per_node=8, time="1-00:00:00", partition="a100")
+        script = sbatch_script(["python", "-m", "lightning_mlopt", "fit", "--config", "gpt.yaml"], run_dir, job)
+
+    """
 
     nodes: int
     gpus_per_node: int

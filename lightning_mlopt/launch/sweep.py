@@ -62,6 +62,11 @@ class SweepSpec:
         run_cap: the most trials to run (random search needs it, or ``--count``).
         raw: the file's content, as W&B receives it.
 
+    Example::
+
+        spec = load_sweep("lr_sweep.yaml")
+        trials = grid_trials(spec)  # [{"model.init_args.lr": 0.01}, ...]
+
     """
 
     method: str
