@@ -203,7 +203,12 @@ class MLOptCLI(LightningCLI):
         if not self.trainer.is_global_zero:
             return
         assert self.run_dir is not None
-        metrics = {key: float(value) for key, value in self.trainer.callback_metrics.items() if value.numel() == 1}
+        metrics = {}
+        for key, value in self.trainer.callback_metrics.items():
+            try:
+                metrics[key] = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                continue  # not a scalar: no place in a table of final metrics
         record = {"global_step": self.trainer.global_step, "epoch": self.trainer.current_epoch, "metrics": metrics}
         (self.run_dir / METRICS_NAME).write_text(json.dumps(record, indent=2, sort_keys=True))
         validation = {key: value for key, value in metrics.items() if key.startswith("val")}

@@ -53,6 +53,14 @@ def run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str,
     )
 
 
+def failure_report(result: subprocess.CompletedProcess[str], tail: int = 2500) -> str:
+    """What a failed multi-process run said: every error line of every rank (the first rank to fail is often
+    not the one whose long traceback ends the output), then the end of stderr."""
+    lines = (result.stdout + result.stderr).splitlines()
+    errors = [line for line in lines if "Error" in line or "error:" in line or "Killed" in line][:40]
+    return "error lines:\n" + "\n".join(errors) + f"\n--- end of stderr ---\n{result.stderr[-tail:]}"
+
+
 # Settings that make any config a 2-step smoke run.
 SMOKE = [
     "--trainer.max_steps=2",

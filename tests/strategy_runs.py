@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, failure_report, run_cli
 from tests.helpers import read_records
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.logger=false"]
@@ -41,7 +41,7 @@ def train(
         ],
         cwd=tmp_path,
     )
-    assert result.returncode == 0, f"{name} failed:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"{name} failed (exit {result.returncode}):\n{failure_report(result)}"
     records = read_records(out)
     assert [r["rank"] for r in records] == list(range(devices))
     return records, torch.load(out / "params.pt")
