@@ -4,8 +4,8 @@ A LightningCLI subclass that adds to Lightning's: our strategies by short name (
 and a planner-backed ``strategy: auto``; a run directory that is stable across relaunches of the same
 command (the resolved config is written there); FaultTolerantCheckpoint on by default (``checkpoint:``), so
 a relaunch resumes; and bad input that ends in a short message and exit status 2 instead of a page of usage
-text, before anything is written. Two more subcommands are dispatched before the LightningCLI is built:
-``checkpoint list|verify|consolidate`` and ``plan``.
+text, before anything is written. The tool subcommands in ``TOOLS`` (``plan``, ``checkpoint``, ``sweep``,
+``slurm``) are dispatched before the LightningCLI is built.
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ from typing_extensions import override
 
 from lightning_mlopt import strategies
 from lightning_mlopt._bad_input import BadInputError, check_config_files, config_paths, explain_parser_error
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint
-from lightning_mlopt.run_dir import default_run_dir
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck
+from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, resolve_run_dir
 from lightning_mlopt.tracking import ThroughputProgressBar
 
 DEFAULT_SEED = 1234
-DEFAULT_RUNS_ROOT = "runs"
 METRICS_NAME = "metrics.json"  # final metrics of a fit, written by rank zero; sweeps read it
 RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 
@@ -165,11 +164,7 @@ class MLOptCLI(LightningCLI):
         return self.config[self.subcommand] if self.subcommand else self.config
 
     def _resolve_run_dir(self, config: Namespace) -> Path:
-        if config.get("run_dir"):
-            return Path(config["run_dir"])
-        root = config["trainer"].get("default_root_dir") or DEFAULT_RUNS_ROOT
-        files = [str(path) for path in (config.get("config") or [])]
-        return default_run_dir(root, files, config.as_dict())
+        return resolve_run_dir(config.as_dict(), [str(path) for path in (config.get("config") or [])])
 
     @override
     def instantiate_classes(self) -> None:
@@ -272,12 +267,10 @@ def describe_outputs(trainer: Trainer, run_dir: Path | None) -> str:
     lines = [f"Run directory: {run_dir}", f"  config       {Path(str(run_dir)) / 'config.yaml'}"]
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, FaultTolerantCheckpoint):
-            where = callback.dirpath or os.path.join(trainer.default_root_dir, "checkpoints")
             resume = "resumes from the newest valid one" if callback.auto_resume else "auto_resume off"
-            lines.append(f"  checkpoints  {where} ({resume})")
-        dump_dir = getattr(callback, "dump_dir", False)
-        if dump_dir is not False:
-            lines.append(f"  hang dumps   {dump_dir or os.path.join(trainer.default_root_dir, 'health')}")
+            lines.append(f"  checkpoints  {callback.checkpoint_dir(trainer)} ({resume})")
+        if isinstance(callback, NCCLHealthCheck):
+            lines.append(f"  hang dumps   {callback.dump_folder(trainer)}")
     for logger in trainer.loggers:
         describe = getattr(logger, "describe_location", None)
         location = describe() if describe else getattr(logger, "log_dir", None) or logger.save_dir

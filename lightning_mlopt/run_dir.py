@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+DEFAULT_RUNS_ROOT = "runs"
 # Keys that say where or how to run, not what to train: they must not move the run directory.
 _VOLATILE_KEYS = frozenset({"config", "run_dir", "ckpt_path", "print_config", "__path__"})
 
@@ -37,3 +38,19 @@ def _strip(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_strip(item) for item in value]
     return value
+
+
+def resolve_run_dir(config: Mapping[str, Any], config_files: Iterable[str | Path]) -> Path:
+    """The run directory of a parsed config, as the CLI and the SLURM script writer both derive it.
+
+    Its ``run_dir`` if set, else :func:`default_run_dir` under ``trainer.default_root_dir`` (or ``runs``).
+
+    Example::
+
+        >>> resolve_run_dir({"run_dir": "out/a"}, [])
+        PosixPath('out/a')
+    """
+    if config.get("run_dir"):
+        return Path(config["run_dir"])
+    root = (config.get("trainer") or {}).get("default_root_dir") or DEFAULT_RUNS_ROOT
+    return default_run_dir(root, config_files, config)

@@ -147,15 +147,18 @@ class FaultTolerantCheckpoint(Checkpoint):
     def state_key(self) -> str:
         return self._generate_state_key(dirpath=self.dirpath, every_n_steps=self.every_n_steps)
 
+    def checkpoint_dir(self, trainer: pl.Trainer) -> Path:
+        """Where checkpoints go: ``dirpath``, or ``<trainer.default_root_dir>/checkpoints``."""
+        return Path(self.dirpath or os.path.join(trainer.default_root_dir, "checkpoints"))
+
     # ------------------------------------------------------------------ lifecycle
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        root = self.dirpath or os.path.join(trainer.default_root_dir, "checkpoints")
         # Every rank must write to and resume from the same place: rank zero's path decides.
-        self.store = CheckpointStore(Path(trainer.strategy.broadcast(root)))
+        self.store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
         self._install_signal_handlers()
         resume = self._choose_resume_checkpoint(trainer) if self.auto_resume else None
         self.resumed_from, self._resume_final = trainer.strategy.broadcast(resume or (None, False))

@@ -133,6 +133,10 @@ class NCCLHealthCheck(Callback):
             os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
+    def dump_folder(self, trainer: pl.Trainer) -> Path:
+        """Where hang dumps go: ``dump_dir``, or ``<trainer.default_root_dir>/health``."""
+        return Path(self.dump_dir or os.path.join(trainer.default_root_dir, "health"))
+
     # ------------------------------------------------------------------ pre-flight
 
     @override
@@ -146,7 +150,7 @@ class NCCLHealthCheck(Callback):
         if dist.is_available() and dist.is_initialized():
             self._preflight(trainer)
         if self.hang_timeout is not None:
-            folder = Path(self.dump_dir or os.path.join(trainer.default_root_dir, "health"))
+            folder = self.dump_folder(trainer)
             self._watchdog = HangWatchdog(self._current_timeout, folder, trainer.global_rank, self.hang_exit_code)
             self._watchdog.start()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning_mlopt._bad_input import BadInputError, config_paths
-from lightning_mlopt.run_dir import default_run_dir
+from lightning_mlopt.run_dir import resolve_run_dir
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 _NAME = re.compile(r"^[\w.+-]+$")
@@ -270,10 +270,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     trainer = config.get("trainer") or {}
     resolved = {**config, "trainer": {**trainer, "num_nodes": job.nodes, "devices": job.gpus_per_node}}
-    root = trainer.get("default_root_dir") or "runs"
-    run_dir = (
-        Path(config["run_dir"]) if config.get("run_dir") else default_run_dir(root, config_paths(fit_args), resolved)
-    ).resolve()
+    run_dir = resolve_run_dir(resolved, config_paths(fit_args)).resolve()
     command = [
         sys.executable,
         "-m",
