@@ -17,9 +17,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from lightning_mlopt._bad_input import BadInputError, config_paths
+from lightning_mlopt._bad_input import BadInputError, ToolArgumentParser, config_paths
+from lightning_mlopt.launch._argv import without_options
 from lightning_mlopt.run_dir import resolve_run_dir
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
@@ -224,27 +225,8 @@ def write_script(path: Path, text: str) -> None:
     path.chmod(0o755)
 
 
-def _without_run_dir(args: Sequence[str]) -> list[str]:
-    kept: list[str] = []
-    skip_next = False
-    for arg in args:
-        if skip_next:
-            skip_next = False
-        elif arg == "--run_dir":
-            skip_next = True
-        elif not arg.startswith("--run_dir="):
-            kept.append(arg)
-    return kept
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"error: {message} (see: python -m lightning_mlopt slurm --help)\n")
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ToolArgumentParser(
         prog="python -m lightning_mlopt slurm",
         description="Write an sbatch script for `fit`. Other arguments (e.g. --trainer.max_steps=1000) go to fit.",
     )
@@ -276,7 +258,7 @@ def main(argv: Sequence[str]) -> int:
         "-m",
         "lightning_mlopt",
         "fit",
-        *_without_run_dir(fit_args),
+        *without_options(fit_args, ["--run_dir"]),  # the script names it explicitly
         f"--trainer.num_nodes={job.nodes}",
         f"--trainer.devices={job.gpus_per_node}",
         f"--run_dir={run_dir}",

@@ -39,11 +39,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any
 
 import yaml
 
-from lightning_mlopt._bad_input import BadInputError
+from lightning_mlopt._bad_input import BadInputError, ToolArgumentParser
+from lightning_mlopt.launch._argv import without_options
 from lightning_mlopt.launch.slurm import add_slurm_arguments
 
 _LOCAL_DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "normal", "categorical")
@@ -453,7 +454,7 @@ def write_slurm_array(
         "-m",
         "lightning_mlopt",
         "sweep",
-        *_without_options(argv, _SLURM_ONLY_FLAGS),
+        *without_options(argv, _SLURM_ONLY_FLAGS, flags=_FLAGS_WITHOUT_VALUE),
         f"--sweep_dir={sweep_dir.resolve()}",
         "--trial=$SLURM_ARRAY_TASK_ID",
         f"--trainer.num_nodes={job.nodes}",
@@ -487,33 +488,11 @@ _SLURM_ONLY_FLAGS = (
 _FLAGS_WITHOUT_VALUE = ("--slurm", "--dry_run")
 
 
-def _without_options(argv: Sequence[str], names: Sequence[str]) -> list[str]:
-    """``argv`` without the given options, as ``--name value`` or ``--name=value``."""
-    kept: list[str] = []
-    skip_next = False
-    for arg in argv:
-        if skip_next:
-            skip_next = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in names:
-            skip_next = "=" not in arg and name not in _FLAGS_WITHOUT_VALUE
-            continue
-        kept.append(arg)
-    return kept
-
-
 # ---------------------------------------------------------------------- command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"error: {message} (see: python -m lightning_mlopt sweep --help)\n")
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ToolArgumentParser(
         prog="python -m lightning_mlopt sweep",
         description="Hyperparameter sweeps over `fit`. Arguments not listed here (e.g. --trainer.max_epochs=3) "
         "go to every trial.",

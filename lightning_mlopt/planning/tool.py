@@ -8,18 +8,13 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import yaml
 
+from lightning_mlopt._bad_input import ToolArgumentParser
 from lightning_mlopt.planning.memory import format_table, parse_count, parse_size, plan_memory
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # a short message and exit 2, not the usage page
-        sys.stderr.write(f"error: {message} (see: python -m lightning_mlopt plan --help)\n")
-        raise SystemExit(2)
 
 
 def _merged_config(paths: Sequence[str]) -> dict[str, Any]:
@@ -81,7 +76,7 @@ def measure_activations(model: Any, data: Any) -> float:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt plan``; returns the exit status."""
-    parser = _Parser(prog="lightning_mlopt plan", description="Memory per rank for each strategy.")
+    parser = ToolArgumentParser(prog="python -m lightning_mlopt plan", description="Memory per rank for each strategy.")
     parser.add_argument("--config", action="append", default=[], help="config files (base, overlays)")
     parser.add_argument("--num_params", help="parameter count, e.g. 7.5B (instead of a config)")
     parser.add_argument("--world_size", type=int, help="data-parallel ranks (default: from the config)")
