@@ -138,8 +138,7 @@ class GradNormMonitor(Callback):
         self._prefix = ""
         self._losses: list[Tensor] = []  # this rank's loss per micro-batch of the current step
         self._replicated = True
-        self._group_index: dict[tuple[int, ...], Tensor] = {}
-        self._plans: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
+        self._plans: dict[tuple[Any, ...], tuple[Tensor | None, Tensor]] = {}
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -238,7 +237,7 @@ class GradNormMonitor(Callback):
         if logging_step and self.param_norms:
             if self._replicated:
                 tensors = [p.detach() for p in self._params]
-                param_sq, param_groups = self._local_sum_squares(self._params, tensors, per_group, device)
+                param_sq, param_groups = self._squares(self._params, tensors, None, per_group, device)
             else:
                 param_sq, param_groups = self._sum_squares(list(parameter_pieces(self._params)), per_group, device)
             packed += [param_sq.reshape(1), param_groups] if per_group else [param_sq.reshape(1)]
@@ -295,16 +294,8 @@ class GradNormMonitor(Callback):
 
     def _sum_squares(self, pieces: list[Piece], per_group: bool, device: torch.device) -> tuple[Tensor, Tensor]:
         """Total and per-group sums of squares, each piece divided by its replication, in fp32."""
-        if not pieces:
-            return torch.zeros((), device=device), torch.zeros(len(self._groups), device=device)
-        weights, index = self._plan(pieces, device)
-        # Empty pieces (a rank's share of a small FSDP parameter) have norm 0: no need to filter them out.
-        norms = torch._foreach_norm([p.tensor for p in pieces], 2.0, dtype=torch.float32)
-        squares = torch.stack(norms).to(device).pow_(2).mul_(weights)
-        groups = torch.zeros(len(self._groups), device=device)
-        if per_group:
-            groups.index_add_(0, index, squares)
-        return squares.sum(), groups
+        tensors = [p.tensor for p in pieces]
+        return self._squares([p.param for p in pieces], tensors, [p.replication for p in pieces], per_group, device)
 
     def _gradient_sums(self, strategy: Any, per_group: bool, default: torch.device) -> tuple[Tensor, Tensor, Any]:
         """Sum of squares of the gradients (total, per group) and their device; summed over ranks when sharded."""
@@ -313,36 +304,50 @@ class GradNormMonitor(Callback):
             with_grad = [p for p in self._params if p.grad is not None]
             tensors: list[Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
             device = tensors[0].device if tensors else default
-            return (*self._local_sum_squares(with_grad, tensors, per_group, device), device)
+            return (*self._squares(with_grad, tensors, None, per_group, device), device)
         pieces = list(gradient_pieces(self._params, strategy))
         device = pieces[0].tensor.device if pieces else default
         return (*self._sum_squares(pieces, per_group, device), device)
 
-    def _local_sum_squares(
-        self, params: list[nn.Parameter], tensors: list[Tensor], per_group: bool, device: torch.device
+    def _squares(
+        self,
+        params: list[nn.Parameter],
+        tensors: list[Tensor],
+        replications: list[int] | None,
+        per_group: bool,
+        device: torch.device,
     ) -> tuple[Tensor, Tensor]:
-        """Replicated strategies: total and per-group sums of squares of this rank's (= the global) tensors."""
+        """Total and per-group sums of squares of ``tensors`` (one per entry of ``params``), in fp32.
+
+        With ``replications``, each square is divided by its piece's replication (sharded strategies).
+        """
         groups = torch.zeros(len(self._groups), device=device)
         if not tensors:
             return torch.zeros((), device=device), groups
+        # Empty pieces (a rank's share of a small FSDP parameter) have norm 0: no need to filter them out.
         squares = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).to(device).pow_(2)
-        if per_group:
-            key = tuple([id(p) for p in params])
-            index = self._group_index.get(key)
-            if index is None:
-                index = self._group_index[key] = torch.tensor([self._group_of[id(p)] for p in params], device=device)
-            groups.index_add_(0, index, squares)
+        if replications is not None or per_group:
+            weights, index = self._plan(params, device, replications)
+            if weights is not None:
+                squares.mul_(weights)
+            if per_group:
+                groups.index_add_(0, index, squares)
         return squares.sum(), groups
 
-    def _plan(self, pieces: list[Piece], device: torch.device) -> tuple[Tensor, Tensor]:
-        """Per-piece replication weights and group indices; built once, as the pieces' owners do not change."""
-        key = tuple([id(p.param) for p in pieces])  # a list first: faster than a generator
+    def _plan(
+        self, params: list[nn.Parameter], device: torch.device, replications: list[int] | None = None
+    ) -> tuple[Tensor | None, Tensor]:
+        """Per-entry weights (1 / replication; None without replications) and group indices.
+
+        Built once per list of parameters: the parameters holding gradients do not change between steps.
+        """
+        key = (replications is not None, *[id(p) for p in params])  # a list, not a generator: faster
         plan = self._plans.get(key)
         if plan is None:
-            weights = torch.tensor([1.0 / p.replication for p in pieces], device=device)
-            index = torch.tensor([self._group_of.get(id(p.param), 0) for p in pieces], device=device)
-            if self._groups and any(id(p.param) not in self._group_of for p in pieces):
+            if self._groups and any(id(p) not in self._group_of for p in params):
                 raise RuntimeError("GradNormMonitor: a gradient belongs to no known parameter (did the model change?)")
+            weights = None if replications is None else torch.tensor([1.0 / r for r in replications], device=device)
+            index = torch.tensor([self._group_of.get(id(p), 0) for p in params], device=device)
             plan = self._plans[key] = (weights, index)
         return plan
 
