@@ -233,6 +233,11 @@ def _describe(trial: Trial) -> str:
 # ---------------------------------------------------------------------- running
 
 
+def trial_name(number: int) -> str:
+    """The folder of trial ``number`` in a local or SLURM-array sweep: ``trial-007``."""
+    return f"trial-{number:03d}"
+
+
 @dataclass
 class TrialResult:
     """One trial's outcome: its folder, values, metric (None if missing) and status."""
@@ -261,7 +266,7 @@ def run_local(
     for number, trial in enumerate(trials):
         if only is not None and number != only:
             continue
-        name = f"trial-{number:03d}"
+        name = trial_name(number)
         folder = sweep_dir / name
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "params.json").write_text(json.dumps(trial, indent=2, sort_keys=True))
@@ -323,7 +328,7 @@ def collect_results(spec: SweepSpec, trials: Sequence[Trial], sweep_dir: Path) -
     """What is on disk for each trial (its ``metrics.json``), without running anything."""
     results = []
     for number, trial in enumerate(trials):
-        name = f"trial-{number:03d}"
+        name = trial_name(number)
         metric = _read_metric(sweep_dir / name, spec.metric)
         started = (sweep_dir / name / "params.json").is_file()
         status = "done" if metric is not None else "not finished" if started else "not started"
@@ -366,18 +371,27 @@ def _read_metric(folder: Path, name: str) -> float | None:
     return float(value) if value is not None else None
 
 
+def ranked(results: Sequence[TrialResult], spec: SweepSpec) -> list[TrialResult]:
+    """Trials with a metric, best first by the spec's goal (ties keep their order), then those without."""
+    scored = [r for r in results if r.metric is not None]
+    scored.sort(key=lambda r: r.metric, reverse=spec.goal == "maximize")  # type: ignore[arg-type, return-value]
+    return scored + [r for r in results if r.metric is None]
+
+
 def results_table(results: Sequence[TrialResult], spec: SweepSpec) -> str:
     """The trials ranked by the metric, best first; failed trials last."""
-    reverse = spec.goal == "maximize"
-    ranked = sorted((r for r in results if r.metric is not None), key=lambda r: r.metric, reverse=reverse)  # type: ignore[arg-type, return-value]
-    failed = [r for r in results if r.metric is None]
     keys = list(spec.parameters)
     header = ["rank", "trial", spec.metric, *keys, "status"]
     rows = [
-        [str(i + 1), r.name, f"{r.metric:.6g}", *[str(r.trial.get(k)) for k in keys], r.status]
-        for i, r in enumerate(ranked)
+        [
+            "-" if r.metric is None else str(i + 1),
+            r.name,
+            "-" if r.metric is None else f"{r.metric:.6g}",
+            *[str(r.trial.get(k)) for k in keys],
+            r.status,
+        ]
+        for i, r in enumerate(ranked(results, spec))
     ]
-    rows += [["-", r.name, "-", *[str(r.trial.get(k)) for k in keys], r.status] for r in failed]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]]
     return "\n".join(line.rstrip() for line in lines)
@@ -386,12 +400,10 @@ def results_table(results: Sequence[TrialResult], spec: SweepSpec) -> str:
 def write_results(results: Sequence[TrialResult], spec: SweepSpec, sweep_dir: Path) -> Path:
     """``results.csv`` in the sweep folder: one row per trial, best first."""
     path = sweep_dir / "results.csv"
-    reverse = spec.goal == "maximize"
-    ordered = sorted(results, key=lambda r: (r.metric is None, -(r.metric or 0) if reverse else (r.metric or 0)))
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["trial", spec.metric, *spec.parameters, "status", "seconds"])
-        for r in ordered:
+        for r in ranked(results, spec):
             writer.writerow([r.name, r.metric, *[r.trial.get(k) for k in spec.parameters], r.status, round(r.seconds)])
     return path
 
