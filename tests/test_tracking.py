@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+import lightning_mlopt
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.cli import main
@@ -70,13 +71,17 @@ def _make_repo(folder: Path, remote: str) -> str:
     return _git(folder, "rev-parse", "HEAD")
 
 
-def test_git_state_names_the_commit_the_dirty_flag_and_a_remote_without_credentials(tmp_path):
-    commit = _make_repo(tmp_path, "https://bob:planted-git-token@example.com/lab/repo.git")
-    state = git_state(tmp_path)
+def test_git_state_names_the_commit_the_dirty_flag_and_a_remote_without_credentials(tmp_path, monkeypatch):
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    commit = _make_repo(repo, "https://bob:planted-git-token@example.com/lab/repo.git")
+    state = git_state(repo)
     assert state == {"commit": commit, "dirty": False, "remote": f"https://{REDACTED}@example.com/lab/repo.git"}
-    (tmp_path / "train.py").write_text("print('v2')\n")
-    assert git_state(tmp_path)["dirty"] is True
-    assert git_state(tmp_path / "..").get("commit") is None or True  # outside: no crash (may be inside a repo)
+    (repo / "train.py").write_text("print('v2')\n")
+    assert git_state(repo)["dirty"] is True
+    # Outside any repository (git may not look above tmp_path): every field is None, nothing raises.
+    outside.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    assert git_state(outside) == {"commit": None, "dirty": None, "remote": None}
 
 
 # ---------------------------------------------------------------------- W&B logger, unit
@@ -168,6 +173,7 @@ def test_wandb_offline_one_run_per_job_continued_on_relaunch_and_no_secret_in_an
     assert logged["config"]["model"]["init_args"]["depth"] == 18
     provenance = logged["config"]["lightning_mlopt"]
     assert provenance["git"]["commit"] == commit and provenance["git"]["dirty"] is False
+    assert provenance["lightning_mlopt"] == lightning_mlopt.__version__
     assert provenance["fingerprint"]["torch"] == torch.__version__
     assert [row["trainer/global_step"] for row in logged["history"] if "train/loss" in row] == [0, 1, 2]
     # The run id is in the committed checkpoint; the committed checkpoint is an artifact.
