@@ -1,6 +1,35 @@
-"""``python -m lightning_mlopt``: the command-line entry point."""
+"""``python -m lightning_mlopt``: the command-line entry point.
 
-from lightning_mlopt.cli import main
+The process is guarded before anything slow is imported (torch and Lightning take seconds, and a scheduler's
+signal may come meanwhile): a ``fit`` owns its preemption signals from here on (flag-only handlers), and every
+Trainer run gets a start-up deadline; a rank started by a launcher also ends when its launcher is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_TRAINER_RUNS = ("fit", "validate", "test", "predict")
+
+
+def run() -> None:
+    """Guard the process, then import and run the CLI (``lightning-mlopt`` and ``python -m lightning_mlopt``)."""
+    subcommand = sys.argv[1] if len(sys.argv) > 1 else ""
+    if subcommand in _TRAINER_RUNS:
+        from lightning_mlopt.checkpoint.preemption import preemption
+        from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, startup_guard
+
+        if subcommand == "fit":
+            preemption.install()
+        startup_guard.arm(DEFAULT_STARTUP_TIMEOUT_S)  # the config's startup_timeout replaces it once parsed
+        if "LOCAL_RANK" in os.environ:  # started by a launcher (Lightning's, for ranks 1.., or torchrun)
+            startup_guard.watch_parent()
+
+    from lightning_mlopt.cli import main
+
+    main()
+
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -38,8 +38,8 @@ DEMO_CLASSES = {
 }
 
 
-class BadInputError(Exception):
-    """The user's configuration is wrong; the message says what and how to fix it."""
+class BadInputError(ValueError):
+    """The user's configuration is wrong; the message says what and how to fix it (the CLI exits with 2)."""
 
 
 class ToolArgumentParser(argparse.ArgumentParser):
@@ -77,6 +77,10 @@ def check_config_files(paths: Iterable[str]) -> None:
     """
     for path in paths:
         file = Path(path)
+        if file.is_dir():
+            inside = sorted(p.name for p in file.glob("*.yaml"))[:3]
+            hint = f", e.g. {file / inside[0]}" if inside else ""
+            raise BadInputError(f"--config {path} is a folder, not a file; give a YAML file{hint}")
         if not file.is_file():
             raise BadInputError(f"config file not found: {path} (working directory: {Path.cwd()})")
         try:
@@ -87,7 +91,12 @@ def check_config_files(paths: Iterable[str]) -> None:
             raise BadInputError(f"{path}: invalid YAML at {where}: {error.problem}") from None
         except (OSError, yaml.YAMLError) as error:
             raise BadInputError(f"{path}: cannot read it as YAML: {error}") from None
-        if content is not None and not isinstance(content, dict):
+        if content is None:
+            raise BadInputError(
+                f"{path} is empty; a config file is a mapping of keys such as trainer:, model:, data: "
+                "(see configs/quickstart.yaml), or leave it out"
+            )
+        if not isinstance(content, dict):
             raise BadInputError(f"{path}: a config file must be a mapping of keys, got {type(content).__name__}")
 
 

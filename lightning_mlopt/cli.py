@@ -14,13 +14,14 @@ import importlib
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from typing_extensions import override
@@ -28,10 +29,13 @@ from typing_extensions import override
 from lightning_mlopt import strategies
 from lightning_mlopt._bad_input import BadInputError, check_config_files, config_paths, explain_parser_error
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck
+from lightning_mlopt.checkpoint.errors import CheckpointWriteError
+from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, resolve_run_dir
 from lightning_mlopt.tracking import ThroughputProgressBar
 
 DEFAULT_SEED = 1234
+CHECKPOINT_WRITE_EXIT_CODE = 74  # EX_IOERR: a checkpoint could not be written (disk full, read-only, ...)
 METRICS_NAME = "metrics.json"  # final metrics of a fit, written by rank zero; sweeps read it
 RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 
@@ -89,9 +93,10 @@ class MLOptCLI(LightningCLI):
         self.run_dir: Path | None = None
         super().__init__(
             model_class=LightningModule,
-            datamodule_class=LightningDataModule,
+            # No datamodule class: `data:` is optional (subclass mode), as in LightningCLI, so a model that
+            # brings its own dataloaders needs none.
+            datamodule_class=None,
             subclass_mode_model=True,
-            subclass_mode_data=True,
             parser_class=_Parser,
             save_config_callback=None,  # replaced by _SaveResolvedConfig, which knows the run directory
             seed_everything_default=DEFAULT_SEED,
@@ -104,6 +109,15 @@ class MLOptCLI(LightningCLI):
         # On by default: every `fit` gets crash-safe, auto-resuming checkpoints in <run_dir>/checkpoints,
         # configured under the top-level `checkpoint:` key.
         parser.add_lightning_class_args(FaultTolerantCheckpoint, "checkpoint")
+        parser.add_argument(
+            "--startup_timeout",
+            type=float | None,
+            default=DEFAULT_STARTUP_TIMEOUT_S,
+            help=(
+                "Seconds a run may take from launch to its first batch (rendezvous, DeepSpeed op builds, resume) "
+                f"before every rank exits with status {STARTUP_TIMEOUT_EXIT_CODE}; null or 0: no limit."
+            ),
+        )
         parser.add_argument(
             "--run_dir",
             type=str | None,
@@ -123,6 +137,8 @@ class MLOptCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         config = self._get_section()
+        if startup_guard.armed:  # armed by the entry point; the config's limit replaces the default
+            startup_guard.arm(config.get("startup_timeout"))
         trainer = config["trainer"]
         if trainer.get("strategy") == "auto" and self.subcommand in (None, "fit"):
             trainer["strategy"] = self._plan_strategy(config)
@@ -184,14 +200,35 @@ class MLOptCLI(LightningCLI):
             *callbacks,
             _SaveResolvedConfig(self._parser(self.subcommand), section, self.run_dir, name),
         ]
+        callbacks.append(_StartupComplete())
         given = [*callbacks, *(config.get("callbacks") or [])]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks.append(ThroughputProgressBar())  # Lightning's bar plus samples/s and the run's ETA
         return super()._instantiate_trainer(config, callbacks)
 
     def before_fit(self) -> None:
-        """Say where this run's outputs go before anything happens (rank zero)."""
+        """Check the model against the strategy, then say where this run's outputs go (rank zero)."""
+        self._check_model_fits_strategy()
         _rank_zero_print(describe_outputs(self.trainer, self.run_dir))
+
+    def before_validate(self) -> None:
+        """Check the model against the strategy before anything runs."""
+        self._check_model_fits_strategy()
+
+    before_test = before_predict = before_validate
+
+    def _check_model_fits_strategy(self) -> None:
+        """A strategy setting that names what the model lacks (FSDP ``wrap_classes``) fails here, before files.
+
+        A model that builds its layers in ``configure_model`` is checked by the strategy at setup instead.
+        """
+        check = getattr(self.trainer.strategy, "check_model", None)
+        if check is None or type(self.model).configure_model is not LightningModule.configure_model:
+            return
+        try:
+            check(self.model)
+        except ValueError as error:
+            raise BadInputError(f"trainer.strategy: {error}") from None
 
     def after_fit(self) -> None:
         """Rank zero: write ``metrics.json`` (final metrics, for sweeps and scripts) and print the result."""
@@ -211,6 +248,26 @@ class MLOptCLI(LightningCLI):
             summary = "  ".join(f"{key}={value:.4f}" for key, value in sorted(validation.items()))
             print(f"Final validation metrics: {summary}")
         print(f"Run directory: {self.run_dir}")
+
+
+class _StartupComplete(Callback):
+    """Disarms the start-up deadline at the first batch of any loop: from here on, step watchdogs take over."""
+
+    @override
+    def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        startup_guard.disarm()
+
+    @override
+    def on_validation_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        startup_guard.disarm()
+
+    @override
+    def on_test_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        startup_guard.disarm()
+
+    @override
+    def on_predict_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        startup_guard.disarm()
 
 
 class _ParseOnlyCLI(MLOptCLI):
@@ -320,8 +377,38 @@ def main(args: Sequence[str] | None = None) -> None:
         MLOptCLI(argv)
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")
-        raise SystemExit(2) from None
+        _exit_after_launcher(2)
+    except CheckpointWriteError as error:
+        sys.stderr.write(f"error: {error}\n")
+        _exit_after_launcher(CHECKPOINT_WRITE_EXIT_CODE)
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            _exit_after_launcher(exit_.code)
+        raise
+    finally:
+        startup_guard.disarm()
     _shut_down_process_group()
+
+
+def _exit_after_launcher(code: int | str | None) -> NoReturn:
+    """Exit with ``code``; a rank started by Lightning's launcher first lets the launching rank exit.
+
+    Every rank exits with the same agreed status (75 after a signal, 74 after a failed write). Lightning's
+    launcher kills itself with SIGKILL as soon as it sees a child exit non-zero, which would replace rank
+    zero's status (the job's) with 137; so a child exits only after its launcher is gone (30 s at most).
+    """
+    if _started_by_lightning_launcher():
+        startup_guard.stop()  # its parent watch would end this process with another status
+        parent, deadline = os.getppid(), time.monotonic() + 30
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.05)
+    raise SystemExit(code) from None
+
+
+def _started_by_lightning_launcher() -> bool:
+    """Ranks 1.. of a one-machine run that Lightning's own launcher started (not torchrun, not srun)."""
+    env = os.environ
+    return env.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in env and "SLURM_PROCID" not in env
 
 
 def _shut_down_process_group() -> None:

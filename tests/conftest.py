@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -69,3 +69,27 @@ SMOKE = [
     "--trainer.num_sanity_val_steps=0",
     "--trainer.enable_progress_bar=false",
 ]
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """Mount a real tmpfs (full when its size is reached; read-only with ``read_only=True``) under tmp_path.
+
+    A full or read-only disk as the kernel reports it (errno 28, errno 30), not a patched function. Needs root
+    (CI runs as root); skipped where mounting is not permitted.
+    """
+    mounted: list[Path] = []
+
+    def mount(name: str, size: str = "4m", read_only: bool = False) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)

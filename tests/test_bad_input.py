@@ -100,3 +100,54 @@ def test_invalid_choice_for_literal_knob(tmp_path, monkeypatch, capsys):
     )
     message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
     assert "fp8" in message
+
+
+def test_empty_config_file(tmp_path, monkeypatch, capsys):
+    name = _write(tmp_path, "empty.yaml", "# nothing yet\n")
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    assert "empty.yaml is empty; a config file is a mapping of keys" in message
+
+
+def test_a_folder_given_as_config(tmp_path, monkeypatch, capsys):
+    (tmp_path / "overlays.yaml").mkdir()  # a folder named like a file: the worst case for "not found"
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", "overlays.yaml")
+    assert "--config overlays.yaml is a folder, not a file" in message
+
+
+def test_fsdp_wrap_class_not_in_the_model(tmp_path, monkeypatch, capsys):
+    name = _write(
+        tmp_path,
+        "fsdp.yaml",
+        "trainer:\n  devices: 2\n  strategy:\n    class_path: lightning_mlopt.strategies.FSDPStrategy\n"
+        "    init_args:\n      wrap_classes: [torch.nn.TransformerEncoderLayer]\n",
+    )
+    message = _fails(
+        tmp_path,
+        monkeypatch,
+        capsys,
+        "--config",
+        str(CONFIGS / "gpt.yaml"),
+        "--config",
+        name,
+        "--trainer.accelerator=cpu",
+    )
+    assert "wrap_classes: torch.nn.modules.transformer.TransformerEncoderLayer is not in the model" in message
+    assert "lightning_mlopt.demos.gpt.TransformerBlock" in message, "the model's classes are listed"
+
+
+def test_a_model_with_its_own_dataloaders_needs_no_data_section(tmp_path, monkeypatch, capsys):
+    # Lightning's own BoringModel brings train/val dataloaders; LightningCLI accepts `data:` being absent.
+    monkeypatch.chdir(tmp_path)
+    main(
+        [
+            "fit",
+            "--model=lightning.pytorch.demos.boring_classes.BoringModel",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false",
+            f"--run_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step-000000002").is_dir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -184,31 +185,45 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, monk
     assert store.newest_valid().manifest.final
 
 
-def test_full_disk_gives_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch):
+def test_full_disk_gives_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, capsys, tmpfs):
     monkeypatch.chdir(tmp_path)
-    _quickstart(tmp_path, "--trainer.max_steps=2", "--checkpoint.save_on_train_end=false")
-    checkpoints = tmp_path / "run" / "checkpoints"
+    disk = tmpfs("disk", size="12m")  # room for two quickstart checkpoints, not for a third
+    args = (f"--checkpoint.dirpath={disk / 'checkpoints'}", "--checkpoint.keep_last=10")
+    _quickstart(tmp_path, "--trainer.max_steps=4", "--checkpoint.save_on_train_end=false", *args)
+    checkpoints = disk / "checkpoints"
     before = [path for _, path in CheckpointStore(checkpoints).committed()]
-    assert before
-
-    def disk_full(checkpoint, filepath):
-        raise OSError(28, "No space left on device")
-
-    # Where Lightning's checkpoint IO writes the bytes: the write fails as on a full disk.
-    monkeypatch.setattr("lightning.fabric.plugins.io.torch_io._atomic_save", disk_full)
-    with pytest.raises(CheckpointWriteError, match="earlier checkpoints are intact"):
-        _quickstart(tmp_path)
+    assert [p.name for p in before] == ["step-000000002", "step-000000004"]
+    filler = disk / "filler"  # another job fills the disk
+    with contextlib.suppress(OSError), filler.open("wb", buffering=0) as handle:
+        while True:
+            handle.write(b"\0" * 2**16)
+    os.truncate(filler, filler.stat().st_size - 2**20)  # 1 MiB left: the start-up probe passes, a save does not
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        _quickstart(tmp_path, "--trainer.max_steps=8", *args)
+    assert exit_info.value.code == 74
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("error: ") and "No space left on device" in message, message
+    assert str(checkpoints) in message and "earlier checkpoints are intact" in message
     assert [path for _, path in CheckpointStore(checkpoints).committed()] == before
     for path in before:
         verify(path)  # still valid
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".staging")], "the failed save was removed"
 
 
-def test_unwritable_directory_gives_a_clear_error(tmp_path, monkeypatch):
+def test_unwritable_directory_gives_a_clear_error_before_training(tmp_path, monkeypatch, capsys, tmpfs):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a_file").write_text("not a folder")
-    with pytest.raises(CheckpointWriteError, match=r"could not write a checkpoint into .*a_file/checkpoints"):
-        _quickstart(tmp_path, f"--checkpoint.dirpath={tmp_path / 'a_file' / 'checkpoints'}")
+    for folder, cause in [
+        (tmp_path / "a_file" / "checkpoints", "Not a directory (errno 20)"),
+        (tmpfs("read_only", read_only=True) / "checkpoints", "Read-only file system (errno 30)"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            _quickstart(tmp_path, f"--checkpoint.dirpath={folder}")
+        assert exit_info.value.code == 74
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"cannot save checkpoints: {cause} writing {folder}" in message
+        assert "stopped before training" in message
 
 
 def test_async_write_failure_is_reported_and_earlier_checkpoints_survive(tmp_path, monkeypatch):
@@ -237,7 +252,7 @@ def test_async_write_failure_is_reported_and_earlier_checkpoints_survive(tmp_pat
     real_save = torch.save
 
     def broken(obj, f, *args, **kwargs):
-        if str(f).endswith("state.ckpt"):  # the background write of the full state
+        if str(getattr(f, "name", f)).endswith("state.ckpt"):  # the background write of the full state
             raise OSError(5, "Input/output error")
         return real_save(obj, f, *args, **kwargs)
 
@@ -271,3 +286,78 @@ def test_time_trigger_saves_when_minutes_have_passed(tmp_path, monkeypatch):
     reasons = {entry.step: entry.manifest.reason for entry in store.entries() if entry.valid}
     assert sorted(reasons) == [1, 2, 3, 4, 5, 6]
     assert set(reasons.values()) == {"every_n_minutes"}
+
+
+def _signal_whole_job_after(command: list[str], cwd: Path, checkpoints: Path, signum: int) -> tuple[int, float, str]:
+    """Start the job in its own process group; after its first commit, signal every process of it at once
+    (as SLURM and Kubernetes do); return (exit status, seconds from the signal to the exit, stderr)."""
+    process = subprocess.Popen(
+        command, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list(checkpoints.glob("step-*")) and time.monotonic() < deadline:
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            time.sleep(0.05)
+        time.sleep(random.Random(signum).uniform(0.2, 1.0))  # mid-step, most likely mid-collective
+        started = time.monotonic()
+        os.killpg(process.pid, signum)
+        _, stderr = process.communicate(timeout=120)
+        return process.returncode, time.monotonic() - started, stderr.decode()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_every_process_of_an_fsdp_job_saves_and_exits_75(tmp_path):
+    # Lightning's own SIGTERM handler runs a broadcast inside the handler: with the signal landing mid-step on
+    # both ranks, FSDP hung 3 times of 3. Ours only records; the save happens at the agreed step boundary.
+    run_dir = tmp_path / "run"
+    command = _command(
+        run_dir,
+        "fsdp",
+        extra=("--trainer.max_steps=1000", "--data.init_args.num_sequences=4096", "--checkpoint.every_n_steps=3"),
+    )
+    status, seconds, stderr = _signal_whole_job_after(command, tmp_path, run_dir / "checkpoints", signal.SIGTERM)
+    assert status == 75, stderr[-3000:]
+    assert seconds < 30
+    entry = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    assert entry is not None and entry.manifest.reason == "signal" and entry.step % 3 != 0
+    resumed = _run([*command, f"--trainer.max_steps={entry.step + 2}"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Auto-resuming from {entry.path}" in resumed.stderr + resumed.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("strategy", "size"), [("zero2", "4m"), ("fsdp", "4m")])
+def test_a_disk_full_mid_write_ends_every_rank_with_the_cause(tmp_path, tmpfs, strategy, size):
+    # The first save does not fit: it fails inside the strategy's own writer (DeepSpeed's, DCP's), on one
+    # rank or both; every rank must agree and end with one line naming the disk, not hang or print pages.
+    disk = tmpfs("disk", size=size)
+    run_dir = tmp_path / "run"
+    command = _command(
+        run_dir, strategy, extra=(f"--checkpoint.dirpath={disk / 'checkpoints'}", "--checkpoint.async_save=false")
+    )
+    started = time.monotonic()
+    result = _run(command, tmp_path, timeout=180)
+    assert result.returncode == 74, result.stderr[-3000:]
+    assert time.monotonic() - started < 120
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("No space left on device (errno 28) writing" in line for line in errors), errors
+    assert all(f"{disk / 'checkpoints'}" in line and "earlier checkpoints are intact" in line for line in errors)
+    assert "Traceback" not in result.stderr
+    assert not [p for p in (disk / "checkpoints").iterdir() if p.name.startswith(".staging")]
+
+
+def test_a_run_whose_final_save_was_lost_is_marked_final_on_relaunch(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # What a kill during the final save leaves: the periodic checkpoint at max_steps, not marked final.
+    # Lightning skips the training loop of a run resumed at max_steps, so on_train_end never runs there.
+    _quickstart(tmp_path, "--trainer.max_steps=4", "--checkpoint.save_on_train_end=false")
+    store = CheckpointStore(tmp_path / "run" / "checkpoints")
+    entry = store.newest_valid()
+    assert entry is not None and entry.step == 4 and not entry.manifest.final
+    _quickstart(tmp_path, "--trainer.max_steps=4")
+    entry = store.newest_valid()
+    assert entry is not None and entry.step == 4 and entry.manifest.final and entry.manifest.reason == "final"

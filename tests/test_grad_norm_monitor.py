@@ -106,6 +106,15 @@ def test_nan_on_one_rank_is_located_and_stop_exits_with_the_diagnosis(tmp_path):
     assert "non-finite values at step 4" in result.stderr
     assert "rank 1: first non-finite output in forward order: layers.1.mlp.0" in result.stderr
     assert "rank 0: first" not in result.stderr
+    # Every rank raised; rank zero alone wrote the exception checkpoint (both once wrote and committed the same
+    # folder: a manifest covering one rank's files and a stray .manifest.json.tmp).
+    from lightning_mlopt.checkpoint import CheckpointStore
+
+    entry = CheckpointStore(tmp_path / "run" / "checkpoints").newest_valid()
+    assert entry is not None and entry.manifest.reason == "exception" and entry.step == 3
+    on_disk = {str(p.relative_to(entry.path)) for p in entry.path.rglob("*") if p.is_file()}
+    assert on_disk == {*entry.manifest.files, "manifest.json"}
+    assert {name for name in on_disk if name.startswith("rng/")} == {"rng/rank-0.pt"}
 
 
 @pytest.mark.multiprocess

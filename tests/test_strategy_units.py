@@ -22,7 +22,7 @@ def test_every_short_name_builds_its_strategy():
 def test_fsdp_wrap_class_missing_from_model_lists_the_model_classes():
     strategy = FSDPStrategy(wrap_classes=["torch.nn.Conv2d"])
     with pytest.raises(ValueError, match=r"wrap_classes: torch.nn.modules.conv.Conv2d is not in the model") as error:
-        strategy._check_classes_present(GPTLanguageModel(n_layer=1))
+        strategy.check_model(GPTLanguageModel(n_layer=1))
     assert BLOCK in str(error.value)
     assert "torch.nn.modules.linear.Linear" in str(error.value)
 

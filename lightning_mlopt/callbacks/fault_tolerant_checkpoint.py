@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -16,8 +16,10 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 from typing_extensions import override
 
+from lightning_mlopt._compat import keep_lightning_off_signals
 from lightning_mlopt.checkpoint import (
     STATE_NAME,
     AsyncWriter,
@@ -25,17 +27,15 @@ from lightning_mlopt.checkpoint import (
     Manifest,
     RetentionPolicy,
 )
+from lightning_mlopt.checkpoint.errors import CheckpointWriteError, describe_write_error
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, describe_files, library_versions
+from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.checkpoint.resume import skip_first_batches
 from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightning_mlopt.distributed.phase import phase
 
 log = logging.getLogger(__name__)
 _RNG_DIR = "rng"
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; earlier checkpoints are intact."""
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -50,7 +50,14 @@ class FaultTolerantCheckpoint(Checkpoint):
     Triggers: every N optimizer steps, every T minutes (decided collectively, so all ranks save at the same
     step), end of epoch, end of training (marked final: a relaunch does not train again), an exception
     (single-file strategies; see below), and preemption signals: the handler only sets a flag, the save
-    happens at the next step boundary on all ranks, then the process exits with ``exit_code``.
+    happens at the next step boundary on all ranks, then the process exits with ``exit_code``. The callback
+    owns its ``signals`` for the whole run: Lightning's own handlers for them (which run a collective inside
+    the handler and can hang the job) are kept off.
+
+    Failures end, never hang: a folder that cannot be written is found before the first step; a write that
+    fails on any rank (full disk, read-only mount, I/O error) is agreed by every rank and raises
+    :class:`CheckpointWriteError` naming the path and the operating system's reason, with earlier checkpoints
+    intact (the CLI exits with status 74).
 
     Exact resume: besides what Lightning saves (model, optimizer, scheduler, scaler, loops, callbacks), each
     rank's Python, NumPy, torch and CUDA RNG states are saved and restored, and a mid-epoch resume skips the
@@ -64,10 +71,14 @@ class FaultTolerantCheckpoint(Checkpoint):
         save_on_epoch_end: save at the end of every training epoch.
         save_on_train_end: save at the end of training, marked final.
         save_on_exception: save when training raises. Single-file strategies (DDP, one device) only: a
-            sharded save needs every rank, and a rank that raised cannot bring the others along.
+            sharded save needs every rank, and a rank that raised cannot bring the others along. Rank zero
+            writes it (every rank holds the same state), so ranks never write one folder at once.
         signals: signal names that request a save and a non-zero exit (preemption).
         exit_code: exit status after a signal-triggered save; 75 is EX_TEMPFAIL ("try again"), so a
             scheduler sees the job did not finish.
+        signal_deadline_s: seconds from a signal to a forced exit with ``exit_code`` when the process cannot
+            reach a step boundary (e.g. a rank stuck in a collective, which never runs a Python handler);
+            the previous checkpoint stays the one to resume from. None: wait forever.
         keep_last: keep the newest K checkpoints (>= 1).
         keep_every_n_steps: also keep forever the checkpoints whose step is a multiple of M.
         monitor: a logged metric; the best ``keep_best`` checkpoints by it are kept too.
@@ -98,6 +109,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         save_on_exception: bool = True,
         signals: list[str] | None = None,
         exit_code: int = 75,
+        signal_deadline_s: float | None = DEFAULT_DEADLINE_S,
         keep_last: int = 3,
         keep_every_n_steps: int | None = None,
         monitor: str | None = None,
@@ -112,6 +124,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             raise ValueError(f"every_n_minutes must be > 0, got {every_n_minutes}")
         if not 1 <= exit_code <= 255:
             raise ValueError(f"exit_code must be in 1..255 (non-zero, so a scheduler sees it), got {exit_code}")
+        if signal_deadline_s is not None and signal_deadline_s <= 0:
+            raise ValueError(f"signal_deadline_s must be > 0 or null, got {signal_deadline_s}")
         signal_names = ["SIGTERM", "SIGUSR1"] if signals is None else list(signals)
         unknown = [name for name in signal_names if not hasattr(signal, name)]
         if unknown:
@@ -125,6 +139,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.save_on_exception = save_on_exception
         self.signals = signal_names
         self.exit_code = exit_code
+        self.signal_deadline_s = signal_deadline_s
         self.monitor = monitor
         self.async_save = async_save
         self.auto_resume = auto_resume
@@ -132,15 +147,15 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.resumed_from: Path | None = None
         self.last_saved: Path | None = None
         self._writer = AsyncWriter()
-        self._signal_received: int | None = None
-        self._previous_handlers: dict[int, Any] = {}
         self._last_save_step = -1
         self._last_save_time = time.monotonic()
         self._resume_final = False
         self._exiting = False
         self._pending_rng: dict[str, Any] | None = None
         self._training_started = False
+        self._final_saved = False
         self._committed: list[tuple[Path, Manifest]] = []
+        self._last_total_bytes = 0  # size of the newest committed checkpoint: the free space the next one needs
 
     @property
     @override
@@ -159,7 +174,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             return
         # Every rank must write to and resume from the same place: rank zero's path decides.
         self.store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
-        self._install_signal_handlers()
+        self._own_signals(trainer)
+        self._check_writable(trainer)
         resume = self._choose_resume_checkpoint(trainer) if self.auto_resume else None
         self.resumed_from, self._resume_final = trainer.strategy.broadcast(resume or (None, False))
         if self.resumed_from is not None and not trainer.strategy.restore_checkpoint_after_setup:
@@ -210,11 +226,28 @@ class FaultTolerantCheckpoint(Checkpoint):
             self._pending_rng = None
 
     @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Resumed from a checkpoint at max_steps that is not marked final (a kill landed during the final
+        # save): Lightning skips the training loop, so on_train_end never runs. Mark the run finished now.
+        if (
+            self.save_on_train_end
+            and self.store is not None
+            and not self._training_started
+            and not self._resume_final
+            and not self._final_saved
+            and self.resumed_from is not None
+            and trainer.fit_loop.done
+        ):
+            self._save(trainer, reason="final", final=True, wait=True)
+            self._tell_loggers(trainer)
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         try:
             self._writer.close()
         finally:
-            self._restore_signal_handlers()
+            if stage == "fit":
+                preemption.release()
 
     # ------------------------------------------------------------------ triggers
 
@@ -229,8 +262,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         # a save made inside on_train_batch_end exactly (it knows that batch finished), while one made inside
         # on_train_epoch_end restarts the next epoch short.
         epoch_ends = self.save_on_epoch_end and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        signalled, due_by_time = self._agree_on_signal_and_time(trainer)
+        signalled, due_by_time = self._agree_at_step_boundary(trainer)
         if signalled:
+            preemption.acknowledge()  # acted on: it must not end the process a second time
             self._save(trainer, reason="signal", wait=True)
             self._tell_loggers(trainer)
             rank_zero_warn(f"Preemption signal: saved step {step}; exiting with status {self.exit_code}.")
@@ -242,26 +276,33 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        preemption.acknowledge()  # a signal after the last step boundary: the run finishes and is saved
         if self.save_on_train_end and not self._resume_final:
             self._save(trainer, reason="final", final=True, wait=True)
-        self._writer.wait()
+        self._wait_for_writer(trainer)
         self._tell_loggers(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # The exception decides how the process ends; a signal received meanwhile must not end it again.
+        preemption.acknowledge()
+        preemption.release()
         if self._exiting or isinstance(exception, (CheckpointWriteError, KeyboardInterrupt)):
             return
         if not self.save_on_exception or self.store is None:
             return
         if not self._training_started or not _is_single_file(trainer.strategy):
             return  # an error while setting up or resuming leaves nothing new worth saving
-        if trainer.global_step == self._last_save_step:
+        if trainer.global_step == self._last_save_step or not trainer.is_global_zero:
             return
-        # Only this rank is known to be here, so no collective may run: write the full state from this rank.
+        # Only this rank is known to be here, so no collective may run. Every rank of a single-file strategy
+        # holds the full state and would raise the same error: rank zero alone writes, so no two ranks ever
+        # write (and commit) the same staging folder. Other ranks' RNG states are not saved (a resume from
+        # it warns and continues, not bitwise).
         try:
             self._writer.wait()
             staging = self.store.stage(trainer.global_step)
-            torch.save(trainer._checkpoint_connector.dump_checkpoint(), staging / STATE_NAME)
+            _save_file(trainer._checkpoint_connector.dump_checkpoint(), staging / STATE_NAME)
             self._write_rng(staging, trainer.global_rank)
             self._commit(trainer, staging, reason="exception", final=False, world_size=trainer.world_size)
             log.warning("Saved a checkpoint at step %d after an exception: %r", trainer.global_step, exception)
@@ -281,22 +322,28 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ saving
 
-    def _agree_on_signal_and_time(self, trainer: pl.Trainer) -> tuple[bool, bool]:
-        """One small all-reduce: did any rank get a signal, has any rank's timer run out? All ranks reach it."""
-        if not self.signals and self.every_n_minutes is None:
+    def _agree_at_step_boundary(self, trainer: pl.Trainer) -> tuple[bool, bool]:
+        """One small all-reduce, reached by every rank: a signal, a timer run out, a failed background write.
+
+        A failed background write raises on every rank here, at the step boundary after it failed.
+        """
+        if not self.signals and self.every_n_minutes is None and not self.async_save:
             return False, False
         local = torch.tensor(
             [
-                float(self._signal_received is not None),
+                float(preemption.received() is not None),
                 float(
                     self.every_n_minutes is not None
                     and time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
                 ),
+                float(self._writer.failed),
             ],
             device=trainer.strategy.root_device,
         )
         total = trainer.strategy.reduce(local, reduce_op="sum")
-        signalled, due = (bool(value > 0) for value in total.tolist())
+        signalled, due, write_failed = (bool(value > 0) for value in total.tolist())
+        if write_failed:
+            self._wait_for_writer(trainer)  # collective: every rank raises the same error
         return signalled, due
 
     def _save(self, trainer: pl.Trainer, reason: str, final: bool = False, wait: bool = False) -> None:
@@ -307,52 +354,83 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _save_in_phase(self, trainer: pl.Trainer, reason: str, final: bool, wait: bool) -> None:
         assert self.store is not None
         step = trainer.global_step
-        self._wait_for_writer()
+        self._wait_for_writer(trainer)
         staging = self.store.staging_path(step)
-        ok = True
-        try:
-            if trainer.is_global_zero:
+        # Rank zero makes the staging folder (and checks the space the last checkpoint took is free); then
+        # every rank writes its RNG state into it. Each stage ends in a collective every rank reaches,
+        # whether its own part failed or not, so a failure is agreed, never a hang.
+        problem = None
+        if trainer.is_global_zero:
+            try:
                 self.store.stage(step)
-            trainer.strategy.barrier("FaultTolerantCheckpoint.stage")
+                problem = _space_problem(self.store.root, self._last_total_bytes)
+            except OSError as error:
+                problem = describe_write_error(error, staging)
+        self._raise_if_any_failed(trainer, problem, staging)
+        try:
             self._write_rng(staging, trainer.global_rank)
         except OSError as error:
-            ok = False
-            log.error("rank %d could not write into %s: %s", trainer.global_rank, staging, error)
-        # Every rank confirms before anything is committed (all ranks reach this collective).
-        if not trainer.strategy.reduce_boolean_decision(ok, all=True):
-            if trainer.is_global_zero:
-                self.store.discard(staging)
-            raise CheckpointWriteError(
-                f"could not write a checkpoint into {self.store.root} (see the log for the rank and the reason); "
-                "earlier checkpoints are intact. Check that the folder is writable and the disk has space."
-            )
+            problem = describe_write_error(error, staging)
+        self._raise_if_any_failed(trainer, problem, staging)
         world_size = trainer.world_size
         if self.async_save and _is_single_file(trainer.strategy):
             self._save_async(trainer, staging, reason, final, world_size)
             if wait:
-                self._wait_for_writer()
+                self._wait_for_writer(trainer)
         else:
             self._save_sync(trainer, staging, reason, final, world_size)
         self._last_save_step = step
         self._last_save_time = time.monotonic()
+        self._final_saved = self._final_saved or final
 
     def _save_sync(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
-        ok = True
+        problem = None
         try:
             trainer.save_checkpoint(staging / STATE_NAME)  # the strategy decides the layout; all ranks call
-        except OSError as error:
-            ok = False
-            log.error("rank %d failed to write its part of the checkpoint: %s", trainer.global_rank, error)
-        if not trainer.strategy.reduce_boolean_decision(ok, all=True):
-            if trainer.is_global_zero:
-                assert self.store is not None
-                self.store.discard(staging)
-            raise CheckpointWriteError(
-                f"writing the checkpoint for step {trainer.global_step} failed; earlier checkpoints are intact"
-            )
+        except (Exception, _CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+            problem = describe_write_error(error, staging / STATE_NAME)
+            # Trainer.save_checkpoint ends in a barrier that the failed rank skipped; the ranks that
+            # succeeded wait in it. Reach it here, so that every rank is in the same collective again.
+            trainer.strategy.barrier("Trainer.save_checkpoint")
+        self._raise_if_any_failed(trainer, problem, staging)
         if trainer.is_global_zero:
             self._commit(trainer, staging, reason, final, world_size)
         trainer.strategy.barrier("FaultTolerantCheckpoint.commit")
+
+    def _raise_if_any_failed(self, trainer: pl.Trainer, problem: str | None, staging: Path) -> None:
+        """Collective (every rank calls it): if any rank had a problem, every rank raises the same error."""
+        problem = _first_problem(trainer, problem)
+        if problem is None:
+            return
+        if trainer.is_global_zero:
+            assert self.store is not None
+            self.store.discard(staging)
+        raise CheckpointWriteError(f"{problem}; earlier checkpoints are intact")
+
+    def _check_writable(self, trainer: pl.Trainer) -> None:
+        """Before the first step: every rank can create and remove a file in the checkpoint folder (collective).
+
+        A read-only mount, a path through a file, or a full disk is found here, in seconds, not at the first
+        save hours later.
+        """
+        assert self.store is not None
+        probe = self.store.root / f".write-test-rank{trainer.global_rank}-{os.getpid()}"
+        problem = None
+        try:
+            self.store.root.mkdir(parents=True, exist_ok=True)
+            with probe.open("wb") as handle:
+                handle.write(b"\0" * 4096)
+                handle.flush()
+                os.fsync(handle.fileno())
+            probe.unlink()
+        except OSError as error:
+            problem = describe_write_error(error, self.store.root)
+        problem = _first_problem(trainer, problem)
+        if problem is not None:
+            raise CheckpointWriteError(
+                f"cannot save checkpoints: {problem}; stopped before training, earlier checkpoints are intact. "
+                "Choose a writable folder with checkpoint.dirpath, or free space"
+            )
 
     def _save_async(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
         # Single-file strategies hold the full state on every rank; rank zero writes it.
@@ -361,20 +439,31 @@ class FaultTolerantCheckpoint(Checkpoint):
             return
         staged = _to_cpu_copy(checkpoint)  # training may now change the live tensors
         manifest = self._describe(trainer, reason, final, world_size)
+        assert self.store is not None
+        store = self.store
 
         def write() -> None:
-            torch.save(staged, staging / STATE_NAME)
-            self._commit_prepared(staging, manifest)
+            try:
+                _save_file(staged, staging / STATE_NAME)
+                self._commit_prepared(staging, manifest)
+            except BaseException:
+                store.discard(staging)
+                raise
 
         self._writer.submit(write)
 
-    def _wait_for_writer(self) -> None:
+    def _wait_for_writer(self, trainer: pl.Trainer | None = None) -> None:
+        """Wait for the background write; with ``trainer``, a collective: a failure raises on every rank."""
+        problem = None
         try:
             self._writer.wait()
         except Exception as error:
-            raise CheckpointWriteError(
-                f"the background checkpoint write failed: {error}. Earlier checkpoints are intact."
-            ) from error
+            assert self.store is not None
+            problem = f"the background checkpoint write failed: {describe_write_error(error, self.store.root)}"
+        if trainer is not None:
+            problem = _first_problem(trainer, problem)
+        if problem is not None:
+            raise CheckpointWriteError(f"{problem}. Earlier checkpoints are intact")
 
     def _commit(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
         self._commit_prepared(staging, self._describe(trainer, reason, final, world_size))
@@ -399,6 +488,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         manifest.versions = library_versions()
         manifest.created = time.time()
         self.last_saved = self.store.commit(staging, manifest)
+        self._last_total_bytes = sum(entry.size for entry in manifest.files.values())
         self._apply_retention(protected=manifest.step)
         self._committed.append((self.last_saved, manifest))  # loggers hear of it on the main thread
 
@@ -424,8 +514,6 @@ class FaultTolerantCheckpoint(Checkpoint):
             scored.append((step, None if metric is None else metric.get("value")))
             paths[step] = path
         for step in self.retention.to_delete(scored, protected=[protected]):
-            import shutil
-
             shutil.rmtree(paths[step], ignore_errors=True)
 
     def _metric(self, trainer: pl.Trainer) -> dict[str, float] | None:
@@ -437,7 +525,7 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _write_rng(staging: Path, rank: int) -> None:
         folder = staging / _RNG_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(capture_rng_state(), folder / f"rank-{rank}.pt")
+        _save_file(capture_rng_state(), folder / f"rank-{rank}.pt")
 
     # ------------------------------------------------------------------ resuming
 
@@ -455,6 +543,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if entry is None:
             return None
         assert entry.manifest is not None
+        self._last_total_bytes = sum(file.size for file in entry.manifest.files.values())
         if entry.manifest.final:
             rank_zero_info(f"{entry.path} is marked final: this run already finished; not training again.")
         else:
@@ -493,22 +582,16 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ signals
 
-    def _install_signal_handlers(self) -> None:
+    def _own_signals(self, trainer: pl.Trainer) -> None:
+        """Own ``signals`` for the run (flag-only handlers, see checkpoint/preemption.py); keep Lightning's off.
+
+        A signal that came before this (the entry point owns them from its first second) stays recorded and
+        is acted on at the first step boundary.
+        """
         if not self.signals or not _in_main_thread():
             return
-        for name in self.signals:
-            number = getattr(signal, name)
-            self._previous_handlers[number] = signal.getsignal(number)
-            signal.signal(number, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag: saving here could interrupt a collective or a half-written tensor.
-        self._signal_received = signum
-
-    def _restore_signal_handlers(self) -> None:
-        for number, handler in self._previous_handlers.items():
-            signal.signal(number, handler)
-        self._previous_handlers.clear()
+        owned = preemption.install(self.signals, deadline_s=self.signal_deadline_s, exit_code=self.exit_code)
+        keep_lightning_off_signals(trainer, owned)
 
 
 def _is_single_file(strategy: Strategy) -> bool:
@@ -518,6 +601,47 @@ def _is_single_file(strategy: Strategy) -> bool:
     Lightning's DeepSpeedStrategy is a DDPStrategy subclass, so an isinstance test would be wrong.)
     """
     return type(strategy).save_checkpoint is Strategy.save_checkpoint
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file, fsynced (the commit that follows relies on it).
+
+    Through a file object, a failed write raises the OS error (errno 28, ...), not ``unexpected pos``.
+    """
+    with path.open("wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _first_problem(trainer: pl.Trainer, problem: str | None) -> str | None:
+    """Collective over every rank: the first rank's problem (prefixed with its rank), or None if none had one."""
+    import torch.distributed as dist
+
+    if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return problem
+    problems: list[str | None] = [None] * trainer.world_size
+    dist.all_gather_object(problems, problem)
+    for rank, found in enumerate(problems):
+        if found is not None:
+            return f"rank {rank}: {found}"
+    return None
+
+
+def _space_problem(root: Path, needed_bytes: int) -> str | None:
+    """A full disk, found before writing: the last checkpoint's size must be free.
+
+    (Retention frees space only after the next commit.)
+    """
+    if needed_bytes <= 0:
+        return None
+    free = shutil.disk_usage(root).free
+    if free >= needed_bytes:
+        return None
+    return (
+        f"No space left on device: the checkpoint needs about {needed_bytes / 2**20:.1f} MiB and {root} has "
+        f"{free / 2**20:.1f} MiB free"
+    )
 
 
 def _to_cpu_copy(value: Any) -> Any:

@@ -30,6 +30,11 @@ class AsyncWriter:
         """True while a write is in flight."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def failed(self) -> bool:
+        """True when a finished write failed and ``wait()`` has not raised its error yet (never blocks)."""
+        return self._error is not None
+
     def submit(self, write: Callable[[], None]) -> None:
         """Wait for the write in flight (raising its error, if any), then start ``write`` in the background."""
         self.wait()

@@ -98,6 +98,7 @@ class SlurmJob:
     account: str | None = None
     cpus_per_task: int | None = None
     signal_seconds: int = 120
+    extra_directives: tuple[str, ...] = ()  # e.g. ("--mem=64G", "--constraint=a100"), from --sbatch_option
 
     @property
     def tasks(self) -> int:
@@ -135,6 +136,7 @@ def sbatch_script(
         "--requeue",
         "--open-mode=append",
         f"--output={log_dir}/slurm-{'%A_%a' if array else '%j'}.out",
+        *job.extra_directives,
     ]
     quoted = " ".join(arg if "$SLURM_ARRAY_TASK_ID" in arg else shlex.quote(arg) for arg in command)
     where = script_path or log_dir / "job.sbatch"
@@ -147,6 +149,15 @@ def sbatch_script(
         f"# FaultTolerantCheckpoint saves, every rank exits {requeue_exit_code}, and this script requeues the job,",
         "# which resumes from that checkpoint in the same run directory.",
         "set -uo pipefail",
+        "# This shell must outlive the signals meant for the tasks: `scancel --signal=USR1 --full` and a",
+        "# preemption SIGTERM reach it too, and bash's default action would end the job FAILED before the",
+        "# tasks have saved. Each is passed on to the job step, and the shell goes on waiting for it.",
+        'srun_pid=""',
+        "forward() {",
+        '  echo "batch shell: SIG$1 received; passing it to the job step"',
+        '  if [ -n "$srun_pid" ]; then kill -s "$1" "$srun_pid" 2>/dev/null; fi',
+        "}",
+        *[f"trap 'forward {name}' {name}" for name in ("TERM", "USR1", "USR2", "INT")],
         f"cd {shlex.quote(str((workdir or Path.cwd()).resolve()))}",
         "export PYTHONUNBUFFERED=1",
         f'if [ "${{SLURM_NTASKS:-{job.tasks}}}" != "{job.tasks}" ]; then',
@@ -159,8 +170,17 @@ def sbatch_script(
         'job="${job:-$SLURM_JOB_ID}"',
         f'echo "job $job (restart ${{SLURM_RESTART_COUNT:-0}}): {job.nodes} node(s) x {job.gpus_per_node} tasks, '
         f'logs in {log_dir}"',
-        "srun " + quoted,
-        "status=$?",
+        "srun " + (f"--cpus-per-task={job.cpus_per_task} " if job.cpus_per_task else "") + quoted + " &",
+        "srun_pid=$!",
+        "while :; do",
+        '  wait "$srun_pid"; status=$?',
+        '  kill -0 "$srun_pid" 2>/dev/null || break  # still running: a trapped signal interrupted the wait',
+        "done",
+        "# A signal that interrupted the wait as the step ended left its status unread: read it.",
+        'if [ "$status" -gt 128 ]; then',
+        '  wait "$srun_pid" 2>/dev/null; again=$?',
+        '  if [ "$again" -ne 127 ]; then status=$again; fi',
+        "fi",
         f'if [ "$status" -eq {requeue_exit_code} ]; then',
         '  echo "checkpoint saved after a signal; requeueing job $job"',
         '  scontrol requeue "$job"',
@@ -181,6 +201,13 @@ def add_slurm_arguments(parser: argparse.ArgumentParser, required: bool = True) 
     parser.add_argument("--job_name", default=None, help="default: the config file stems")
     parser.add_argument("--cpus_per_task", type=int, default=None)
     parser.add_argument("--signal_seconds", type=int, default=120, help="SIGUSR1 this long before the time limit")
+    parser.add_argument(
+        "--sbatch_option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an extra #SBATCH line, e.g. --sbatch_option=--mem=64G (repeatable)",
+    )
 
 
 def slurm_job(options: argparse.Namespace, trainer: dict[str, Any], default_name: str) -> SlurmJob:
@@ -199,6 +226,10 @@ def slurm_job(options: argparse.Namespace, trainer: dict[str, Any], default_name
         value = getattr(options, name)
         if value is not None and not _NAME.match(value):
             raise BadInputError(f"--{name} {value!r}: letters, digits and . _ + - only")
+    extra = tuple(getattr(options, "sbatch_option", None) or ())
+    for option in extra:
+        if not option.startswith("--") or any(char in option for char in "\n;`$"):
+            raise BadInputError(f"--sbatch_option {option!r}: give one sbatch option, e.g. --sbatch_option=--mem=64G")
     check_task_count(trainer, options.nodes, options.gpus_per_node)
     return SlurmJob(
         nodes=options.nodes,
@@ -210,6 +241,7 @@ def slurm_job(options: argparse.Namespace, trainer: dict[str, Any], default_name
         account=options.account,
         cpus_per_task=options.cpus_per_task,
         signal_seconds=options.signal_seconds,
+        extra_directives=extra,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -15,6 +16,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 
 Preset = Literal["zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -133,6 +136,9 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
 
     @override
     def setup_distributed(self) -> None:
+        # DeepSpeed builds its communication op before the rendezvous; a build lock left by a killed
+        # process would make it wait forever (see build_locks).
+        _clear_stale_build_locks()
         if isinstance(self.accelerator, CPUAccelerator):
             # Lightning validates CUDA device indices here; CPU devices have none.
             from lightning.fabric.utilities.seed import reset_seed
@@ -149,6 +155,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     ) -> tuple[Any, Optimizer]:
         import deepspeed
 
+        _clear_stale_build_locks()  # the optimizer's ops (cpu_adam for offload) build here
         # On CPU `root_device.index` is None, which DeepSpeed reads as "no device": pass the local rank.
         index = self.root_device.index if self.root_device.index is not None else self.local_rank
         parameters = [p for p in model.parameters() if p.requires_grad]
@@ -217,6 +224,11 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
                 block["enabled"] = enabled
             elif isinstance(block, dict) and not enabled:
                 block["enabled"] = False
+
+
+def _clear_stale_build_locks() -> None:
+    for path in clear_stale_build_locks():  # any rank may find one: each says so
+        print(f"Removed a stale build lock left by a killed process (no process held it): {path}", file=sys.stderr)
 
 
 def _set_offload(zero: dict[str, Any], key: str, enabled: bool) -> None:

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -152,7 +153,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def _shard(self, module: nn.Module) -> None:
         """Apply activation checkpointing, then ``fully_shard`` to units, then to the root children."""
-        self._check_classes_present(module)
+        self.check_model(module)
         if self.checkpoint_classes:
             from torch.distributed._composable import checkpoint
 
@@ -201,7 +202,11 @@ class FSDPStrategy(ModelParallelStrategy):
             "offload_policy": offload,
         }
 
-    def _check_classes_present(self, module: nn.Module) -> None:
+    def check_model(self, module: nn.Module) -> None:
+        """Raise BadInputError when ``wrap_classes`` or ``activation_checkpointing`` name a class the model lacks.
+
+        The CLI calls it before anything is written; setup calls it again for models built in ``configure_model``.
+        """
         present = {type(sub) for sub in module.modules()}
         for key, classes in (
             ("wrap_classes", self.wrap_classes),
@@ -210,7 +215,7 @@ class FSDPStrategy(ModelParallelStrategy):
             for cls in classes:
                 if not any(issubclass(p, cls) for p in present):
                     names = sorted(f"{p.__module__}.{p.__qualname__}" for p in present)
-                    raise ValueError(
+                    raise BadInputError(
                         f"{key}: {cls.__module__}.{cls.__qualname__} is not in the model. "
                         f"The model's module classes: {', '.join(names)}"
                     )

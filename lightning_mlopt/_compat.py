@@ -1,0 +1,53 @@
+"""Reaches into private names of Lightning, torch and DeepSpeed that have no public alternative.
+
+Each function names the private attribute it depends on and fails loudly (``CompatError``, naming the reach)
+when an upgrade removes it, rather than silently doing nothing; ``tests/test_compat.py`` has a test per reach.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+class CompatError(RuntimeError):
+    """A private name we depend on is gone or changed; the message names it."""
+
+
+def _require(owner: Any, name: str, what: str) -> Any:
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise CompatError(
+            f"{what}: {type(owner).__name__}.{name} is gone in this version; lightning_mlopt needs an update"
+        ) from None
+
+
+def keep_lightning_off_signals(trainer: Any, signums: Iterable[int]) -> None:
+    """Keep our handlers for ``signums`` when Lightning registers its own in ``Trainer._run``.
+
+    Reach: ``trainer._signal_connector.register_signal_handlers`` (Lightning 2.x). Lightning installs, after the
+    callbacks' ``setup``, a SIGTERM handler that runs ``dist.broadcast`` inside the handler (a signal landing
+    mid-step puts the ranks in different collectives: a hang) and, under SLURM, a SIGUSR1 handler that saves a
+    checkpoint inside the handler. Lightning's registration still runs (its bookkeeping for other signals stays
+    right); ours are put back at once, with the signals blocked meanwhile so none reaches Lightning's handler.
+    """
+    owned = sorted(set(signums))
+    connector = _require(trainer, "_signal_connector", "keeping our preemption handlers")
+    register: Callable[[], None] = _require(connector, "register_signal_handlers", "keeping our preemption handlers")
+    if not owned or getattr(register, "_keeps_signals", None) == owned:
+        return
+
+    def register_keeping_ours() -> None:
+        ours = {number: signal.getsignal(number) for number in owned}
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, owned)
+        try:
+            register()
+            for number, handler in ours.items():
+                signal.signal(number, handler)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal that came meanwhile reaches ours now
+
+    register_keeping_ours._keeps_signals = owned  # type: ignore[attr-defined]
+    connector.register_signal_handlers = register_keeping_ours

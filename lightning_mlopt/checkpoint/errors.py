@@ -1,0 +1,80 @@
+"""Why a checkpoint could not be written, in one line a user can act on.
+
+Writers fail in many dialects: Python's ``OSError(28, 'No space left on device')``, torch's zip writer's
+``unexpected pos 850496 vs 850448`` (a short write on a full disk, errno lost), DCP's ``CheckpointException``
+wrapping each rank's failure, DeepSpeed's tracebacks. ``describe_write_error`` finds the operating system's
+reason in the chain where there is one, and asks the disk where there is none.
+
+Example::
+
+    try:
+        torch.save(state, path)
+    except Exception as error:
+        raise CheckpointWriteError(describe_write_error(error, path)) from error
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+# Below this much free space, a write failure without an errno is taken to be a full disk.
+_NEARLY_FULL_BYTES = 64 * 2**20
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; earlier checkpoints are intact. The message names the path and cause."""
+
+
+def describe_write_error(error: BaseException, path: Path) -> str:
+    """``"<reason> (errno N) writing <path>"``: the OS error in the exception chain, else the disk's state.
+
+    Args:
+        error: what the writer raised.
+        path: the file or folder being written (named in the message; its disk is measured).
+
+    """
+    os_error = _find_os_error(error)
+    if os_error is not None and os_error.errno is not None:
+        # The path we were writing, not the error's filename: a library's temporary file names nothing useful.
+        return f"{os.strerror(os_error.errno)} (errno {os_error.errno}) writing {path}"
+    if _nearly_full(path):
+        return f"{os.strerror(errno.ENOSPC)} (errno {errno.ENOSPC}) writing {path}"
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    return f"{type(error).__name__}: {first_line} writing {path}"
+
+
+def _find_os_error(error: BaseException) -> OSError | None:
+    """The first OSError with an errno in ``error``, its causes, contexts, and (DCP) per-rank failures."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+        # torch.distributed.checkpoint's CheckpointException keeps {rank: (exception, traceback)} in .failures
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for value in failures.values():
+                candidate = value[0] if isinstance(value, tuple) else value
+                if isinstance(candidate, BaseException):
+                    pending.append(candidate)
+        pending += [arg for arg in getattr(current, "args", ()) if isinstance(arg, BaseException)]
+    return None
+
+
+def _nearly_full(path: Path) -> bool:
+    """True when the disk holding ``path`` (or its nearest existing parent) has almost no space left."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False

@@ -1,0 +1,231 @@
+"""Preemption signals, owned by the process from its first second to its last: record, never act, and a deadline.
+
+A scheduler asks a job to stop with a signal to every process (SLURM's ``--signal=USR1@N`` and preemption
+SIGTERM, Kubernetes' SIGTERM, a cloud's spot notice). Three facts shape how we take it:
+
+- A signal may land at any instant, mid-collective included. Acting inside the handler (saving, or Lightning
+  2.6's ``dist.broadcast`` in its SIGTERM handler) puts the ranks in different collectives and hangs the job.
+  So the handler only records; FaultTolerantCheckpoint acts at the next step boundary, after every rank
+  agreed, and exits with 75.
+- Python runs a handler only when the main thread returns to the interpreter. A rank blocked in a C++
+  collective never runs it, and with the default action replaced it would ignore every later SIGTERM
+  forever. So a watcher thread reads the signal from the interpreter's wakeup file descriptor (written by
+  the C-level handler at once, whatever the main thread does) and starts a deadline: if the process has not
+  exited ``deadline_s`` after the signal, it prints where the main thread is and exits with ``exit_code``
+  (no new checkpoint; the previous one is intact).
+- A signal can arrive while the process is still importing torch and Lightning (SLURM may send it up to N
+  seconds early). The entry point installs these handlers before importing anything slow, so a signal in
+  start-up is remembered, not fatal.
+
+Only the standard library is imported here: this module loads before torch.
+
+Example::
+
+    from lightning_mlopt.checkpoint.preemption import preemption
+
+    preemption.install(["SIGTERM", "SIGUSR1"], deadline_s=120, exit_code=75)
+    ...
+    if preemption.received() is not None:   # at a step boundary, then agreed across ranks
+        save_and_exit()
+    preemption.release()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_DEADLINE_S = 120.0
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the sbatch script requeues on it
+
+
+class PreemptionSignals:
+    """Flag-only handlers for the preemption signals of this process, with a deadline after the first one.
+
+    One instance per process (``preemption`` below): signal handlers and the wakeup descriptor are process-wide.
+    ``install`` and ``release`` must run in the main thread; ``received`` may be called from anywhere.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}  # signal number -> the handler before ours
+        self._received: int | None = None
+        self._received_at = 0.0
+        self.deadline_s: float | None = DEFAULT_DEADLINE_S
+        self.exit_code = REQUEUE_EXIT_CODE
+        self._lock = threading.Lock()
+        self._pipe: tuple[int, int] | None = None
+        self._previous_wakeup_fd = -1
+        self._watcher: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def install(
+        self,
+        names: Iterable[str] = DEFAULT_SIGNALS,
+        deadline_s: float | None = DEFAULT_DEADLINE_S,
+        exit_code: int = REQUEUE_EXIT_CODE,
+    ) -> list[int]:
+        """Own exactly the signals ``names`` from now on; signals owned before but not named go back to theirs.
+
+        A signal received earlier and still owned stays recorded; one received for a signal given back is
+        delivered again to its own handler (by default, it ends the process as it would have).
+
+        Args:
+            names: signal names, e.g. ``["SIGTERM", "SIGUSR1"]``.
+            deadline_s: seconds from a signal to a forced exit; None: no deadline.
+            exit_code: the status of that forced exit.
+
+        Returns:
+            The signal numbers now owned (empty outside the main thread, where handlers cannot be set).
+
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return []
+        wanted = {int(getattr(signal, name)) for name in names}
+        self.deadline_s = deadline_s
+        self.exit_code = exit_code
+        for number in [n for n in self._previous if n not in wanted]:
+            self._give_back(number)
+        for number in sorted(wanted - set(self._previous)):
+            self._previous[number] = signal.getsignal(number)
+            signal.signal(number, self._on_signal)
+        if self._previous:
+            self._start_watcher()
+        return sorted(self._previous)
+
+    def received(self) -> int | None:
+        """The first owned signal this process received, or None."""
+        return self._received
+
+    def owned(self) -> list[int]:
+        """The signal numbers whose handler is ours."""
+        return sorted(self._previous)
+
+    def release(self) -> None:
+        """Give every signal back to its previous handler, stop the watcher, and forget what was received.
+
+        A signal received and never acted on (e.g. during ``validate``, which saves nothing) is delivered again
+        to its previous handler, so the process ends as it would have without us.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for number in list(self._previous):
+            self._give_back(number)
+        self._stop_watcher()
+        self._received = None
+
+    def acknowledge(self) -> None:
+        """The signal was acted on (saved, exiting): release() must not deliver it again."""
+        with self._lock:
+            self._pending_redelivery = False
+
+    # ------------------------------------------------------------------ handlers
+
+    _pending_redelivery = False
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a record: anything more could interrupt a collective or a half-written tensor.
+        self._record(signum)
+
+    def _record(self, signum: int) -> None:
+        with self._lock:
+            if self._received is None and signum in self._previous:
+                self._received = signum
+                self._received_at = time.monotonic()
+                self._pending_redelivery = True
+
+    def _give_back(self, number: int) -> None:
+        previous = self._previous.pop(number)
+        signal.signal(number, previous if previous is not None else signal.SIG_DFL)
+        if self._received == number and self._pending_redelivery:
+            self._received = None
+            self._pending_redelivery = False
+            os.kill(os.getpid(), number)  # delivered now, to the handler the process had without us
+
+    # ------------------------------------------------------------------ watcher
+
+    def _start_watcher(self) -> None:
+        if self._watcher is not None:
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # required by set_wakeup_fd: a full pipe must never block a handler
+        try:
+            self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread of the main interpreter: handlers alone will do
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self._pipe = (read_fd, write_fd)
+        self._watcher = threading.Thread(target=self._watch, args=(read_fd,), name="preemption-watcher", daemon=True)
+        self._watcher.start()
+
+    def _stop_watcher(self) -> None:
+        if self._pipe is None:
+            return
+        read_fd, write_fd = self._pipe
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+        os.close(write_fd)  # the watcher reads end-of-file and returns
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        os.close(read_fd)
+        self._pipe = None
+        self._watcher = None
+
+    def _watch(self, read_fd: int) -> None:
+        """Record signals the moment they arrive, and enforce the deadline after the first one."""
+        while True:
+            timeout = self._seconds_left()
+            if timeout is not None and timeout <= 0:
+                self._expire()
+                return
+            try:
+                ready, _, _ = select.select([read_fd], [], [], timeout)
+            except (OSError, ValueError):
+                return
+            if not ready:
+                continue
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:  # release() closed the write end
+                return
+            for number in data:
+                self._record(number)
+
+    def _seconds_left(self) -> float | None:
+        if self._received is None or self.deadline_s is None:
+            return None
+        return self._received_at + self.deadline_s - time.monotonic()
+
+    def _expire(self) -> None:
+        """The process did not stop in time after a signal: say where it is stuck, then exit."""
+        from lightning_mlopt.distributed import phase  # stdlib-only module
+
+        name = signal.Signals(self._received).name if self._received else "a signal"
+        step_phase, step, in_phase = phase.current()
+        main = sys._current_frames().get(threading.main_thread().ident or -1)
+        stack = "".join(traceback.format_stack(main)[-8:]) if main is not None else ""
+        sys.stderr.write(
+            f"error: received {name} {self.deadline_s:.0f} s ago and did not reach a step boundary to save and exit "
+            f"(step {step}, phase '{step_phase}' for {in_phase:.0f} s; most likely waiting in a collective for "
+            f"another rank). Exiting with status {self.exit_code} without a new checkpoint; earlier ones are "
+            f"intact. Main thread:\n{stack}"
+        )
+        sys.stderr.flush()
+        os._exit(self.exit_code)
+
+
+preemption = PreemptionSignals()
+"""The process's one owner of the preemption signals."""

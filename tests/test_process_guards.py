@@ -1,0 +1,240 @@
+"""Process guards: preemption signals owned from the first second, the signal deadline for a rank stuck in a
+collective, the start-up deadline, the parent watch, and stale build locks. Faults as the world delivers them:
+real signals to real processes blocked in real gloo collectives, a real launcher killed mid-start-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_mlopt.checkpoint.preemption import PreemptionSignals
+from lightning_mlopt.strategies.build_locks import clear_stale_build_locks, find_build_locks
+from tests.conftest import CONFIGS, REPO
+
+
+def _python(code: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def test_handlers_only_record_and_release_gives_the_signal_back():
+    guard = PreemptionSignals()
+    try:
+        owned = guard.install(["SIGUSR2"], deadline_s=None)
+        assert owned == [signal.SIGUSR2]
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.05)
+        assert guard.received() == signal.SIGUSR2  # recorded, the process lives on
+        guard.acknowledge()
+    finally:
+        guard.release()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    assert guard.received() is None
+
+
+def test_a_signal_never_acted_on_is_delivered_again_on_release():
+    # validate/test own no signals: a SIGTERM that came while the handlers were ours must still end them.
+    child = _python(
+        """
+        import os, signal, time
+        from lightning_mlopt.checkpoint.preemption import PreemptionSignals
+        guard = PreemptionSignals()
+        guard.install(["SIGTERM"], deadline_s=None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        print("alive after the signal", flush=True)
+        guard.release()
+        time.sleep(5)
+        print("should not get here", flush=True)
+        """
+    )
+    out, _ = child.communicate(timeout=30)
+    assert "alive after the signal" in out and "should not get here" not in out
+    assert child.returncode == -signal.SIGTERM
+
+
+_STUCK_IN_A_COLLECTIVE = """
+import os, sys, time, datetime
+import torch, torch.distributed as dist
+from lightning_mlopt.checkpoint.preemption import preemption
+preemption.install(["SIGTERM", "SIGUSR1"], deadline_s=3, exit_code=75)
+rank = int(sys.argv[1])
+timeout = datetime.timedelta(minutes=30)
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method=sys.argv[2], timeout=timeout)
+open(sys.argv[3] + f".rank{rank}", "w").close()
+if rank == 0:
+    dist.barrier()  # blocks in C++: the Python handler never runs while the peer sleeps
+else:
+    time.sleep(600)  # the peer never joins
+print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_a_job_stuck_in_a_collective_ends_it_at_the_deadline(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_IN_A_COLLECTIVE)
+    marks = tmp_path / "ready"
+    init = f"file://{tmp_path / 'rendezvous'}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), init, str(marks)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=rank == 0,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(Path(f"{marks}.rank{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)  # rank 0 is inside the barrier now
+        started = time.monotonic()
+        for process in ranks:  # as a scheduler does: every process of the job
+            process.send_signal(signal.SIGTERM)
+        results = [process.communicate(timeout=60) for process in ranks]
+        elapsed = time.monotonic() - started
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert [process.returncode for process in ranks] == [75, 75], results
+    assert elapsed < 15, f"took {elapsed:.1f} s for a 3 s deadline"
+    assert "received SIGTERM 3 s ago and did not reach a step boundary" in results[0][1]
+    assert "dist.barrier()" in results[0][1], "the message shows where the main thread waits"
+
+
+def _fit_command(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "lightning_mlopt",
+        "fit",
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        "--trainer.max_steps=3",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.logger=false",
+        f"--run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def test_a_signal_during_start_up_is_remembered_then_saved_and_exits_75(tmp_path):
+    # SLURM may send --signal=USR1@N while the process still imports torch and Lightning: it must not die
+    # (exit 138 = killed by SIGUSR1), but save at the first step boundary and exit 75 to be requeued.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        _fit_command(tmp_path / "run"), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    time.sleep(0.8)  # inside the imports (they take seconds)
+    process.send_signal(signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 75, stderr.decode()[-3000:]
+    from lightning_mlopt.checkpoint import CheckpointStore
+
+    entry = CheckpointStore(tmp_path / "run" / "checkpoints").newest_valid()
+    assert entry is not None and entry.manifest.reason == "signal" and entry.step == 1
+
+
+def test_start_up_deadline_ends_a_run_whose_peer_never_comes(tmp_path):
+    # World size 2 on one machine, but rank 1 is never started: rank 0 waits in the rendezvous.
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29731",
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "NODE_RANK": "0",
+    }
+    started = time.monotonic()
+    result = subprocess.run(
+        _fit_command(tmp_path / "run", "--trainer.devices=2", "--trainer.strategy=ddp", "--startup_timeout=8"),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 124, result.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    assert "start-up did not finish within 8 s" in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_rank_whose_launcher_dies_in_deepspeed_start_up_exits(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    command = _fit_command(tmp_path / "run", "--trainer.devices=2", "--trainer.strategy=zero2")
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = None
+    try:
+        deadline = time.monotonic() + 120
+        while child is None and time.monotonic() < deadline:  # wait for Lightning to start rank 1
+            pids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+            child = int(pids[0]) if pids else None
+            time.sleep(0.1)
+        assert child is not None, "Lightning never started rank 1"
+        launcher.kill()  # rank 0 dies in start-up (a node lost, an OOM kill)
+        launcher.wait(30)
+        deadline = time.monotonic() + 30
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child), "rank 1 outlived its launcher by 30 s"
+    finally:
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return state not in ("Z", "X")
+
+
+def test_stale_build_lock_is_removed_and_a_held_one_is_kept(tmp_path):
+    root = tmp_path / "torch_extensions"
+    stale = root / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    held = root / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (stale, held):
+        lock.parent.mkdir(parents=True)
+    stale.touch()  # left by a process killed mid-build
+    # A live builder holds its lock open, as torch's FileBaton does for the whole build.
+    holder = _python(
+        f"import os, time; fd = os.open({str(held)!r}, os.O_CREAT | os.O_EXCL); print('ok', flush=True); time.sleep(60)"
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        assert find_build_locks(root) == sorted([stale, held])
+        assert clear_stale_build_locks([root]) == [stale]
+        assert not stale.exists() and held.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert clear_stale_build_locks([root]) == [held], "once its holder is gone, it is stale too"
