@@ -30,6 +30,11 @@ def test_consolidate_any_checkpoint_into_one_lightning_file(tmp_path, strategy):
     # Nothing is overwritten.
     again = run_cli(["checkpoint", "consolidate", str(newest.path), str(output)], cwd=tmp_path)
     assert again.returncode == 2 and "exists" in again.stderr
+    # The checkpoints folder itself: its newest valid checkpoint.
+    from_folder = run_cli(["checkpoint", "consolidate", str(checkpoints), str(tmp_path / "b.ckpt")], cwd=tmp_path)
+    assert from_folder.returncode == 0, from_folder.stderr
+    assert f"consolidating the newest valid checkpoint: {newest.path}" in from_folder.stdout
+    assert torch.load(tmp_path / "b.ckpt", weights_only=False)["state_dict"].keys() == consolidated["state_dict"].keys()
 
 
 def test_list_and_verify_report_validity_with_exit_status(tmp_path):

@@ -25,13 +25,14 @@ PINNED = {
     "param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes process_group_backend",
     DeepSpeedStrategy: "preset config offload_optimizer offload_parameters timeout_minutes process_group_backend",
     FaultTolerantCheckpoint: "dirpath every_n_steps every_n_minutes save_on_epoch_end save_on_train_end "
-    "save_on_exception signals exit_code keep_last keep_every_n_steps monitor mode keep_best async_save auto_resume",
+    "save_on_exception signals exit_code signal_deadline_s keep_last keep_every_n_steps monitor mode keep_best "
+    "async_save auto_resume",
     GradNormMonitor: "log_every_n_steps depth param_norms update_ratios on_nonfinite locate_nonfinite on_spike "
     "spike_window spike_threshold spike_min_history",
     NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "
     "hang_timeout adaptive_multiple hang_exit_code dump_dir straggler_every_n_steps straggler_factor",
     WandbTracker: "project name save_dir id mode entity group tags checkpoint_dir upload_checkpoints log_provenance",
-    ThroughputProgressBar: "refresh_rate window leave",
+    ThroughputProgressBar: "refresh_rate window leave log_every_n_steps",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",
     GPTLanguageModel: "vocab_size block_size n_layer n_head d_model dropout lr weight_decay warmup_steps",
     LoaderDataModule: "batch_size num_workers pin_memory prefetch_factor persistent_workers",

@@ -58,6 +58,10 @@ def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path):
             "a100",
             "--account",
             "lab",
+            "--cpus_per_task",
+            "6",
+            "--sbatch_option=--mem=64G",
+            "--sbatch_option=--constraint=h100",
             "--output",
             "job.sbatch",
         ],
@@ -65,6 +69,24 @@ def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     script = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --mem=64G" in script.splitlines() and "#SBATCH --constraint=h100" in script.splitlines()
+    assert "\nsrun --cpus-per-task=6 " in script, "srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05)"
+    for shell_signal in ("TERM", "USR1", "USR2", "INT"):
+        assert f"trap 'forward {shell_signal}' {shell_signal}" in script
+    bad = run_cli(
+        [
+            "slurm",
+            "--config",
+            str(CONFIGS / "gpt.yaml"),
+            "--nodes",
+            "1",
+            "--gpus_per_node",
+            "8",
+            "--sbatch_option=mem=1G",
+        ],
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and "--sbatch_option 'mem=1G': give one sbatch option" in bad.stderr
     for line in [
         "#SBATCH --nodes=2",
         "#SBATCH --ntasks-per-node=8",

@@ -257,3 +257,19 @@ def test_the_cli_progress_bar_shows_throughput_and_eta(tmp_path, monkeypatch, ca
     captured = capsys.readouterr()
     bar = captured.out + captured.err
     assert "samples/s=" in bar and "eta=0:00:" in bar
+    # stdout is not a terminal here (as in a SLURM log): plain lines, no redrawn bar.
+    assert "\r" not in captured.out
+    (line,) = [line for line in captured.out.splitlines() if line.startswith("step ")]
+    assert line.startswith("step 6/6 (epoch 0): ") and "samples/s=" in line
+
+
+def test_progress_lines_come_every_n_steps_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = [*QUICK, "--trainer.max_steps=6", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
+    bar = [
+        "--trainer.callbacks+=lightning_mlopt.tracking.ThroughputProgressBar",
+        "--trainer.callbacks.log_every_n_steps=2",
+    ]
+    main([*args, *bar, "--run_dir=run"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]

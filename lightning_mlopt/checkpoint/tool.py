@@ -67,7 +67,17 @@ def verify_checkpoints(path: Path) -> int:
 
 
 def consolidate(checkpoint: Path, output: Path) -> int:
-    """Write any checkpoint (one file, FSDP shards, ZeRO partitions) as one Lightning ``.ckpt``."""
+    """Write any checkpoint (one file, FSDP shards, ZeRO partitions) as one Lightning ``.ckpt``.
+
+    ``checkpoint`` may be a checkpoints folder: its newest checkpoint that verifies is taken.
+    """
+    store = CheckpointStore(checkpoint)
+    if not (checkpoint / "manifest.json").exists() and store.committed():
+        entry = store.newest_valid()
+        if entry is None:
+            raise CheckpointInvalidError(f"{checkpoint}: no checkpoint in it verifies (see: checkpoint list)")
+        print(f"consolidating the newest valid checkpoint: {entry.path}")
+        checkpoint = entry.path
     if (checkpoint / "manifest.json").exists():
         verify(checkpoint)  # before anything in it is unpickled
         state = checkpoint / STATE_NAME

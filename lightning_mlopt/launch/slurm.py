@@ -206,7 +206,7 @@ def add_slurm_arguments(parser: argparse.ArgumentParser, required: bool = True) 
         action="append",
         default=[],
         metavar="OPTION",
-        help="an extra #SBATCH line, e.g. --sbatch_option=--mem=64G (repeatable)",
+        help="an extra #SBATCH line, in the = form: --sbatch_option=--mem=64G (repeatable)",
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -104,10 +105,14 @@ class ThroughputProgressBar(TQDMProgressBar):
     ``max_steps``/``max_epochs`` at the recent pace, validation excluded. Costs no collective and no host
     sync. The CLI uses it by default; ``trainer.enable_progress_bar: false`` turns it off.
 
+    When stdout is not a terminal (a SLURM log, a pipe, a file), a redrawn bar fills the log with carriage
+    returns; it prints one plain line every ``log_every_n_steps`` optimizer steps instead (rank zero).
+
     Args:
         refresh_rate: update the bar every N batches.
         window: batches the throughput is averaged over.
         leave: keep each epoch's bar on screen.
+        log_every_n_steps: with stdout not a terminal, one line every N optimizer steps; 0: draw the bar anyway.
 
     Example::
 
@@ -115,11 +120,25 @@ class ThroughputProgressBar(TQDMProgressBar):
 
     """
 
-    def __init__(self, refresh_rate: int = 1, window: int = 20, leave: bool = False) -> None:
+    def __init__(
+        self, refresh_rate: int = 1, window: int = 20, leave: bool = False, log_every_n_steps: int = 50
+    ) -> None:
+        if log_every_n_steps < 0:
+            raise ValueError(f"log_every_n_steps must be >= 0, got {log_every_n_steps}")
         super().__init__(refresh_rate=refresh_rate, leave=leave)
         self.window = window
+        self.log_every_n_steps = log_every_n_steps
         self._meter = ThroughputMeter(window)
         self._unit = "samples"
+        self._lines = False
+        self._last_line_step = -1
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._lines = self.log_every_n_steps > 0 and not sys.stdout.isatty()
+        if self._lines:
+            self.disable()  # no bars at all; on_train_batch_end prints the lines
 
     @override
     def on_train_start(self, *args: Any) -> None:
@@ -133,6 +152,22 @@ class ThroughputProgressBar(TQDMProgressBar):
         items, self._unit = count_items(batch)
         self._meter.batch_done(items * trainer.world_size)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        due = step % self.log_every_n_steps == 0 or step == trainer.max_steps if self._lines else False
+        if due and trainer.is_global_zero and step != self._last_line_step:
+            self._last_line_step = step
+            print(self._line(trainer, pl_module), flush=True)
+
+    def _line(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        """``step 50/1000 (epoch 0): loss=2.31 samples/s=1.23k eta=0:12:00``."""
+        total = trainer.estimated_stepping_batches
+        of = f"/{int(total)}" if math.isfinite(total) else ""
+        metrics = self.get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        shown = " ".join(
+            f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in metrics.items()
+        )
+        return f"step {trainer.global_step}{of} (epoch {trainer.current_epoch}): {shown}"
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
