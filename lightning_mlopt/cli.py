@@ -148,6 +148,8 @@ class MLOptCLI(LightningCLI):
             except ValueError as error:
                 raise BadInputError(f"trainer.strategy: {error}") from None
         self.run_dir = self._resolve_run_dir(config)
+        # Recorded in the saved config.yaml, so relaunching from that file lands in this run, whatever its name.
+        config["run_dir"] = str(self.run_dir.resolve())
         trainer["default_root_dir"] = str(self.run_dir)
         _fill_run_dir(config, str(self.run_dir))
 
@@ -157,16 +159,22 @@ class MLOptCLI(LightningCLI):
         Every rank plans from the same config, so every rank picks the same strategy. One process needs no
         choice: Lightning's own ``auto`` (a single device) stays.
         """
+        from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
         from lightning_mlopt.planning.auto import choose_strategy, world_size_of
 
         as_dict = config.as_dict()
         if world_size_of(as_dict.get("trainer") or {}) < 2:
             return "auto"
+        # The planner builds the model to measure it, drawing from the RNGs seeded a moment ago: put them back,
+        # so `auto` trains exactly the run its chosen strategy would.
+        seeded = capture_rng_state()
         try:
             name, _, table = choose_strategy(as_dict)
         except Exception as error:
             _rank_zero_print(f"strategy: auto could not plan ({error}); using DDP")
             return "ddp"
+        finally:
+            restore_rng_state(seeded)
         _rank_zero_print(table)
         if name is None:
             raise BadInputError(
@@ -241,6 +249,9 @@ class MLOptCLI(LightningCLI):
                 metrics[key] = float(value)
             except (TypeError, ValueError, RuntimeError):
                 continue  # not a scalar: no place in a table of final metrics
+        # A relaunch (a requeued job, a resumed run) logs only what it ran itself: keep what the run logged
+        # before, newer values winning, so a sweep ranking by val/loss still finds it.
+        metrics = {**_previous_metrics(self.run_dir / METRICS_NAME), **metrics}
         record = {"global_step": self.trainer.global_step, "epoch": self.trainer.current_epoch, "metrics": metrics}
         (self.run_dir / METRICS_NAME).write_text(json.dumps(record, indent=2, sort_keys=True))
         validation = {key: value for key, value in metrics.items() if key.startswith("val")}
@@ -248,6 +259,15 @@ class MLOptCLI(LightningCLI):
             summary = "  ".join(f"{key}={value:.4f}" for key, value in sorted(validation.items()))
             print(f"Final validation metrics: {summary}")
         print(f"Run directory: {self.run_dir}")
+
+
+def _previous_metrics(path: Path) -> dict[str, float]:
+    """The metrics an earlier launch of this run wrote; empty when there is none or it is unreadable."""
+    try:
+        metrics = json.loads(path.read_text()).get("metrics", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {str(key): float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
 
 
 class _StartupComplete(Callback):
@@ -306,6 +326,20 @@ def check_arguments(args: Sequence[str]) -> Namespace:
     return _ParseOnlyCLI(argv, run=False).config
 
 
+def print_config(args: Sequence[str]) -> str:
+    """The composed config of a Trainer-run command line (after the subcommand), with its run directory.
+
+    LightningCLI prints ``--print_config`` before our run directory exists (``run_dir: null``); a file saved
+    from that output, relaunched, must land in the same run, so the resolved ``run_dir`` is filled in here.
+    """
+    flags = [arg for arg in args if arg.split("=")[0] == "--print_config"]
+    rest = [arg for arg in args if arg not in flags]
+    config = check_arguments(rest)
+    config["run_dir"] = str(resolve_run_dir(config.as_dict(), config_paths(rest)).resolve())
+    skip_none = any("skip_null" in flag for flag in flags)
+    return str(_ParseOnlyCLI(rest, run=False).parser.dump(config, skip_none=skip_none))
+
+
 def _fill_run_dir(value: Any, run_dir: str) -> Any:
     """Replace ``{run_dir}`` in every string of the config, in place (e.g. a logger's ``save_dir``)."""
     items = (
@@ -350,7 +384,8 @@ TOOLS = {
     "sweep": ("lightning_mlopt.launch.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
     "slurm": ("lightning_mlopt.launch.slurm", "write an sbatch script that requeues and resumes the run"),
 }
-_TRAINER_SUBCOMMANDS = "fit, validate, test, predict"
+_TRAINER_RUNS = ("fit", "validate", "test", "predict")
+_TRAINER_SUBCOMMANDS = ", ".join(_TRAINER_RUNS)
 
 
 def _tools_help(below: bool = False) -> str:
@@ -374,6 +409,9 @@ def main(args: Sequence[str] | None = None) -> None:
     try:
         check_config_files(config_paths(argv))
         _Parser.argv = argv
+        if argv[0] in _TRAINER_RUNS and any(arg.split("=")[0] == "--print_config" for arg in argv):
+            print(print_config(argv[1:]), end="")
+            raise SystemExit(0)
         MLOptCLI(argv)
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")

@@ -10,7 +10,7 @@ from typing import Any
 
 DEFAULT_RUNS_ROOT = "runs"
 # Keys that say where or how to run, not what to train: they must not move the run directory.
-_VOLATILE_KEYS = frozenset({"config", "run_dir", "ckpt_path", "print_config", "__path__"})
+_VOLATILE_KEYS = frozenset({"config", "run_dir", "ckpt_path", "weights_only", "print_config", "__path__"})
 
 
 def config_fingerprint(config: Mapping[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import yaml
 from lightning_mlopt import strategies
 from lightning_mlopt.cli import main
 from lightning_mlopt.run_dir import config_fingerprint, default_run_dir
-from tests.conftest import CONFIGS, SMOKE
+from tests.conftest import CONFIGS, SMOKE, run_cli
 
 QUICKSTART = str(CONFIGS / "quickstart.yaml")
 
@@ -106,3 +107,83 @@ def test_without_a_subcommand_every_subcommand_is_named_and_help_lists_the_tools
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert all(f"  {tool}" in out for tool in ("plan", "checkpoint", "sweep", "slurm")) and "{fit,validate" in out
+
+
+def test_relaunching_from_the_saved_or_printed_config_lands_in_the_same_run(tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.chdir(tmp_path)
+    short = [
+        "--trainer.limit_val_batches=1",
+        "--trainer.val_check_interval=2",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+    ]
+    main(["fit", "--config", QUICKSTART, "--trainer.max_steps=2", *short])
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["run_dir"] == str(run_dir)
+    first = json.loads((run_dir / "metrics.json").read_text())["metrics"]
+    assert "val/acc" in first
+
+    # The printed config names the run directory too (it said `run_dir: null`), so a file saved from it...
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", QUICKSTART, "--trainer.max_steps=2", *short, "--print_config"])
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed)["run_dir"] == str(run_dir)
+    (tmp_path / "printed.yaml").write_text(printed)
+    # ... and the saved config.yaml, relaunched with more steps and no validation, continue the same run.
+    capsys.readouterr()
+    relaunch = [
+        "fit",
+        "--config",
+        str(run_dir / "config.yaml"),
+        "--trainer.max_steps=4",
+        "--trainer.limit_val_batches=0",
+    ]
+    main(relaunch)  # the run finished at step 2 (marked final): it stays finished, and says how to go on
+    assert "set checkpoint.resume_final: true" in caplog.text
+    main([*relaunch, "--checkpoint.resume_final=true"])
+    assert list((tmp_path / "runs").iterdir()) == [run_dir], "no second run directory"
+    assert (run_dir / "checkpoints" / "step-000000004").is_dir()
+    merged = json.loads((run_dir / "metrics.json").read_text())
+    assert merged["global_step"] == 4
+    assert merged["metrics"]["val/acc"] == first["val/acc"], "what the run logged before the relaunch is kept"
+    main(["fit", "--config", "printed.yaml", "--trainer.max_steps=4"])  # finished: marked final, nothing new
+    assert list((tmp_path / "runs").iterdir()) == [run_dir]
+
+
+@pytest.mark.multiprocess
+def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path):
+    from tests.helpers import read_records
+
+    common = [
+        "fit",
+        "--config",
+        str(CONFIGS / "gpt.yaml"),
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=2",
+        "--trainer.max_steps=3",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.logger=false",
+        "--model.init_args.dropout=0.1",
+    ]
+    records = {}
+    for strategy in ("auto", "ddp"):
+        out = tmp_path / strategy
+        result = run_cli(
+            [
+                *common,
+                f"--trainer.strategy={strategy}",
+                f"--run_dir={out}",
+                "--trainer.callbacks+=tests.helpers.RecordTraining",
+                f"--trainer.callbacks.out_dir={out / 'record'}",
+            ],
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[strategy] = read_records(out / "record")
+    assert (
+        "strategy: auto chose ddp" in result.stdout + result.stderr or records["auto"][0]["strategy"] == "DDPStrategy"
+    )
+    assert [r["losses"] for r in records["auto"]] == [r["losses"] for r in records["ddp"]]

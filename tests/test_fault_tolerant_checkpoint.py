@@ -361,3 +361,17 @@ def test_a_run_whose_final_save_was_lost_is_marked_final_on_relaunch(tmp_path, m
     _quickstart(tmp_path, "--trainer.max_steps=4")
     entry = store.newest_valid()
     assert entry is not None and entry.step == 4 and entry.manifest.final and entry.manifest.reason == "final"
+
+
+@pytest.mark.multiprocess
+def test_resuming_a_ddp_run_under_zero2_is_refused_in_one_line_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _run(_command(run_dir, "ddp", extra=("--trainer.max_steps=2",)), tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    switched = _run(_command(run_dir, "zero2", extra=("--trainer.max_steps=4",)), tmp_path)
+    assert switched.returncode == 2, switched.stderr[-3000:]
+    errors = [line for line in switched.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "written by DDPStrategy: one file) with DeepSpeedStrategy (ZeRO partitions)" in errors[0]
+    assert "from DDP to FSDP" in errors[0] and "Traceback" not in switched.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before

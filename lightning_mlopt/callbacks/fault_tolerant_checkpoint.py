@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 from typing_extensions import override
 
+from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt._compat import keep_lightning_off_signals
 from lightning_mlopt.checkpoint import (
     STATE_NAME,
@@ -88,6 +89,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             strategies; sharded strategies write synchronously). At most one save is in flight.
         auto_resume: on ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint in ``dirpath``.
             An explicit ``ckpt_path`` wins.
+        resume_final: resume a run whose newest checkpoint is marked final and train on (e.g. after raising
+            ``max_steps``). Off: a finished run stays finished, whatever the limits say now.
 
     Raises:
         ValueError: a bad value, e.g. ``every_n_steps: 0`` or an unknown signal name.
@@ -117,6 +120,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         keep_best: int = 1,
         async_save: bool = True,
         auto_resume: bool = True,
+        resume_final: bool = False,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
@@ -143,6 +147,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.monitor = monitor
         self.async_save = async_save
         self.auto_resume = auto_resume
+        self.resume_final = resume_final
         self.store: CheckpointStore | None = None
         self.resumed_from: Path | None = None
         self.last_saved: Path | None = None
@@ -177,7 +182,10 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._own_signals(trainer)
         self._check_writable(trainer)
         resume = self._choose_resume_checkpoint(trainer) if self.auto_resume else None
-        self.resumed_from, self._resume_final = trainer.strategy.broadcast(resume or (None, False))
+        # Rank zero chose; every rank gets its choice, or its refusal, and acts on it alike.
+        self.resumed_from, self._resume_final, refusal = trainer.strategy.broadcast(resume or (None, False, None))
+        if refusal is not None:
+            raise BadInputError(refusal)
         if self.resumed_from is not None and not trainer.strategy.restore_checkpoint_after_setup:
             self._preload(trainer)
 
@@ -529,8 +537,11 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ resuming
 
-    def _choose_resume_checkpoint(self, trainer: pl.Trainer) -> tuple[Path, bool] | None:
-        """Rank zero: clean interrupted saves, then find the newest checkpoint that verifies."""
+    def _choose_resume_checkpoint(self, trainer: pl.Trainer) -> tuple[Path | None, bool, str | None] | None:
+        """Rank zero: clean interrupted saves, find the newest checkpoint that verifies, check it fits the strategy.
+
+        Returns (path, marked final and staying finished, a refusal message or None); None on other ranks.
+        """
         if not trainer.is_global_zero:
             return None
         assert self.store is not None
@@ -544,11 +555,18 @@ class FaultTolerantCheckpoint(Checkpoint):
             return None
         assert entry.manifest is not None
         self._last_total_bytes = sum(file.size for file in entry.manifest.files.values())
-        if entry.manifest.final:
-            rank_zero_info(f"{entry.path} is marked final: this run already finished; not training again.")
-        else:
-            rank_zero_info(f"Auto-resuming from {entry.path} (step {entry.step}, saved by {entry.manifest.reason}).")
-        return entry.path, entry.manifest.final
+        refusal = _strategy_switch_refusal(entry.manifest.strategy, type(trainer.strategy).__name__, entry.path)
+        if refusal is not None:
+            return None, False, refusal
+        if entry.manifest.final and not self.resume_final:
+            rank_zero_info(
+                f"{entry.path} is marked final: this run already finished at step {entry.step}; not training again. "
+                "To train on (e.g. with a larger max_steps), set checkpoint.resume_final: true."
+            )
+            return entry.path, True, None
+        how = "a finished run, resume_final is set" if entry.manifest.final else f"saved by {entry.manifest.reason}"
+        rank_zero_info(f"Auto-resuming from {entry.path} (step {entry.step}, {how}).")
+        return entry.path, False, None
 
     def _preload(self, trainer: pl.Trainer) -> None:
         # Lightning takes the checkpoint path only as a `fit` argument; loading it into the checkpoint
@@ -601,6 +619,29 @@ def _is_single_file(strategy: Strategy) -> bool:
     Lightning's DeepSpeedStrategy is a DDPStrategy subclass, so an isinstance test would be wrong.)
     """
     return type(strategy).save_checkpoint is Strategy.save_checkpoint
+
+
+# How each strategy lays a checkpoint out; resuming works within a layout, and from one file into FSDP (DCP
+# reads a full state dict and shards it). Issue: the strategies should answer this themselves.
+_LAYOUTS = {
+    "DeepSpeedStrategy": "ZeRO partitions",
+    "FSDPStrategy": "DCP shards",
+    "ModelParallelStrategy": "DCP shards",
+}
+_SUPPORTED_SWITCHES = {("one file", "DCP shards")}
+
+
+def _strategy_switch_refusal(saved: str, current: str, path: Path) -> str | None:
+    """A one-line refusal when the checkpoint's strategy cannot be resumed by this run's strategy, else None."""
+    saved_layout, current_layout = _LAYOUTS.get(saved, "one file"), _LAYOUTS.get(current, "one file")
+    if saved_layout == current_layout or (saved_layout, current_layout) in _SUPPORTED_SWITCHES:
+        return None
+    return (
+        f"cannot resume {path} (written by {saved}: {saved_layout}) with {current} ({current_layout}). Resuming works "
+        "with the same strategy family at any world size (DDP, FSDP; ZeRO at the same world size), and from DDP to "
+        "FSDP. Go back to the strategy that wrote it, or start a new run (another run_dir); "
+        "`python -m lightning_mlopt checkpoint consolidate` turns any checkpoint into one Lightning file of weights."
+    )
 
 
 def _save_file(obj: Any, path: Path) -> None:
