@@ -6,8 +6,10 @@ when an upgrade removes it, rather than silently doing nothing; ``tests/test_com
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -51,3 +53,26 @@ def keep_lightning_off_signals(trainer: Any, signums: Iterable[int]) -> None:
 
     register_keeping_ours._keeps_signals = owned  # type: ignore[attr-defined]
     connector.register_signal_handlers = register_keeping_ours
+
+
+@contextlib.contextmanager
+def deepspeed_initialize_on_rank(device_rank: int) -> Iterator[None]:
+    """Within the block, ``deepspeed.initialize`` gets ``args.device_rank = device_rank`` whatever it is passed.
+
+    Reach: Lightning's ``DeepSpeedStrategy._initialize_deepspeed_inference`` (validate/test/predict) passes
+    ``device_rank=self.root_device.index``, which is None on CPU; DeepSpeed then fails comparing None with an
+    int. Wrapping the module attribute it looks up at call time extends that method instead of copying it.
+    """
+    import deepspeed
+
+    original = _require(deepspeed, "initialize", "DeepSpeed inference on CPU")
+
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        kwargs["args"] = argparse.Namespace(device_rank=device_rank)
+        return original(*args, **kwargs)
+
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original

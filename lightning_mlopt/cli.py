@@ -152,6 +152,22 @@ class MLOptCLI(LightningCLI):
         config["run_dir"] = str(self.run_dir.resolve())
         trainer["default_root_dir"] = str(self.run_dir)
         _fill_run_dir(config, str(self.run_dir))
+        self._resolve_ckpt_path(config)
+
+    def _resolve_ckpt_path(self, config: Namespace) -> None:
+        """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best (verified)."""
+        from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
+
+        value = config.get("ckpt_path")
+        if not value:
+            return
+        assert self.run_dir is not None
+        checkpoint = config.get("checkpoint") or {}
+        own = Path(checkpoint.get("dirpath") or self.run_dir / "checkpoints")
+        path, described = resolve_checkpoint_path(str(value), own, mode=checkpoint.get("mode") or "min")
+        if described is not None:
+            config["ckpt_path"] = path
+            _rank_zero_print(f"ckpt_path: {described}, verified")
 
     def _plan_strategy(self, config: Namespace) -> str:
         """``strategy: auto`` on several processes: the memory planner picks the simplest strategy that fits.

@@ -86,7 +86,7 @@ def consolidate(checkpoint: Path, output: Path) -> int:
     if output.exists():
         print(f"error: {output} exists; choose a new path (nothing is overwritten)", file=sys.stderr)
         return 2
-    result = _load_any(state)
+    result = load_full_checkpoint(state)
     result.pop("optimizer_states", None)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, output)
@@ -94,7 +94,8 @@ def consolidate(checkpoint: Path, output: Path) -> int:
     return 0
 
 
-def _load_any(state: Path) -> dict[str, Any]:
+def load_full_checkpoint(state: Path) -> dict[str, Any]:
+    """Any strategy's ``state.ckpt`` (a file, a DCP folder, a DeepSpeed folder) as one full Lightning dict, on CPU."""
     if state.is_file():
         return torch.load(state, map_location="cpu", weights_only=False)
     if any(state.glob("*.distcp")):  # torch.distributed.checkpoint (FSDP)

@@ -8,15 +8,18 @@ import os
 import sys
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mlopt._compat import deepspeed_initialize_on_rank
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 
 Preset = Literal["zero1", "zero2", "zero3", "zero3_offload"]
@@ -169,6 +172,40 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, ds_optimizer
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._evaluating() and self.zero_stage_3 and Path(checkpoint_path).is_dir():
+            # DeepSpeed cannot load a ZeRO-3 checkpoint into the engine validate/test/predict build (it calls
+            # the optimizer's _restore_from_bit16_weights, which that engine's ZeRO-3 offload object lacks).
+            # Gather the partitions into one full state dict, as `checkpoint consolidate` does, and load that.
+            from lightning_mlopt.checkpoint.tool import load_full_checkpoint
+
+            self._load_full_weights_once = True
+            return load_full_checkpoint(Path(checkpoint_path))
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if getattr(self, "_load_full_weights_once", False):
+            self._load_full_weights_once = False
+            self.model_to_device()
+            self._restore_zero_state(checkpoint, strict=strict)  # gathers each ZeRO-3 partition, loads, re-shards
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    def _evaluating(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn != TrainerFn.FITTING
+
+    @override
+    def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
+        if self.root_device.index is not None:
+            super()._initialize_deepspeed_inference(model)
+            return
+        # On CPU Lightning passes device_rank=None, which DeepSpeed cannot compare: give it the local rank.
+        with deepspeed_initialize_on_rank(self.local_rank):
+            super()._initialize_deepspeed_inference(model)
 
     @override
     def _format_config(self) -> None:

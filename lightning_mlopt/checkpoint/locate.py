@@ -1,0 +1,93 @@
+"""What ``--ckpt_path`` may name besides a Lightning file: our step folders, checkpoints folders, run folders.
+
+``fit``, ``validate``, ``test`` and ``predict`` all take ``ckpt_path``. Lightning understands a file (or a
+strategy's folder) and its own ``last``/``best``; FaultTolerantCheckpoint writes ``step-N/`` folders with a
+manifest. This turns any of these into the path Lightning loads, after verifying the manifest's checksums:
+
+- a step folder ``<run>/checkpoints/step-000000010`` -> its ``state.ckpt``;
+- a checkpoints folder, or a run folder holding one -> its newest checkpoint that verifies;
+- ``last`` -> the newest valid checkpoint of this run; ``best`` -> the best by the monitored metric
+  (``checkpoint.monitor``), when this run has checkpoints of ours (else Lightning's meaning);
+- ``<step folder>/state.ckpt`` -> itself, once its folder verified.
+
+Example::
+
+    resolve_checkpoint_path("runs/gpt-1a2b3c4d/checkpoints", own_dir=Path("runs/gpt-1a2b3c4d/checkpoints"))
+    # -> ("runs/gpt-1a2b3c4d/checkpoints/step-000000500/state.ckpt", "step 500, saved by every_n_steps")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning_mlopt._bad_input import BadInputError
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, CheckpointInvalidError, Manifest, verify
+from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointEntry, CheckpointStore
+
+
+def resolve_checkpoint_path(value: str, own_dir: Path | None, mode: str = "min") -> tuple[str, str | None]:
+    """The path Lightning should load for ``ckpt_path: value``, and a description (None when left as given).
+
+    Args:
+        value: what the user gave.
+        own_dir: this run's checkpoints folder (for ``last``/``best``).
+        mode: ``min`` or ``max``: which monitored values are best.
+
+    Raises:
+        BadInputError: a folder of ours that holds no checkpoint that verifies, or a step folder that fails.
+
+    """
+    if value in ("last", "best"):
+        if own_dir is None or not CheckpointStore(own_dir).committed():
+            return value, None  # Lightning's own meaning (ModelCheckpoint's last/best)
+        entry = _newest(CheckpointStore(own_dir), own_dir) if value == "last" else _best(own_dir, mode)
+        return _state(entry)
+    path = Path(value)
+    if path.name == STATE_NAME and (path.parent / MANIFEST_NAME).is_file():
+        return _state(_verified(path.parent))
+    if not path.is_dir():
+        return value, None
+    if (path / MANIFEST_NAME).is_file():
+        return _state(_verified(path))
+    for folder in (path, path / "checkpoints"):
+        store = CheckpointStore(folder)
+        if store.committed():
+            return _state(_newest(store, folder))
+    return value, None
+
+
+def _verified(folder: Path) -> CheckpointEntry:
+    try:
+        manifest = verify(folder)
+    except CheckpointInvalidError as error:
+        raise BadInputError(f"ckpt_path: {folder} failed verification ({error}); nothing was loaded") from None
+    return CheckpointEntry(folder, manifest.step, manifest, None)
+
+
+def _newest(store: CheckpointStore, folder: Path) -> CheckpointEntry:
+    entry = store.newest_valid()
+    if entry is None:
+        raise BadInputError(
+            f"ckpt_path: no checkpoint in {folder} verifies (see: python -m lightning_mlopt checkpoint list)"
+        )
+    return entry
+
+
+def _best(folder: Path, mode: str) -> CheckpointEntry:
+    scored = []
+    for entry in CheckpointStore(folder).entries():
+        metric = entry.manifest.metric if entry.valid and entry.manifest is not None else None
+        if metric is not None:
+            scored.append((float(metric["value"]), entry))
+    if not scored:
+        raise BadInputError(
+            f"ckpt_path: best: no checkpoint in {folder} records a metric; set checkpoint.monitor when training, "
+            "or name a step folder"
+        )
+    return (min if mode == "min" else max)(scored, key=lambda pair: pair[0])[1]
+
+
+def _state(entry: CheckpointEntry) -> tuple[str, str]:
+    manifest: Manifest | None = entry.manifest
+    reason = f", saved by {manifest.reason}" if manifest is not None else ""
+    return str(entry.path / STATE_NAME), f"{entry.path} (step {entry.step}{reason})"

@@ -1,0 +1,67 @@
+"""validate / test / predict from our checkpoints: a step folder, a checkpoints folder, ``last``; every strategy."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
+from tests.conftest import CONFIGS, failure_report, run_cli
+from tests.strategy_runs import QUIET, train
+
+
+def _evaluate(tmp_path, subcommand: str, strategy: str, ckpt_path: str):  # type: ignore[no-untyped-def]
+    return run_cli(
+        [
+            subcommand,
+            "--config",
+            str(CONFIGS / "gpt.yaml"),
+            "--config",
+            str(CONFIGS / "strategies" / f"{strategy}.yaml"),
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=2",
+            "--trainer.limit_val_batches=2",
+            "--trainer.limit_test_batches=2",
+            "--trainer.limit_predict_batches=2",
+            f"--run_dir={tmp_path / 'runs' / 'first'}",
+            f"--ckpt_path={ckpt_path}",
+            *QUIET,
+        ],
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_evaluate_from_a_step_folder_and_a_checkpoints_folder(tmp_path, strategy):
+    train(tmp_path, "first", strategy, steps=2)
+    checkpoints = tmp_path / "runs" / "first" / "checkpoints"
+    entry = CheckpointStore(checkpoints).newest_valid()
+    assert entry is not None and entry.step == 2
+    state = entry.path / STATE_NAME
+    # DDP gave IsADirectoryError, FSDP "not a valid checkpoint", ZeRO-3 a TypeError inside DeepSpeed on CPU.
+    cases = [("validate", str(entry.path)), ("test", str(checkpoints))]
+    if strategy in ("ddp", "zero3"):
+        cases.append(("predict", "last"))
+    for subcommand, ckpt_path in cases:
+        result = _evaluate(tmp_path, subcommand, strategy, ckpt_path)
+        assert result.returncode == 0, f"{subcommand} {ckpt_path}:\n{failure_report(result)}"
+        output = result.stdout + result.stderr
+        assert f"ckpt_path: {entry.path} (step 2, saved by " in output and "verified" in output
+        assert f"Restoring states from the checkpoint path at {state}" in output
+        if subcommand != "predict":
+            assert {"validate": "val/loss", "test": "test/loss"}[subcommand] in output
+
+
+def test_a_step_folder_that_fails_verification_is_refused_before_loading(tmp_path):
+    from lightning_mlopt._bad_input import BadInputError
+    from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
+
+    folder = tmp_path / "checkpoints" / "step-000000002"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{not json")
+
+    with pytest.raises(BadInputError, match=r"step-000000002 failed verification .*nothing was loaded"):
+        resolve_checkpoint_path(str(folder), None)
+    with pytest.raises(BadInputError, match=r"no checkpoint in .* verifies"):
+        resolve_checkpoint_path(str(tmp_path / "checkpoints"), None)
+    assert resolve_checkpoint_path("last", tmp_path / "elsewhere") == ("last", None), "Lightning's own meaning"
