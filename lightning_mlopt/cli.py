@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_mlopt import strategies
 from lightning_mlopt._bad_input import BadInputError, check_config_files, config_paths, explain_parser_error
+from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck
 from lightning_mlopt.checkpoint.errors import CheckpointWriteError
 from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
@@ -106,6 +107,10 @@ class MLOptCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        for action in parser._actions:  # the Trainer's own help for `strategy` knows only Lightning's names
+            if action.dest == "trainer.strategy":
+                ours = ", ".join(strategies.STRATEGIES)
+                action.help = f"{action.help or ''} With lightning_mlopt: {ours}, or auto (the memory planner)."
         # On by default: every `fit` gets crash-safe, auto-resuming checkpoints in <run_dir>/checkpoints,
         # configured under the top-level `checkpoint:` key.
         parser.add_lightning_class_args(FaultTolerantCheckpoint, "checkpoint")
@@ -342,7 +347,7 @@ def check_arguments(args: Sequence[str]) -> Namespace:
     return _ParseOnlyCLI(argv, run=False).config
 
 
-def print_config(args: Sequence[str]) -> str:
+def print_config(args: Sequence[str], subcommand: str = "fit") -> str:
     """The composed config of a Trainer-run command line (after the subcommand), with its run directory.
 
     LightningCLI prints ``--print_config`` before our run directory exists (``run_dir: null``); a file saved
@@ -350,6 +355,12 @@ def print_config(args: Sequence[str]) -> str:
     """
     flags = [arg for arg in args if arg.split("=")[0] == "--print_config"]
     rest = [arg for arg in args if arg not in flags]
+    # This parse has no subcommand: with JSONARGPARSE_DEFAULT_ENV, it reads PL_TRAINER__X where the run reads
+    # PL_FIT__TRAINER__X. Offer it the run's variables (this process only prints, then exits).
+    prefix = f"PL_{subcommand.upper()}__"
+    for name, value in list(os.environ.items()):
+        if name.startswith(prefix):
+            os.environ["PL_" + name[len(prefix) :]] = value
     config = check_arguments(rest)
     config["run_dir"] = str(resolve_run_dir(config.as_dict(), config_paths(rest)).resolve())
     skip_none = any("skip_null" in flag for flag in flags)
@@ -422,11 +433,12 @@ def main(args: Sequence[str] | None = None) -> None:
         raise SystemExit(2)
     if argv in (["-h"], ["--help"]):
         print(_tools_help(below=True))
+    silence_known_noise()
     try:
         check_config_files(config_paths(argv))
         _Parser.argv = argv
         if argv[0] in _TRAINER_RUNS and any(arg.split("=")[0] == "--print_config" for arg in argv):
-            print(print_config(argv[1:]), end="")
+            print(print_config(argv[1:], argv[0]), end="")
             raise SystemExit(0)
         MLOptCLI(argv)
     except BadInputError as error:

@@ -100,3 +100,13 @@ def test_bf16_hook_on_nccl(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_powersgd_says_when_it_starts_and_warns_when_a_run_ends_before(caplog):
+    from types import SimpleNamespace
+
+    strategy = DDPStrategy(comm_hook="powersgd", powersgd_start_iter=1000)
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(max_steps=50))  # type: ignore[assignment]
+    with caplog.at_level("INFO"), pytest.warns(UserWarning, match="PowerSGD never compresses in this run"):
+        strategy._say_when_powersgd_starts(strategy._ddp_comm_state)
+    assert "compresses gradients from iteration 1000" in caplog.text

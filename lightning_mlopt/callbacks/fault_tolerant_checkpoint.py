@@ -310,7 +310,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         try:
             self._writer.wait()
             staging = self.store.stage(trainer.global_step)
-            _save_file(trainer._checkpoint_connector.dump_checkpoint(), staging / STATE_NAME)
+            _save_file(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), staging / STATE_NAME)
             self._write_rng(staging, trainer.global_rank)
             self._commit(trainer, staging, reason="exception", final=False, world_size=trainer.world_size)
             log.warning("Saved a checkpoint at step %d after an exception: %r", trainer.global_step, exception)
@@ -394,7 +394,8 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _save_sync(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
         problem = None
         try:
-            trainer.save_checkpoint(staging / STATE_NAME)  # the strategy decides the layout; all ranks call
+            # The strategy decides the layout; all ranks call.
+            trainer.save_checkpoint(staging / STATE_NAME, weights_only=False)
         except (Exception, _CheckpointException) as error:  # DCP's CheckpointException is a BaseException
             problem = describe_write_error(error, staging / STATE_NAME)
             # Trainer.save_checkpoint ends in a barrier that the failed rank skipped; the ranks that
@@ -442,7 +443,7 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def _save_async(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
         # Single-file strategies hold the full state on every rank; rank zero writes it.
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if not trainer.is_global_zero:
             return
         staged = _to_cpu_copy(checkpoint)  # training may now change the live tensors

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -98,6 +99,23 @@ class DDPStrategy(_LightningDDPStrategy):
             return
         assert isinstance(self.model, DistributedDataParallel)
         self.model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
+        if isinstance(self._ddp_comm_state, powerSGD_hook.PowerSGDState):
+            self._say_when_powersgd_starts(self._ddp_comm_state)
+
+    def _say_when_powersgd_starts(self, state: powerSGD_hook.PowerSGDState) -> None:
+        """PowerSGD all-reduces uncompressed for its first iterations: say from when, and if never in this run."""
+        start = state.start_powerSGD_iter
+        rank_zero_info(
+            f"PowerSGD (rank {state.matrix_approximation_rank}) compresses gradients from iteration {start} "
+            "(powersgd_start_iter; one iteration per synchronised backward); until then they are all-reduced in full."
+        )
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        max_steps = trainer.max_steps if trainer is not None else -1
+        if 0 < max_steps < start:
+            rank_zero_warn(
+                f"PowerSGD never compresses in this run: it stops at max_steps={max_steps}, before iteration {start}. "
+                "Lower powersgd_start_iter (e.g. 10% of the run) to see its effect."
+            )
 
 
 def _comm_hook(name: CommHook, powersgd_rank: int | None, powersgd_start_iter: int | None) -> tuple[object | None, Any]:
