@@ -16,7 +16,7 @@ import pytest
 
 from lightning_mlopt.checkpoint.preemption import PreemptionSignals
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks, find_build_locks
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO, run_cli
 
 
 def _python(code: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
@@ -255,20 +255,7 @@ def test_a_stale_deepspeed_build_lock_does_not_hang_the_next_zero_launch(tmp_pat
         shutil.copytree(built / "deepspeed_shm_comm", op, copy_function=shutil.copy2)
     op.mkdir(parents=True, exist_ok=True)
     (op / "lock").touch()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        "TORCH_EXTENSIONS_DIR": str(extensions),
-    }
-    env.pop("MASTER_PORT", None)
-    result = subprocess.run(
-        _fit_command(tmp_path / "run", "--trainer.devices=2", "--trainer.strategy=zero2", "--trainer.max_steps=2"),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    command = _fit_command(tmp_path / "run", "--trainer.devices=2", "--trainer.strategy=zero2", "--trainer.max_steps=2")
+    result = run_cli(command[3:], cwd=tmp_path, timeout=400, env={"TORCH_EXTENSIONS_DIR": str(extensions)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Removed a stale build lock left by a killed process (no process held it): {op / 'lock'}" in result.stderr
