@@ -273,3 +273,51 @@ def test_progress_lines_come_every_n_steps_when_stdout_is_not_a_terminal(tmp_pat
     main([*args, *bar, "--run_dir=run"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
+
+
+def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_path):
+    # A SIGKILL to the job left W&B's offline file of that launch empty (its service buffers records): the
+    # rows it logged were lost from `wandb sync`. The journal carries them into the next launch of the run.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    run_dir = tmp_path / "run"
+    pace = tmp_path / "pace"
+    args = [
+        *QUICK,
+        *WANDB,
+        "--trainer.max_steps=16",
+        "--trainer.max_epochs=-1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.log_every_n_steps=1",
+        "--checkpoint.every_n_steps=5",
+        "--trainer.callbacks+=tests.helpers.Pace",
+        f"--trainer.callbacks.out_dir={pace}",
+        "--trainer.callbacks.seconds_per_step=0.2",
+        f"--run_dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), **_wandb_env(tmp_path)}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "lightning_mlopt", *args],
+        cwd=tmp_path,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    while not (pace / "step-8.rank0").exists() and time.monotonic() < deadline:
+        assert job.poll() is None, "the job ended before step 8"
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)  # resumes from step 5: steps 5..7 are trained (and logged) again
+    job.wait()
+    second = run_cli(args, cwd=tmp_path, env=_wandb_env(tmp_path))
+    assert second.returncode == 0, second.stderr[-3000:]
+    _killed, resumed = _offline_runs(run_dir)
+    steps = [row["trainer/global_step"] for row in summary_of(resumed)["history"] if "train/loss" in row]
+    assert steps == list(range(16)), "every step once: 0..4 replayed from the journal, 5..15 trained"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import netrc
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlparse
@@ -15,6 +17,7 @@ from typing_extensions import override
 
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.tracking.journal import Journal
 from lightning_mlopt.tracking.provenance import run_provenance
 from lightning_mlopt.tracking.secrets import redact
 
@@ -88,6 +91,8 @@ class WandbTracker(WandbLogger):
         self.checkpoint_dir = checkpoint_dir
         self.upload_checkpoints = upload_checkpoints
         self.log_provenance = log_provenance
+        self._journal: Journal | None = None
+        self._replayed = False
 
     def resolved_mode(self) -> str:
         """The mode a run created now would use (``auto`` resolved)."""
@@ -111,7 +116,29 @@ class WandbTracker(WandbLogger):
             run = WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
             if self.log_provenance:
                 run.config.update({"lightning_mlopt": run_provenance()}, allow_val_change=True)
+            self._open_journal(run)
         return self._experiment  # type: ignore[return-value]
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        run = self.experiment
+        if self._journal is not None and not self._replayed:
+            # The first row of this launch: first what killed launches logged before this step (once).
+            self._replayed = True
+            for row in self._journal.unsynced(before_step=step):
+                run.log(row)
+        if self._journal is not None:
+            self._journal.record(metrics, step)
+        super().log_metrics(metrics, step)
+
+    def _open_journal(self, run: Run) -> None:
+        """Journal every row this launch logs (``<save_dir>/wandb/journal-<run id>.jsonl``), closed at exit."""
+        segment = Path(run.dir).parent.name if getattr(run, "dir", None) else "segment"
+        self._journal = Journal(Path(self.save_dir or ".") / "wandb" / f"journal-{run.id}.jsonl", segment)
+        journal = self._journal
+        # After wandb's own exit hook is registered (at init), so this runs first: LIFO. A SIGKILL runs neither.
+        atexit.register(lambda: journal.close("exit"))
 
     @rank_zero_only
     def log_run_config(self, config: dict[str, Any]) -> None:
