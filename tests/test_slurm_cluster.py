@@ -156,3 +156,34 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path):
     finally:
         cluster.run("scancel", job_id)
         os.environ.pop("SLURM_CONF", None)
+
+
+def test_a_sweep_as_a_job_array_runs_every_trial_and_the_results_are_read_back(cluster, tmp_path):
+    (tmp_path / "sweep.yaml").write_text(
+        "method: grid\nmetric: {name: train/loss, goal: minimize}\nparameters:\n"
+        "  model.init_args.lr: {values: [0.0001, 0.1]}\n"
+    )
+    sweep_args = [
+        "sweep",
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        "--sweep",
+        str(tmp_path / "sweep.yaml"),
+        "--sweep_dir=sweep",
+        "--trainer.devices=auto",
+        "--trainer.max_steps=3",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+    ]
+    emitted = run_cli(
+        [*sweep_args, "--slurm", "--nodes", "1", "--gpus_per_node", "2", "--max_parallel", "1"], cwd=tmp_path
+    )
+    assert emitted.returncode == 0, emitted.stderr
+    job_id = _submit(cluster, tmp_path / "sweep" / "sweep.sbatch")
+    _wait_for(lambda: not cluster.run("squeue", "-h", "-j", job_id).stdout.strip(), 300, "the array to finish")
+    table = run_cli([*sweep_args, "--results"], cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    rows = table.stdout[table.stdout.index("rank  trial") :].splitlines()[1:3]
+    assert [row.split()[0] for row in rows] == ["1", "2"] and all(row.split()[-1] == "done" for row in rows), rows
