@@ -10,6 +10,7 @@ from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.launch.slurm import check_task_count, time_limit_seconds
 from tests.conftest import CONFIGS, run_cli
+from tests.slurm_cluster import missing_requirement
 from tests.slurm_standins import slurm_environment
 
 
@@ -102,6 +103,7 @@ def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.skipif(missing_requirement() is None, reason="runs on a real SLURM cluster in test_slurm_cluster.py")
 def test_the_generated_script_saves_on_the_signal_requeues_and_the_requeued_job_resumes(tmp_path):
     generated = run_cli(
         [

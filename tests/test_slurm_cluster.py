@@ -187,3 +187,16 @@ def test_a_sweep_as_a_job_array_runs_every_trial_and_the_results_are_read_back(c
     assert table.returncode == 0, table.stderr
     rows = table.stdout[table.stdout.index("rank  trial") :].splitlines()[1:3]
     assert [row.split()[0] for row in rows] == ["1", "2"] and all(row.split()[-1] == "done" for row in rows), rows
+
+
+def test_an_allocation_that_does_not_match_the_run_is_refused_before_training(cluster, tmp_path):
+    script = _write_script(tmp_path)
+    cluster.env.update({"PYTHONPATH": str(REPO)})
+    submitted = cluster.run("sbatch", "--parsable", "--ntasks-per-node=1", str(script))  # overrides the script's 2
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    _wait_for(lambda: cluster.job(job_id).get("JobState") in ("FAILED", "COMPLETED"), 120, "the job to end")
+    assert cluster.job(job_id)["ExitCode"] == "2:0"
+    log = (tmp_path / "run" / f"slurm-{job_id}.out").read_text()
+    assert "SLURM allocated 1 tasks but the run needs 1 x 2 = 2" in log
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -12,6 +12,7 @@ from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.cli import check_arguments
 from lightning_mlopt.launch.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
 from tests.conftest import CONFIGS, run_cli
+from tests.slurm_cluster import missing_requirement
 from tests.slurm_standins import slurm_environment
 
 BASE = ["--config", str(CONFIGS / "quickstart.yaml")]
@@ -155,6 +156,7 @@ def test_wandb_mode_needs_a_key_and_its_agent_command_is_our_cli(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.skipif(missing_requirement() is None, reason="runs on a real SLURM cluster in test_slurm_cluster.py")
 def test_a_sweep_as_a_slurm_job_array_runs_one_trial_per_array_task_and_the_results_are_read_back(tmp_path):
     sweep = _sweep_file(
         tmp_path,
