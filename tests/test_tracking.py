@@ -296,6 +296,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
         "--trainer.limit_val_batches=0",
         "--trainer.log_every_n_steps=1",
         "--checkpoint.every_n_steps=5",
+        "--trainer.logger.init_args.upload_checkpoints=true",
         "--trainer.callbacks+=tests.helpers.Pace",
         f"--trainer.callbacks.out_dir={pace}",
         "--trainer.callbacks.seconds_per_step=0.2",
@@ -321,3 +322,6 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
     _killed, resumed = _offline_runs(run_dir)
     steps = [row["trainer/global_step"] for row in summary_of(resumed)["history"] if "train/loss" in row]
     assert steps == list(range(16)), "every step once: 0..4 replayed from the journal, 5..15 trained"
+    # The killed launch's checkpoint artifact (step 5) is logged again too, before this launch's own.
+    aliases = [set(artifact["aliases"]) for artifact in summary_of(resumed)["artifacts"]]
+    assert "step-5" in aliases[0] and "step-15" in aliases[-2] | aliases[-1]

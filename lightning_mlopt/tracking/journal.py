@@ -10,7 +10,8 @@ starts logging itself (resume is exact, so it logs the later steps again, with t
 Example::
 
     journal = Journal(Path("runs/x/wandb/journal-3f2a9c1e.jsonl"), segment="offline-run-...-3f2a9c1e")
-    for row in journal.unsynced(before_step=10):
+    rows, artifacts = journal.unsynced(before_step=10)
+    for row in rows:
         run.log(row)
     journal.record({"train/loss": 2.3}, step=10)
     journal.close("exit")
@@ -41,18 +42,24 @@ class Journal:
         """Append one logged row of this segment."""
         self._append({"segment": self.segment, "step": step, "metrics": dict(metrics)})
 
+    def record_artifact(self, path: Path) -> None:
+        """Append that this segment logged the checkpoint folder ``path`` as an artifact."""
+        self._append({"segment": self.segment, "artifact": str(path)})
+
     def close(self, how: str) -> None:
         """Mark this segment closed: its process ends normally, so its tracker flushes what it logged."""
         self._append({"segment": self.segment, "closed": how})
 
-    def unsynced(self, before_step: int | None) -> list[dict[str, Any]]:
-        """Rows of earlier segments that never closed, with a step below ``before_step`` (None: all).
+    def unsynced(self, before_step: int | None) -> tuple[list[dict[str, Any]], list[Path]]:
+        """Rows and artifact folders of earlier segments that never closed.
 
-        Each such segment is then marked replayed, so no later launch replays it twice.
+        Rows only with a step below ``before_step`` (None: all). Each such segment is then marked replayed,
+        so no later launch replays it twice.
         """
         entries = self._read()
         closed = {e["segment"] for e in entries if "closed" in e or "replayed_into" in e}
-        lost = {e["segment"] for e in entries if "metrics" in e} - closed - {self.segment}
+        lost = {e["segment"] for e in entries if "metrics" in e or "artifact" in e} - closed - {self.segment}
+        artifacts = [Path(e["artifact"]) for e in entries if e.get("segment") in lost and "artifact" in e]
         rows = [
             {**e["metrics"], **({"trainer/global_step": e["step"]} if e["step"] is not None else {})}
             for e in entries
@@ -62,7 +69,7 @@ class Journal:
         ]
         for segment in sorted(lost):
             self._append({"segment": segment, "replayed_into": self.segment})
-        return rows
+        return rows, artifacts
 
     def _read(self) -> list[dict[str, Any]]:
         if not self.path.is_file():

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.tracking.journal import Journal
 from lightning_mlopt.tracking.provenance import run_provenance
@@ -122,15 +122,27 @@ class WandbTracker(WandbLogger):
     @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        run = self.experiment
-        if self._journal is not None and not self._replayed:
-            # The first row of this launch: first what killed launches logged before this step (once).
-            self._replayed = True
-            for row in self._journal.unsynced(before_step=step):
-                run.log(row)
+        _ = self.experiment  # creates the run, which opens the journal
+        self._replay_lost(before_step=step)
         if self._journal is not None:
             self._journal.record(metrics, step)
         super().log_metrics(metrics, step)
+
+    def _replay_lost(self, before_step: int | None) -> None:
+        """Once, before this launch logs anything: log what launches that never closed had logged.
+
+        Rows before ``before_step``, and the checkpoint artifacts whose folders still exist.
+        """
+        if self._journal is None or self._replayed:
+            return
+        self._replayed = True
+        rows, artifacts = self._journal.unsynced(before_step=before_step)
+        for row in rows:
+            self.experiment.log(row)
+        for folder in artifacts:
+            manifest_file = folder / MANIFEST_NAME
+            if manifest_file.is_file():  # retention may have removed it since
+                self.log_checkpoint_artifact(folder, Manifest.from_json(manifest_file.read_text()))
 
     def _open_journal(self, run: Run) -> None:
         """Journal every row this launch logs (``<save_dir>/wandb/journal-<run id>.jsonl``), closed at exit."""
@@ -158,6 +170,7 @@ class WandbTracker(WandbLogger):
         import wandb
 
         run = self.experiment
+        self._replay_lost(before_step=manifest.step)
         metadata = {"step": manifest.step, "epoch": manifest.epoch, "strategy": manifest.strategy}
         if manifest.metric:
             metadata.update(manifest.metric)
@@ -165,6 +178,8 @@ class WandbTracker(WandbLogger):
         artifact.add_dir(str(path))
         aliases = ["latest", f"step-{manifest.step}", *(["final"] if manifest.final else [])]
         run.log_artifact(artifact, aliases=aliases)
+        if self._journal is not None:
+            self._journal.record_artifact(path)
 
     def describe_location(self) -> str:
         """Where this logger's files go and how to see them, for the CLI's start-up summary."""
