@@ -287,3 +287,81 @@ class RecordHyperparameters(pl.Callback):
         folder.mkdir(parents=True, exist_ok=True)
         hparams = {key: value for key, value in pl_module.hparams.items() if isinstance(value, (int, float, str))}
         (folder / f"hparams-rank{trainer.global_rank}.json").write_text(json.dumps(hparams))
+
+
+class ThirdPartyLM(pl.LightningModule):
+    """A language model as a user brings one, written the way Hugging Face's GPT-2 and Lightning's own examples
+    are, not like our demos: hyperparameters saved with ``save_hyperparameters()``, its own dataloaders (no
+    datamodule), ``nn.TransformerEncoder`` with a causal mask, metrics named ``train_loss``/``val_loss``.
+
+    Args:
+        vocab_size, n_positions, n_embd, n_layer, n_head, dropout: the model's size.
+        batch_size: per process.
+        num_sequences: synthetic sequences (a seeded Markov chain of tokens) in the training set.
+        lr: AdamW's learning rate.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        n_positions: int = 32,
+        n_embd: int = 32,
+        n_layer: int = 2,
+        n_head: int = 2,
+        dropout: float = 0.1,
+        batch_size: int = 8,
+        num_sequences: int = 256,
+        lr: float = 3e-3,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.wte = torch.nn.Embedding(vocab_size, n_embd)
+        self.wpe = torch.nn.Embedding(n_positions, n_embd)
+        layer = torch.nn.TransformerEncoderLayer(n_embd, n_head, 4 * n_embd, dropout, batch_first=True)
+        self.h = torch.nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.lm_head = torch.nn.Linear(n_embd, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], device=input_ids.device)
+        hidden = self.h(self.wte(input_ids) + self.wpe(positions), mask=mask, is_causal=True)
+        return self.lm_head(hidden)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch).argmax(-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+    def _tokens(self, count: int, seed: int) -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(seed)
+        steps = torch.randint(1, 4, (count, self.hparams.n_positions), generator=generator)
+        data = steps.cumsum(dim=1) % self.hparams.vocab_size  # learnable: each token follows from the last
+        return torch.utils.data.DataLoader(data, batch_size=self.hparams.batch_size, shuffle=seed == 0)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._tokens(self.hparams.num_sequences, seed=0)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._tokens(64, seed=1)
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._tokens(64, seed=2)
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._tokens(16, seed=3)

@@ -366,10 +366,27 @@ def test_a_run_whose_final_save_was_lost_is_marked_final_on_relaunch(tmp_path, m
 @pytest.mark.multiprocess
 def test_resuming_a_ddp_run_under_zero2_is_refused_in_one_line_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    first = _run(_command(run_dir, "ddp", extra=("--trainer.max_steps=2",)), tmp_path)
+
+    def command(strategy: str, steps: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "lightning_mlopt",
+            "fit",
+            "--model=tests.helpers.ThirdPartyLM",  # a user's model, with its own dataloaders
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=2",
+            f"--trainer.strategy={strategy}",
+            f"--trainer.max_steps={steps}",
+            "--trainer.limit_val_batches=0",
+            "--trainer.logger=false",
+            f"--run_dir={run_dir}",
+        ]
+
+    first = _run(command("ddp", 2), tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    switched = _run(_command(run_dir, "zero2", extra=("--trainer.max_steps=4",)), tmp_path)
+    switched = _run(command("zero2", 4), tmp_path)
     assert switched.returncode == 2, switched.stderr[-3000:]
     errors = [line for line in switched.stderr.splitlines() if line.startswith("error:")]
     assert errors and "written by DDPStrategy: one file) with DeepSpeedStrategy (ZeRO partitions)" in errors[0]

@@ -289,7 +289,8 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
     run_dir = tmp_path / "run"
     pace = tmp_path / "pace"
     args = [
-        *QUICK,
+        "fit",
+        "--model=tests.helpers.ThirdPartyLM",  # a user's model with its own dataloaders
         *WANDB,
         "--trainer.max_steps=16",
         "--trainer.max_epochs=-1",
@@ -320,7 +321,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
     second = run_cli(args, cwd=tmp_path, env=_wandb_env(tmp_path))
     assert second.returncode == 0, second.stderr[-3000:]
     _killed, resumed = _offline_runs(run_dir)
-    steps = [row["trainer/global_step"] for row in summary_of(resumed)["history"] if "train/loss" in row]
+    steps = [row["trainer/global_step"] for row in summary_of(resumed)["history"] if "train_loss" in row]
     assert steps == list(range(16)), "every step once: 0..4 replayed from the journal, 5..15 trained"
     # The killed launch's checkpoint artifact (step 5) is logged again too, before this launch's own.
     aliases = [set(artifact["aliases"]) for artifact in summary_of(resumed)["artifacts"]]
