@@ -188,7 +188,18 @@ def test_start_up_deadline_ends_a_run_whose_peer_never_comes(tmp_path):
 def test_a_rank_whose_launcher_dies_in_deepspeed_start_up_exits(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_PORT", None)
-    command = _fit_command(tmp_path / "run", "--trainer.devices=2", "--trainer.strategy=zero2")
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_mlopt",
+        "fit",
+        "--model=tests.helpers.ThirdPartyLM",  # a user's model
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=2",
+        "--trainer.strategy=zero2",
+        "--trainer.max_steps=3",
+        f"--run_dir={tmp_path / 'run'}",
+    ]
     launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     child = None
     try:
