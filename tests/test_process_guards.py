@@ -200,14 +200,18 @@ def test_a_rank_whose_launcher_dies_in_deepspeed_start_up_exits(tmp_path):
         "--trainer.max_steps=3",
         f"--run_dir={tmp_path / 'run'}",
     ]
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "job.log"
+    with log.open("w") as output:
+        launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=output, stderr=subprocess.STDOUT)
     child = None
     try:
         deadline = time.monotonic() + 120
-        while child is None and time.monotonic() < deadline:  # wait for Lightning to start rank 1
-            pids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-            child = int(pids[0]) if pids else None
-            time.sleep(0.1)
+        # Wait until rank 1 is inside DeepSpeed's initialisation (it prints this line as it starts it).
+        while "GLOBAL_RANK: 1" not in log.read_text() and time.monotonic() < deadline:
+            assert launcher.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.05)
+        pids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        child = int(pids[0]) if pids else None
         assert child is not None, "Lightning never started rank 1"
         launcher.kill()  # rank 0 dies in start-up (a node lost, an OOM kill)
         launcher.wait(30)
