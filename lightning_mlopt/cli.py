@@ -10,6 +10,7 @@ text, before anything is written. The tool subcommands in ``TOOLS`` (``plan``, `
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -466,21 +467,37 @@ def _exit_after_launcher(code: int | str | None) -> NoReturn:
     # Every rank agreed on this exit, so none is in a collective: leave the process group now. A gloo group
     # still alive at interpreter exit aborts the process ("terminate called without an active exception",
     # status -6 instead of ours), as 3 of 50 torture trials showed.
-    _leave_process_group()
+    with_peers = _leave_process_group()
     if _started_by_lightning_launcher():
         startup_guard.stop()  # its parent watch would end this process with another status
         parent, deadline = os.getppid(), time.monotonic() + 30
         while os.getppid() == parent and time.monotonic() < deadline:
             time.sleep(0.05)
+    if with_peers:
+        # Even with the group destroyed, a communication thread can still be joinable when the interpreter's
+        # C++ destructors run, and abort the process (1 of 12 FSDP full-disk torture trials ended -6 so).
+        # Run the exit handlers (W&B's flush, the journal) ourselves, then leave without those destructors.
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
     raise SystemExit(code) from None
 
 
-def _leave_process_group() -> None:
-    """Destroy the process group without a barrier (after an agreed exit: no rank is in a collective)."""
+def _leave_process_group() -> bool:
+    """Destroy the process group without a barrier (after an agreed exit: no rank is in a collective).
+
+    Returns:
+        Whether it had other ranks.
+
+    """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    others = dist.get_world_size() > 1
+    dist.destroy_process_group()
+    return others
 
 
 def _started_by_lightning_launcher() -> bool:
