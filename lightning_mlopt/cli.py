@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
-from lightning_mlopt import strategies
+from lightning_mlopt import exit_codes, strategies
 from lightning_mlopt._bad_input import BadInputError, check_config_files, config_paths, explain_parser_error
 from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck
@@ -37,7 +37,7 @@ from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, resolve_run_dir
 from lightning_mlopt.tracking import ThroughputProgressBar
 
 DEFAULT_SEED = 1234
-CHECKPOINT_WRITE_EXIT_CODE = 74  # EX_IOERR: a checkpoint could not be written (disk full, read-only, ...)
+CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
 METRICS_NAME = "metrics.json"  # final metrics of a fit, written by rank zero; sweeps read it
 RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 
@@ -431,7 +431,7 @@ def main(args: Sequence[str] | None = None) -> None:
     if not argv:
         sys.stderr.write(f"error: name a subcommand: {_TRAINER_SUBCOMMANDS}, {', '.join(TOOLS)}\n")
         sys.stderr.write(_tools_help())
-        raise SystemExit(2)
+        raise SystemExit(exit_codes.BAD_INPUT)
     if argv in (["-h"], ["--help"]):
         print(_tools_help(below=True))
     silence_known_noise()
@@ -444,7 +444,7 @@ def main(args: Sequence[str] | None = None) -> None:
         MLOptCLI(argv)
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")
-        _exit_after_launcher(2)
+        _exit_after_launcher(exit_codes.BAD_INPUT)
     except CheckpointWriteError as error:
         sys.stderr.write(f"error: {error}\n")
         _exit_after_launcher(CHECKPOINT_WRITE_EXIT_CODE)

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 from typing_extensions import override
 
+from lightning_mlopt import exit_codes
 from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt._compat import keep_lightning_off_signals
 from lightning_mlopt.checkpoint import (
@@ -111,7 +112,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         save_on_train_end: bool = True,
         save_on_exception: bool = True,
         signals: list[str] | None = None,
-        exit_code: int = 75,
+        exit_code: int = exit_codes.REQUEUE,
         signal_deadline_s: float | None = DEFAULT_DEADLINE_S,
         keep_last: int = 3,
         keep_every_n_steps: int | None = None,

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_mlopt import exit_codes
 from lightning_mlopt.distributed import phase
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
@@ -85,7 +86,7 @@ class NCCLHealthCheck(Callback):
         on_slow_bandwidth: OnProblem = "warn",
         hang_timeout: float | None = 1800.0,
         adaptive_multiple: float | None = None,
-        hang_exit_code: int = 124,
+        hang_exit_code: int = exit_codes.TIME_LIMIT,
         dump_dir: str | None = None,
         straggler_every_n_steps: int | None = 100,
         straggler_factor: float = 1.5,

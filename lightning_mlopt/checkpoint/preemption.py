@@ -44,9 +44,11 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
+from lightning_mlopt import exit_codes
+
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 DEFAULT_DEADLINE_S = 120.0
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the sbatch script requeues on it
+REQUEUE_EXIT_CODE = exit_codes.REQUEUE
 
 
 class PreemptionSignals:

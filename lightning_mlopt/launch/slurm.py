@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_mlopt import exit_codes
 from lightning_mlopt._bad_input import BadInputError, ToolArgumentParser, config_paths
 from lightning_mlopt.launch._argv import without_options
 from lightning_mlopt.run_dir import resolve_run_dir
@@ -111,7 +112,7 @@ def sbatch_script(
     log_dir: Path,
     job: SlurmJob,
     *,
-    requeue_exit_code: int = 75,
+    requeue_exit_code: int = exit_codes.REQUEUE,
     array: str | None = None,
     workdir: Path | None = None,
     script_path: Path | None = None,
@@ -247,7 +248,7 @@ def slurm_job(options: argparse.Namespace, trainer: dict[str, Any], default_name
 
 def requeue_exit_code(config: dict[str, Any]) -> int:
     """The exit status FaultTolerantCheckpoint uses after a signal-triggered save, from the config."""
-    return int((config.get("checkpoint") or {}).get("exit_code") or 75)
+    return int((config.get("checkpoint") or {}).get("exit_code") or exit_codes.REQUEUE)
 
 
 def write_script(path: Path, text: str) -> None:

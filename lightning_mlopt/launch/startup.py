@@ -29,9 +29,11 @@ import threading
 import time
 import traceback
 
+from lightning_mlopt import exit_codes
+
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
-STARTUP_TIMEOUT_EXIT_CODE = 124  # as timeout(1) and NCCLHealthCheck's hang exit: "ended by a time limit"
-ORPHAN_EXIT_CODE = 1
+STARTUP_TIMEOUT_EXIT_CODE = exit_codes.TIME_LIMIT
+ORPHAN_EXIT_CODE = exit_codes.ORPHANED
 
 
 class StartupGuard:
