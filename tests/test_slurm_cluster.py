@@ -91,6 +91,9 @@ def _requeued_then_finished(cluster: SlurmCluster, job_id: str, run_dir: Path) -
     """Wait for the requeue, release the job's two-minute hold, wait for it to finish; return its log."""
     _wait_for(lambda: int(cluster.job(job_id).get("Restarts", "0")) >= 1, 120, "the requeue")
     _wait_for(lambda: cluster.job(job_id).get("JobState") == "PENDING", 60, "the requeued job to be pending")
+    # Released early only once the node is idle: the old instance's processes must be gone first, or the new
+    # one fails to launch (ExitCode 1:0, seen once) -- the race SLURM's own hold exists to avoid.
+    _wait_for(lambda: cluster.run("sinfo", "-h", "-o", "%T").stdout.strip() == "idle", 120, "the node to be idle")
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=True)
     _wait_for(lambda: cluster.job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 240, "the end")
     job = cluster.job(job_id)
