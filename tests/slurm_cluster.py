@@ -100,7 +100,9 @@ class SlurmCluster:
                 f"SlurmdPort={_free_port()}",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
-                f"AuthInfo=socket={self.root / 'munge.socket'}",
+                # cred_expire: how long a requeued job is held before it may start again (120 s by default:
+                # the "about two minutes" a requeue takes); the minimum SLURM accepts keeps the tests short.
+                f"AuthInfo=socket={self.root / 'munge.socket'},cred_expire=10",
                 f"StateSaveLocation={self.root / 'state'}",
                 f"SlurmdSpoolDir={self.root / 'spool'}",
                 f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
