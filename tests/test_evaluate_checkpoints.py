@@ -41,7 +41,9 @@ def test_evaluate_from_a_step_folder_and_a_checkpoints_folder(tmp_path, strategy
     assert entry is not None and entry.step == 2
     state = entry.path / STATE_NAME
     # DDP gave IsADirectoryError, FSDP "not a valid checkpoint", ZeRO-3 a TypeError inside DeepSpeed on CPU.
-    cases = [("validate", str(entry.path)), ("test", str(checkpoints))]
+    cases = [("validate", str(entry.path))]
+    if strategy in ("ddp", "fsdp", "zero3"):  # under ZeRO-1/2, test loads exactly as validate just did
+        cases.append(("test", str(checkpoints)))
     if strategy in ("ddp", "zero3"):
         cases.append(("predict", "last"))
     for subcommand, ckpt_path in cases:

@@ -135,7 +135,7 @@ def test_a_requeue_of_the_running_job_saves_on_slurms_sigterm_and_resumes(cluste
 
 
 def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path):
-    # --signal=USR1@100 on a 2-minute limit: SLURM sends USR1 20 to 80 s into the job (its timer is coarse).
+    # --signal=USR1@115 on a 2-minute limit: SLURM sends USR1 5 to 65 s into the job (its timer is coarse).
     run_dir = tmp_path / "run"
     script = _write_script(
         tmp_path,
@@ -144,7 +144,7 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path):
         f"--trainer.callbacks.out_dir={tmp_path / 'pace'}",
         "--trainer.callbacks.seconds_per_step=0.2",
         time_limit="00:02:00",
-        signal_seconds=100,
+        signal_seconds=115,
     )
     job_id = _submit(cluster, script)
     try:
