@@ -362,10 +362,11 @@ def print_config(args: Sequence[str], subcommand: str = "fit") -> str:
     for name, value in list(os.environ.items()):
         if name.startswith(prefix):
             os.environ["PL_" + name[len(prefix) :]] = value
-    config = check_arguments(rest)
+    parsed = _ParseOnlyCLI(rest, run=False)  # main() has checked the config files
+    config = parsed.config
     config["run_dir"] = str(resolve_run_dir(config.as_dict(), config_paths(rest)).resolve())
     skip_none = any("skip_null" in flag for flag in flags)
-    return str(_ParseOnlyCLI(rest, run=False).parser.dump(config, skip_none=skip_none))
+    return str(parsed.parser.dump(config, skip_none=skip_none))
 
 
 def _fill_run_dir(value: Any, run_dir: str) -> Any:
@@ -467,7 +468,7 @@ def _exit_after_launcher(code: int | str | None) -> NoReturn:
     # Every rank agreed on this exit, so none is in a collective: leave the process group now. A gloo group
     # still alive at interpreter exit aborts the process ("terminate called without an active exception",
     # status -6 instead of ours), as 3 of 50 torture trials showed.
-    with_peers = _leave_process_group()
+    with_peers = _shut_down_process_group(wait_for_peers=False)
     if _started_by_lightning_launcher():
         startup_guard.stop()  # its parent watch would end this process with another status
         parent, deadline = os.getppid(), time.monotonic() + 30
@@ -484,11 +485,22 @@ def _exit_after_launcher(code: int | str | None) -> NoReturn:
     raise SystemExit(code) from None
 
 
-def _leave_process_group() -> bool:
-    """Destroy the process group without a barrier (after an agreed exit: no rank is in a collective).
+def _started_by_lightning_launcher() -> bool:
+    """Ranks 1.. of a one-machine run that Lightning's own launcher started (not torchrun, not srun)."""
+    env = os.environ
+    return env.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in env and "SLURM_PROCID" not in env
+
+
+def _shut_down_process_group(wait_for_peers: bool = True) -> bool:
+    """Destroy the process group; after a successful run, first wait for every rank.
+
+    Lightning leaves it alive. A rank that exits while another is still in a collective tears the
+    connection down under it, and gloo's thread then aborts that process ("terminate called without an
+    active exception") after a run that succeeded. ``wait_for_peers=False`` after an agreed exit (no rank is
+    in a collective, and a barrier could wait on a rank that is gone).
 
     Returns:
-        Whether it had other ranks.
+        Whether the group had other ranks.
 
     """
     import torch.distributed as dist
@@ -496,26 +508,7 @@ def _leave_process_group() -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
     others = dist.get_world_size() > 1
+    if wait_for_peers:
+        dist.barrier()
     dist.destroy_process_group()
     return others
-
-
-def _started_by_lightning_launcher() -> bool:
-    """Ranks 1.. of a one-machine run that Lightning's own launcher started (not torchrun, not srun)."""
-    env = os.environ
-    return env.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in env and "SLURM_PROCID" not in env
-
-
-def _shut_down_process_group() -> None:
-    """After a successful run: wait for every rank, then destroy the process group.
-
-    Lightning leaves it alive. A rank that exits while another is still in a collective tears the
-    connection down under it, and gloo's thread then aborts that process ("terminate called without an
-    active exception") after a run that succeeded. Not called on errors: a barrier there could wait on a
-    rank that is gone.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

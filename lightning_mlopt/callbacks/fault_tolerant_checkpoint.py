@@ -498,7 +498,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         manifest.versions = library_versions()
         manifest.created = time.time()
         self.last_saved = self.store.commit(staging, manifest)
-        self._last_total_bytes = sum(entry.size for entry in manifest.files.values())
+        self._last_total_bytes = manifest.total_bytes
         self._apply_retention(protected=manifest.step)
         self._committed.append((self.last_saved, manifest))  # loggers hear of it on the main thread
 
@@ -556,7 +556,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if entry is None:
             return None
         assert entry.manifest is not None
-        self._last_total_bytes = sum(file.size for file in entry.manifest.files.values())
+        self._last_total_bytes = entry.manifest.total_bytes
         refusal = _strategy_switch_refusal(entry.manifest.strategy, type(trainer.strategy).__name__, entry.path)
         if refusal is not None:
             return None, False, refusal

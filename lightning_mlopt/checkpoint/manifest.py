@@ -61,6 +61,11 @@ class Manifest:
     created: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
 
+    @property
+    def total_bytes(self) -> int:
+        """The size of every file of the checkpoint together."""
+        return sum(entry.size for entry in self.files.values())
+
     def to_json(self) -> str:
         """Serialise (stable key order, so equal manifests are equal bytes)."""
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -39,7 +39,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
@@ -217,8 +216,7 @@ class PreemptionSignals:
 
         name = signal.Signals(self._received).name if self._received else "a signal"
         step_phase, step, in_phase = phase.current()
-        main = sys._current_frames().get(threading.main_thread().ident or -1)
-        stack = "".join(traceback.format_stack(main)[-8:]) if main is not None else ""
+        stack = phase.main_thread_stack()
         sys.stderr.write(
             f"error: received {name} {self.deadline_s:.0f} s ago and did not reach a step boundary to save and exit "
             f"(step {step}, phase '{step_phase}' for {in_phase:.0f} s; most likely waiting in a collective for "

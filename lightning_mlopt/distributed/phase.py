@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,6 +28,12 @@ def set_phase(phase: str, step: int | None = None) -> None:
 def current() -> tuple[str, int, float]:
     """(phase, step, seconds in that phase)."""
     return _State.phase, _State.step, time.monotonic() - _State.since
+
+
+def main_thread_stack(frames: int = 8) -> str:
+    """The main thread's innermost ``frames`` Python frames, read from any thread: where a stuck process waits."""
+    main = sys._current_frames().get(threading.main_thread().ident or -1)
+    return "".join(traceback.format_stack(main)[-frames:]) if main is not None else ""
 
 
 @contextmanager

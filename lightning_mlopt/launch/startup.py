@@ -27,7 +27,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 
 from lightning_mlopt import exit_codes
 
@@ -110,8 +109,7 @@ class StartupGuard:
 
         name, step, in_phase = phase.current()
         rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("LOCAL_RANK") or "0"
-        main = sys._current_frames().get(threading.main_thread().ident or -1)
-        stack = "".join(traceback.format_stack(main)[-8:]) if main is not None else ""
+        stack = phase.main_thread_stack()
         sys.stderr.write(
             f"error: rank {rank}: {message} Phase '{name}' (step {step}) for {in_phase:.0f} s. Main thread:\n{stack}"
         )
