@@ -147,14 +147,14 @@ def gpt_step_gaps(
     return [(step, end - previous) for (_, previous), (step, end) in zip(timer.ends, timer.ends[1:], strict=False)]
 
 
-def run_worker(script: str, mode: str, steps: int, warmup: int) -> dict:
-    """Run ``script --worker MODE`` as a fresh job and return the JSON its rank zero wrote."""
+def run_worker(script: str, mode: str, steps: int, warmup: int, extra: Sequence[str] = ()) -> dict:
+    """Run ``script --worker MODE [extra...]`` as a fresh job and return the JSON its rank zero wrote."""
     import json
     import os
     import subprocess
 
     out = Path(f"/tmp/{Path(script).parent.name}_bench_{os.getpid()}_{mode}.json")
-    command = [sys.executable, script, "--worker", mode, "--steps", str(steps), "--warmup", str(warmup)]
+    command = [sys.executable, script, "--worker", mode, "--steps", str(steps), "--warmup", str(warmup), *extra]
     subprocess.run(
         [*command, "--out", str(out)], check=True, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
     )

@@ -163,6 +163,8 @@ class MLOptCLI(LightningCLI):
     def _resolve_ckpt_path(self, config: Namespace) -> None:
         """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best (verified)."""
         from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
+        from lightning_mlopt.checkpoint.store import STATE_NAME
+        from lightning_mlopt.checkpoint.trust import check_trusted
 
         value = config.get("ckpt_path")
         if not value:
@@ -171,6 +173,10 @@ class MLOptCLI(LightningCLI):
         checkpoint = config.get("checkpoint") or {}
         own = Path(checkpoint.get("dirpath") or self.run_dir / "checkpoints")
         path, described = resolve_checkpoint_path(str(value), own, mode=checkpoint.get("mode") or "min")
+        # Every pickle in it (our step folder whole, RNG files included) is checked before Lightning loads it.
+        target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
+        if target.exists():
+            check_trusted(target, bool(checkpoint.get("trust_pickles")))
         if described is not None:
             config["ckpt_path"] = path
             _rank_zero_print(f"ckpt_path: {described}, verified")
@@ -409,7 +415,7 @@ def _rank_zero_print(text: str) -> None:
 # Subcommands that are tools, not Trainer runs: dispatched before the LightningCLI is built (module, summary).
 TOOLS = {
     "plan": ("lightning_mlopt.planning.tool", "memory per rank for each strategy, from numbers or a config"),
-    "checkpoint": ("lightning_mlopt.checkpoint.tool", "list, verify or consolidate committed checkpoints"),
+    "checkpoint": ("lightning_mlopt.checkpoint.tool", "list, verify, consolidate or export (safetensors) checkpoints"),
     "sweep": ("lightning_mlopt.launch.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
     "slurm": ("lightning_mlopt.launch.slurm", "write an sbatch script that requeues and resumes the run"),
 }

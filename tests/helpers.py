@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -365,3 +367,51 @@ class ThirdPartyLM(pl.LightningModule):
 
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
         return self._tokens(16, seed=3)
+
+
+class InterfereWithBackgroundWrite(pl.Callback):
+    """At the save of ``step``, on a strategy that writes sharded checkpoints in the background:
+
+    - ``hold_s``: once this rank's files are written, mark ``<out_dir>/in-flight-rank<R>`` and hold the
+      write open (uncommitted) for that long, so a test can SIGKILL the job during it;
+    - ``block_rank``: on that rank only, put a folder where its DCP shard file goes, so the operating system
+      refuses the write (EISDIR) in the background thread.
+    """
+
+    def __init__(self, out_dir: str, step: int, hold_s: float = 0.0, block_rank: int | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.step = step
+        self.hold_s = hold_s
+        self.block_rank = block_rank
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import threading
+        from concurrent.futures import Future
+
+        strategy = trainer.strategy
+        original = strategy.save_checkpoint_async  # type: ignore[attr-defined]
+        rank = trainer.global_rank
+
+        def interfering(checkpoint: dict, filepath: Any) -> Future:
+            if trainer.global_step != self.step:
+                return original(checkpoint, filepath)
+            if rank == self.block_rank:
+                (Path(filepath) / f"__{rank}_0.distcp").mkdir(parents=True)
+            written = original(checkpoint, filepath)
+            held: Future = Future()
+
+            def hold() -> None:
+                try:
+                    written.result()
+                except BaseException as error:
+                    held.set_exception(error)
+                    return
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                (self.out_dir / f"in-flight-rank{rank}").touch()
+                time.sleep(self.hold_s)
+                held.set_result(None)
+
+            threading.Thread(target=hold, daemon=True).start()
+            return held
+
+        strategy.save_checkpoint_async = interfering  # type: ignore[attr-defined]

@@ -1,9 +1,12 @@
-"""``python -m lightning_mlopt checkpoint list|verify|consolidate`` on real checkpoints of every format."""
+"""``python -m lightning_mlopt checkpoint list|verify|consolidate|export`` on real checkpoints of every format."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.demos import GPTLanguageModel
@@ -12,8 +15,8 @@ from tests.strategy_runs import train
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
-def test_consolidate_any_checkpoint_into_one_lightning_file(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_consolidate_and_export_any_checkpoint(tmp_path, strategy):
     _, expected = train(tmp_path, strategy, strategy, steps=2)
     checkpoints = tmp_path / "runs" / strategy / "checkpoints"
     newest = CheckpointStore(checkpoints).newest_valid()
@@ -27,14 +30,35 @@ def test_consolidate_any_checkpoint_into_one_lightning_file(tmp_path, strategy):
     plain.load_state_dict(consolidated["state_dict"], strict=True)
     for name, value in plain.named_parameters():
         assert torch.equal(value.detach(), expected[name]), name
-    # Nothing is overwritten.
-    again = run_cli(["checkpoint", "consolidate", str(newest.path), str(output)], cwd=tmp_path)
-    assert again.returncode == 2 and "exists" in again.stderr
-    # The checkpoints folder itself: its newest valid checkpoint.
-    from_folder = run_cli(["checkpoint", "consolidate", str(checkpoints), str(tmp_path / "b.ckpt")], cwd=tmp_path)
-    assert from_folder.returncode == 0, from_folder.stderr
-    assert f"consolidating the newest valid checkpoint: {newest.path}" in from_folder.stdout
-    assert torch.load(tmp_path / "b.ckpt", weights_only=False)["state_dict"].keys() == consolidated["state_dict"].keys()
+    if strategy == "ddp":  # what follows does not depend on the format (one run is enough)
+        # Nothing is overwritten.
+        again = run_cli(["checkpoint", "consolidate", str(newest.path), str(output)], cwd=tmp_path)
+        assert again.returncode == 2 and "exists" in again.stderr
+        # The checkpoints folder itself: its newest valid checkpoint.
+        from_folder = run_cli(["checkpoint", "consolidate", str(checkpoints), str(tmp_path / "b.ckpt")], cwd=tmp_path)
+        assert from_folder.returncode == 0, from_folder.stderr
+        assert f"consolidating the newest valid checkpoint: {newest.path}" in from_folder.stdout
+        consolidated_again = torch.load(tmp_path / "b.ckpt", weights_only=False)
+        assert consolidated_again["state_dict"].keys() == consolidated["state_dict"].keys()
+
+    # safetensors, sharded as Hugging Face shards (a small limit here, to get several files), bit for bit.
+    out = tmp_path / "export"
+    exported = run_cli(["checkpoint", "export", str(checkpoints), str(out), "--max-shard-size", "1MB"], cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(out / shard))
+    assert len(set(index["weight_map"].values())) > 1
+    assert tensors.keys() == consolidated["state_dict"].keys()
+    for name, value in consolidated["state_dict"].items():
+        assert tensors[name].dtype == value.dtype and torch.equal(tensors[name], value), name
+    config = json.loads((out / "model_config.json").read_text())
+    assert config["class_path"] == "lightning_mlopt.demos.GPTLanguageModel"
+    assert GPTLanguageModel(**config["init_args"]).state_dict().keys() == tensors.keys()
+    if strategy == "ddp":  # into a folder that has files: refused, nothing overwritten
+        again = run_cli(["checkpoint", "export", str(checkpoints), str(out)], cwd=tmp_path)
+        assert again.returncode == 2 and "not empty" in again.stderr
 
 
 def test_list_and_verify_report_validity_with_exit_status(tmp_path):

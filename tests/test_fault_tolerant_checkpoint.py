@@ -85,9 +85,26 @@ def _kill_job_mid_training(command: list[str], cwd: Path, checkpoints: Path, rng
         process.wait(30)
 
 
+def _kill_job_during_background_write(command: list[str], cwd: Path, markers: Path) -> None:
+    """Start the job; SIGKILL every process while the save of step 6 is written but not yet committed."""
+    process = subprocess.Popen(
+        command, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(markers.glob("in-flight-rank*"))) < 2 and time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"the job ended (status {process.returncode}) before its background write")
+            time.sleep(0.05)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
 def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy):
+    """DDP: killed at a random instant. FSDP, ZeRO-2: killed during an async sharded save's background write."""
     reference_dir = tmp_path / "reference"
     reference = _run(_command(reference_dir, strategy), tmp_path)
     assert reference.returncode == 0, reference.stderr[-4000:]
@@ -95,8 +112,19 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
 
     run_dir = tmp_path / "interrupted"
     command = _command(run_dir, strategy)
-    rng = random.Random(f"{strategy}-kill")
-    _kill_job_mid_training(command, tmp_path, run_dir / "checkpoints", rng)
+    if strategy == "ddp":
+        _kill_job_mid_training(command, tmp_path, run_dir / "checkpoints", random.Random(f"{strategy}-kill"))
+    else:
+        held = [
+            "--trainer.callbacks+=tests.helpers.InterfereWithBackgroundWrite",
+            f"--trainer.callbacks.out_dir={run_dir / 'markers'}",
+            "--trainer.callbacks.step=6",
+            "--trainer.callbacks.hold_s=60",
+        ]
+        _kill_job_during_background_write(command + held, tmp_path, run_dir / "markers")
+        # Every rank's files of step 6 were on disk, but not every rank had confirmed: nothing committed.
+        committed = [step for step, _ in CheckpointStore(run_dir / "checkpoints").committed()]
+        assert committed and committed[-1] < 6, committed
     assert not (run_dir / "record" / "params.pt").exists(), "the kill came after the run had finished"
 
     resumed = _run(command, tmp_path)  # the identical command
@@ -104,6 +132,8 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
     assert "Auto-resuming from" in resumed.stderr + resumed.stdout
     start = torch.load(run_dir / "record" / "start_params.pt")
     assert 0 < start["step"] < 12, "it resumed from a checkpoint, not from scratch"
+    if strategy != "ddp":
+        assert start["step"] == committed[-1], "the previous checkpoint is the one resume picks"
     actual = torch.load(run_dir / "record" / "params.pt")
     assert actual.keys() == expected.keys()
     for name in expected:
@@ -348,6 +378,30 @@ def test_a_disk_full_mid_write_ends_every_rank_with_the_cause(tmp_path, tmpfs, s
     assert all(f"{disk / 'checkpoints'}" in line and "earlier checkpoints are intact" in line for line in errors)
     assert "Traceback" not in result.stderr
     assert not [p for p in (disk / "checkpoints").iterdir() if p.name.startswith(".staging")]
+
+
+@pytest.mark.multiprocess
+def test_a_background_write_that_fails_on_rank_1_only_ends_every_rank_and_commits_nothing(tmp_path):
+    # FSDP's async save of step 4: the operating system refuses rank 1's shard (a folder is in its place,
+    # EISDIR) in the background thread, after rank 0 wrote its own. Both ranks must end with rank 1's cause.
+    run_dir = tmp_path / "run"
+    blocked = (
+        "--trainer.callbacks+=tests.helpers.InterfereWithBackgroundWrite",
+        f"--trainer.callbacks.out_dir={run_dir / 'markers'}",
+        "--trainer.callbacks.step=4",
+        "--trainer.callbacks.block_rank=1",
+    )
+    result = _run(_command(run_dir, "fsdp", extra=blocked), tmp_path, timeout=180)
+    assert result.returncode == 74, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, result.stderr[-3000:]  # one line per rank
+    assert all("background checkpoint write failed: rank 1: Is a directory (errno 21)" in line for line in errors)
+    assert all("earlier checkpoints are intact" in line.lower() for line in errors), errors
+    checkpoints = run_dir / "checkpoints"
+    assert [step for step, _ in CheckpointStore(checkpoints).committed()] == [2]
+    assert CheckpointStore(checkpoints).latest_name() == "step-000000002"
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".staging")]
+    verify(checkpoints / "step-000000002")
 
 
 def test_a_run_whose_final_save_was_lost_is_marked_final_on_relaunch(tmp_path, monkeypatch):

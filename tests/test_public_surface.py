@@ -26,7 +26,7 @@ PINNED = {
     DeepSpeedStrategy: "preset config offload_optimizer offload_parameters timeout_minutes process_group_backend",
     FaultTolerantCheckpoint: "dirpath every_n_steps every_n_minutes save_on_epoch_end save_on_train_end "
     "save_on_exception signals exit_code signal_deadline_s keep_last keep_every_n_steps monitor mode keep_best "
-    "async_save auto_resume resume_final",
+    "async_save auto_resume resume_final trust_pickles",
     GradNormMonitor: "log_every_n_steps depth param_norms update_ratios on_nonfinite locate_nonfinite on_spike "
     "spike_window spike_threshold spike_min_history",
     NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import shutil
@@ -29,11 +28,13 @@ from lightning_mlopt.checkpoint import (
     Manifest,
     RetentionPolicy,
 )
-from lightning_mlopt.checkpoint.errors import CheckpointWriteError, describe_write_error
-from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, describe_files, library_versions
+from lightning_mlopt.checkpoint.errors import CheckpointWriteError, describe_write_error, failed_ranks
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, FileEntry, describe_files, library_versions
 from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.checkpoint.resume import skip_first_batches
 from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
+from lightning_mlopt.checkpoint.serialization import allowlisted_loading, cpu_copy, load_file, save_file
+from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
 from lightning_mlopt.distributed.phase import phase
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,10 @@ class FaultTolerantCheckpoint(Checkpoint):
             An explicit ``ckpt_path`` wins.
         resume_final: resume a run whose newest checkpoint is marked final and train on (e.g. after raising
             ``max_steps``). Off: a finished run stays finished, whatever the limits say now.
+        trust_pickles: load checkpoints that reference Python types outside the allowlist of what
+            lightning_mlopt checkpoints contain. Off (the default): every pickle in a checkpoint is checked
+            before anything loads it, and one naming any other type is refused (exit 2), since unpickling it
+            could run arbitrary code. Turn on only for checkpoints whose origin you trust.
 
     Raises:
         ValueError: a bad value, e.g. ``every_n_steps: 0`` or an unknown signal name.
@@ -122,6 +127,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         async_save: bool = True,
         auto_resume: bool = True,
         resume_final: bool = False,
+        trust_pickles: bool = False,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
@@ -149,6 +155,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.async_save = async_save
         self.auto_resume = auto_resume
         self.resume_final = resume_final
+        self.trust_pickles = trust_pickles
         self.store: CheckpointStore | None = None
         self.resumed_from: Path | None = None
         self.last_saved: Path | None = None
@@ -162,6 +169,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._final_saved = False
         self._committed: list[tuple[Path, Manifest]] = []
         self._last_total_bytes = 0  # size of the newest committed checkpoint: the free space the next one needs
+        self._rng_entry: FileEntry | None = None  # this rank's RNG file of the save in progress, checksummed
+        self._last_commit_time: float | None = None  # UNIX time of the newest committed checkpoint (rank zero)
+        self.save_timings: list[dict[str, float]] = []  # what each save logged, oldest first
 
     @property
     @override
@@ -311,9 +321,10 @@ class FaultTolerantCheckpoint(Checkpoint):
         try:
             self._writer.wait()
             staging = self.store.stage(trainer.global_step)
-            _save_file(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), staging / STATE_NAME)
+            entry = save_file(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), staging / STATE_NAME)
             self._write_rng(staging, trainer.global_rank)
-            self._commit(trainer, staging, reason="exception", final=False, world_size=trainer.world_size)
+            manifest = self._describe(trainer, reason="exception", final=False, world_size=trainer.world_size)
+            self._commit_prepared(staging, manifest, self._known_entries(trainer, entry))
             log.warning("Saved a checkpoint at step %d after an exception: %r", trainer.global_step, exception)
         except Exception as error:
             log.error("Could not save a checkpoint after the exception: %s", error)
@@ -357,8 +368,27 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def _save(self, trainer: pl.Trainer, reason: str, final: bool = False, wait: bool = False) -> None:
         """Save on every rank (collective), following the commit protocol."""
+        started = time.perf_counter()
         with phase("checkpoint"):  # what a hang watchdog reports if the save never returns
             self._save_in_phase(trainer, reason, final, wait)
+        self._log_save_timings(trainer, blocking_s=time.perf_counter() - started)
+
+    def _log_save_timings(self, trainer: pl.Trainer, blocking_s: float) -> None:
+        """Log this save's timings to every logger (rank zero).
+
+        ``checkpoint/blocking_s``: how long this save held training; ``checkpoint/background_s``: how long the
+        last finished background write ran; ``checkpoint/age_s``: the age of the newest committed checkpoint
+        when this save started (what a crash at that moment would have lost).
+        """
+        timings = {"checkpoint/blocking_s": blocking_s}
+        if self._writer.last_seconds is not None:
+            timings["checkpoint/background_s"] = self._writer.last_seconds
+        if self._last_commit_time is not None:
+            timings["checkpoint/age_s"] = time.time() - self._last_commit_time
+        self.save_timings.append(timings)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(timings, step=trainer.global_step)
 
     def _save_in_phase(self, trainer: pl.Trainer, reason: str, final: bool, wait: bool) -> None:
         assert self.store is not None
@@ -382,17 +412,23 @@ class FaultTolerantCheckpoint(Checkpoint):
             problem = describe_write_error(error, staging)
         self._raise_if_any_failed(trainer, problem, staging)
         world_size = trainer.world_size
-        if self.async_save and _is_single_file(trainer.strategy):
-            self._save_async(trainer, staging, reason, final, world_size)
+        if _is_single_file(trainer.strategy):
+            # One path for both modes: a synchronous save is a background write waited for at once.
+            in_background = self.async_save and not wait
+            self._save_single_file(trainer, staging, reason, final, world_size, copy_first=in_background)
+            if not in_background:
+                self._wait_for_writer(trainer)
+        elif self.async_save and hasattr(trainer.strategy, "save_checkpoint_async"):
+            self._save_sharded_in_background(trainer, staging, reason, final, world_size)
             if wait:
                 self._wait_for_writer(trainer)
         else:
-            self._save_sync(trainer, staging, reason, final, world_size)
+            self._save_sharded(trainer, staging, reason, final, world_size)
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         self._final_saved = self._final_saved or final
 
-    def _save_sync(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
+    def _save_sharded(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
         problem = None
         try:
             # The strategy decides the layout; all ranks call.
@@ -442,41 +478,100 @@ class FaultTolerantCheckpoint(Checkpoint):
                 "Choose a writable folder with checkpoint.dirpath, or free space"
             )
 
-    def _save_async(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
-        # Single-file strategies hold the full state on every rank; rank zero writes it.
+    def _save_single_file(
+        self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int, copy_first: bool
+    ) -> None:
+        """Every rank dumps (callbacks' hooks may be collective); rank zero writes and commits on the writer thread.
+
+        Single-file strategies hold the full state on every rank. The state streams into the file through
+        the checksum (no in-memory pickle, no second pass). ``copy_first``: stage it in CPU memory first, so
+        training may change the live tensors while the write runs.
+        """
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if not trainer.is_global_zero:
             return
-        staged = _to_cpu_copy(checkpoint)  # training may now change the live tensors
+        staged = cpu_copy(checkpoint) if copy_first else checkpoint
         manifest = self._describe(trainer, reason, final, world_size)
         assert self.store is not None
         store = self.store
 
         def write() -> None:
             try:
-                _save_file(staged, staging / STATE_NAME)
-                self._commit_prepared(staging, manifest)
+                entry = save_file(staged, staging / STATE_NAME)
+                self._commit_prepared(staging, manifest, self._known_entries(trainer, entry))
             except BaseException:
                 store.discard(staging)
                 raise
 
         self._writer.submit(write)
 
+    def _save_sharded_in_background(
+        self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int
+    ) -> None:
+        """Sharded strategies that write in the background (``save_checkpoint_async``); the commit waits for all.
+
+        Blocking: dump, stage to CPU memory, start the write (failures there are agreed at once). In the
+        background, each rank waits for its own write, then every rank agrees over the strategy's
+        checkpoint group (not training's): only if every rank's write completed (and was fsynced) does rank
+        zero commit. A failure anywhere fails the save on every rank, reported at the next step boundary.
+        """
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        problem = None
+        pending: Any = None
+        try:
+            pending = trainer.strategy.save_checkpoint_async(checkpoint, staging / STATE_NAME)  # type: ignore[attr-defined]
+        except (Exception, _CheckpointException) as error:
+            problem = describe_write_error(error, staging / STATE_NAME)
+        self._raise_if_any_failed(trainer, problem, staging)
+        manifest = self._describe(trainer, reason, final, world_size)
+        group = trainer.strategy.checkpoint_process_group  # type: ignore[attr-defined]
+        rank, known = trainer.global_rank, self._known_entries(trainer)
+        assert self.store is not None
+        store = self.store
+
+        def write() -> None:
+            problem = None
+            try:
+                pending.result()
+            except (Exception, _CheckpointException) as error:
+                blamed = failed_ranks(error)  # DCP raises on every rank; the failed rank reports its own cause
+                if not blamed or rank in blamed:
+                    problem = describe_write_error(error, staging / STATE_NAME)
+            problem = _agree(problem, world_size, group)
+            if problem is not None:
+                if rank == 0:
+                    store.discard(staging)
+                raise CheckpointWriteError(problem)
+            if rank == 0:
+                self._commit_prepared(staging, manifest, known)
+
+        self._writer.submit(write)
+
+    def _known_entries(self, trainer: pl.Trainer, state: FileEntry | None = None) -> dict[str, FileEntry]:
+        """Checksums this rank computed while writing (the committer reads no file twice)."""
+        known = {} if state is None else {STATE_NAME: state}
+        if self._rng_entry is not None:
+            known[f"{_RNG_DIR}/rank-{trainer.global_rank}.pt"] = self._rng_entry
+        return known
+
     def _wait_for_writer(self, trainer: pl.Trainer | None = None) -> None:
         """Wait for the background write; with ``trainer``, a collective: a failure raises on every rank."""
-        problem = None
+        problem = agreed = None
         try:
             self._writer.wait()
+        except CheckpointWriteError as error:  # agreed by every rank in the background, naming the failed rank
+            agreed = f"the background checkpoint write failed: {error}"
         except Exception as error:
             assert self.store is not None
             problem = f"the background checkpoint write failed: {describe_write_error(error, self.store.root)}"
         if trainer is not None:
-            problem = _first_problem(trainer, problem)
+            problem = _first_problem(trainer, problem)  # reached by every rank, whatever happened here
+        problem = agreed or problem
         if problem is not None:
             raise CheckpointWriteError(f"{problem}. Earlier checkpoints are intact")
 
     def _commit(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
-        self._commit_prepared(staging, self._describe(trainer, reason, final, world_size))
+        self._commit_prepared(staging, self._describe(trainer, reason, final, world_size), self._known_entries(trainer))
 
     def _describe(self, trainer: pl.Trainer, reason: str, final: bool, world_size: int) -> Manifest:
         """The manifest of a save, taken when it starts (the files are added at commit)."""
@@ -491,13 +586,14 @@ class FaultTolerantCheckpoint(Checkpoint):
             run_ids=_tracker_run_ids(trainer),
         )
 
-    def _commit_prepared(self, staging: Path, manifest: Manifest) -> None:
+    def _commit_prepared(self, staging: Path, manifest: Manifest, known: dict[str, FileEntry]) -> None:
         """Rank zero (or the background writer): manifest, rename into place, ``latest``, retention."""
         assert self.store is not None
-        manifest.files = describe_files(staging)
+        manifest.files = describe_files(staging, known, manifest.checksum)
         manifest.versions = library_versions()
         manifest.created = time.time()
         self.last_saved = self.store.commit(staging, manifest)
+        self._last_commit_time = manifest.created
         self._last_total_bytes = manifest.total_bytes
         self._apply_retention(protected=manifest.step)
         self._committed.append((self.last_saved, manifest))  # loggers hear of it on the main thread
@@ -531,11 +627,11 @@ class FaultTolerantCheckpoint(Checkpoint):
             return None
         return {"name": self.monitor, "value": float(trainer.callback_metrics[self.monitor])}  # type: ignore[dict-item]
 
-    @staticmethod
-    def _write_rng(staging: Path, rank: int) -> None:
+    def _write_rng(self, staging: Path, rank: int) -> None:
         folder = staging / _RNG_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        _save_file(capture_rng_state(), folder / f"rank-{rank}.pt")
+        self._rng_entry = None
+        self._rng_entry = save_file(capture_rng_state(), folder / f"rank-{rank}.pt")
 
     # ------------------------------------------------------------------ resuming
 
@@ -557,7 +653,13 @@ class FaultTolerantCheckpoint(Checkpoint):
             return None
         assert entry.manifest is not None
         self._last_total_bytes = entry.manifest.total_bytes
+        self._last_commit_time = entry.manifest.created
         refusal = _strategy_switch_refusal(entry.manifest.strategy, type(trainer.strategy).__name__, entry.path)
+        if refusal is None:
+            try:
+                check_trusted(entry.path, self.trust_pickles)  # before anything in it is unpickled
+            except UntrustedCheckpointError as error:
+                refusal = str(error)
         if refusal is not None:
             return None, False, refusal
         if entry.manifest.final and not self.resume_final:
@@ -575,7 +677,12 @@ class FaultTolerantCheckpoint(Checkpoint):
         # connector here makes the restore Lightning does next use it (an explicit ckpt_path loads later
         # and wins).
         assert self.resumed_from is not None
-        trainer._checkpoint_connector.resume_start(self.resumed_from / STATE_NAME, weights_only=False)
+        # Every pickle in it was checked against the allowlist when it was chosen; torch's own loader checks
+        # again where Lightning calls it (one-file checkpoints, DCP's meta.pt).
+        with allowlisted_loading():
+            trainer._checkpoint_connector.resume_start(
+                self.resumed_from / STATE_NAME, weights_only=not self.trust_pickles
+            )
         self._preloaded_path = str(self.resumed_from / STATE_NAME)
 
     def _resumed_from_ours(self, trainer: pl.Trainer) -> bool:
@@ -597,8 +704,8 @@ class FaultTolerantCheckpoint(Checkpoint):
                 "RNG states are not restored, so the run continues correctly but not bitwise identically."
             )
             return None
-        # Verified with the rest of the checkpoint (manifest checksums) before this unpickling.
-        return torch.load(path, weights_only=False)
+        # Verified with the rest of the checkpoint (manifest checksums, allowlist) before this unpickling.
+        return load_file(path, trust_pickles=self.trust_pickles)
 
     # ------------------------------------------------------------------ signals
 
@@ -646,25 +753,19 @@ def _strategy_switch_refusal(saved: str, current: str, path: Path) -> str | None
     )
 
 
-def _save_file(obj: Any, path: Path) -> None:
-    """``torch.save`` through a Python file, fsynced (the commit that follows relies on it).
-
-    Through a file object, a failed write raises the OS error (errno 28, ...), not ``unexpected pos``.
-    """
-    with path.open("wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def _first_problem(trainer: pl.Trainer, problem: str | None) -> str | None:
     """Collective over every rank: the first rank's problem (prefixed with its rank), or None if none had one."""
+    return _agree(problem, trainer.world_size)
+
+
+def _agree(problem: str | None, world_size: int, group: Any = None) -> str | None:
+    """:func:`_first_problem` over ``group`` (None: the default group); callable from a background thread."""
     import torch.distributed as dist
 
-    if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
         return problem
-    problems: list[str | None] = [None] * trainer.world_size
-    dist.all_gather_object(problems, problem)
+    problems: list[str | None] = [None] * world_size
+    dist.all_gather_object(problems, problem, group=group)
     for rank, found in enumerate(problems):
         if found is not None:
             return f"rank {rank}: {found}"
@@ -685,17 +786,6 @@ def _space_problem(root: Path, needed_bytes: int) -> str | None:
         f"No space left on device: the checkpoint needs about {needed_bytes / 2**20:.1f} MiB and {root} has "
         f"{free / 2**20:.1f} MiB free"
     )
-
-
-def _to_cpu_copy(value: Any) -> Any:
-    """A deep copy with every tensor cloned to CPU memory (the staging copy async writes read from)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((key, _to_cpu_copy(item)) for key, item in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu_copy(item) for item in value)
-    return copy.deepcopy(value)
 
 
 def _tracker_run_ids(trainer: pl.Trainer) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -24,6 +25,7 @@ class AsyncWriter:
         self._name = name
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.last_seconds: float | None = None  # how long the last finished write ran
 
     @property
     def busy(self) -> bool:
@@ -40,10 +42,13 @@ class AsyncWriter:
         self.wait()
 
         def run() -> None:
+            started = time.perf_counter()
             try:
                 write()
             except BaseException as error:
                 self._error = error
+            finally:
+                self.last_seconds = time.perf_counter() - started
 
         # Not a daemon: the interpreter waits for a write in progress rather than cutting it off.
         self._thread = threading.Thread(target=run, name=self._name, daemon=False)

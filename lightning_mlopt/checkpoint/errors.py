@@ -69,6 +69,26 @@ def _find_os_error(error: BaseException) -> OSError | None:
     return None
 
 
+def failed_ranks(error: BaseException) -> set[int]:
+    """The ranks torch.distributed.checkpoint names as failed (its CheckpointException, on every rank); else empty.
+
+    A DCP save that fails on one rank raises on all of them with the same ``failures``; the ranks whose own
+    write succeeded should not report the failure as theirs.
+    """
+    pending: list[BaseException] = [error]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict) and failures:
+            return {rank for rank in failures if isinstance(rank, int)}
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return set()
+
+
 def _nearly_full(path: Path) -> bool:
     """True when the disk holding ``path`` (or its nearest existing parent) has almost no space left."""
     probe = Path(path)

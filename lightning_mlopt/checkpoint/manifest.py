@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -11,9 +10,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_mlopt.checkpoint.checksum import DEFAULT_ALGORITHM, digest_of, new_hasher
+
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
-_CHUNK = 8 * 2**20
+# 2: checksums by a recorded algorithm (xxh3_128) under "digest"; 1: SHA-256 under "sha256" (still verifies).
+FORMAT_VERSION = 2
 
 
 class CheckpointInvalidError(Exception):
@@ -22,10 +23,10 @@ class CheckpointInvalidError(Exception):
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a checkpoint: its size in bytes and SHA-256."""
+    """One file of a checkpoint: its size in bytes and checksum (by the manifest's ``checksum`` algorithm)."""
 
     size: int
-    sha256: str
+    digest: str
 
 
 @dataclass
@@ -40,7 +41,9 @@ class Manifest:
         reason: the trigger that saved it (``every_n_steps``, ``signal``, ``final``, ...).
         final: saved at the end of training; a run resumed from it does not train again.
         metric: the monitored metric's name and value when one is configured, else None.
-        files: relative path -> size and SHA-256 of every other file in the checkpoint.
+        files: relative path -> size and checksum of every other file in the checkpoint.
+        checksum: the algorithm of the files' checksums: ``xxh3_128``, or ``sha256`` in manifests written
+            by lightning_mlopt before format version 2.
         versions: library versions at save time.
         run_ids: the experiment trackers' run ids at save time (``{"wandb": "3f2a9c1e"}``), so a resumed
             job logs into the same tracker run.
@@ -59,6 +62,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     run_ids: dict[str, str] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    checksum: str = DEFAULT_ALGORITHM
     format_version: int = FORMAT_VERSION
 
     @property
@@ -75,28 +79,36 @@ class Manifest:
         """Parse a manifest; raises CheckpointInvalidError on anything malformed."""
         try:
             data: dict[str, Any] = json.loads(text)
+            if data.get("format_version", 1) == 1:  # SHA-256 under "sha256"
+                data["checksum"] = "sha256"
+                data["files"] = {name: {"size": e["size"], "digest": e["sha256"]} for name, e in data["files"].items()}
             data["files"] = {name: FileEntry(**entry) for name, entry in data["files"].items()}
-            return cls(**data)
+            manifest = cls(**data)
+            new_hasher(manifest.checksum)  # an unknown algorithm is a malformed manifest
+            return manifest
         except (ValueError, TypeError, KeyError) as error:
             raise CheckpointInvalidError(f"manifest is malformed: {error}") from None
 
 
-def sha256_of(path: Path) -> str:
-    """SHA-256 of a file, read in 8 MiB chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def describe_files(
+    directory: Path, known: dict[str, FileEntry] | None = None, algorithm: str = DEFAULT_ALGORITHM
+) -> dict[str, FileEntry]:
+    """Size and checksum of every file under ``directory`` (the manifest itself excluded).
 
-
-def describe_files(directory: Path) -> dict[str, FileEntry]:
-    """Size and checksum of every file under ``directory`` (the manifest itself excluded)."""
+    ``known``: entries already computed while the files were written (relative path -> entry, by
+    ``algorithm``); they are taken as they are, after a size check, instead of reading the file again.
+    """
+    known = known or {}
     entries = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         relative = path.relative_to(directory).as_posix()
-        if relative != MANIFEST_NAME:
-            entries[relative] = FileEntry(size=path.stat().st_size, sha256=sha256_of(path))
+        if relative == MANIFEST_NAME:
+            continue
+        size = path.stat().st_size
+        entry = known.get(relative)
+        if entry is None or entry.size != size:
+            entry = FileEntry(size, digest_of(path, algorithm))
+        entries[relative] = entry
     return entries
 
 
@@ -175,6 +187,6 @@ def verify(directory: Path) -> Manifest:
         size = path.stat().st_size
         if size != entry.size:
             raise CheckpointInvalidError(f"{directory.name}: {name} has {size} bytes, the manifest says {entry.size}")
-        if sha256_of(path) != entry.sha256:
+        if digest_of(path, manifest.checksum) != entry.digest:
             raise CheckpointInvalidError(f"{directory.name}: {name} does not match its checksum")
     return manifest

@@ -1,4 +1,9 @@
-"""``python -m lightning_mlopt checkpoint list|verify|consolidate``: inspect and convert checkpoints."""
+"""``python -m lightning_mlopt checkpoint list|verify|consolidate|export``: inspect and convert checkpoints.
+
+``list`` and ``verify`` read manifests and checksums only: they never unpickle anything. ``consolidate``
+and ``export`` check every pickle of the checkpoint against the allowlist before loading it
+(:mod:`lightning_mlopt.checkpoint.trust`); ``--trust-pickles`` lifts that for a checkpoint you trust.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ from typing import Any
 import torch
 
 from lightning_mlopt.checkpoint.manifest import CheckpointInvalidError, verify
+from lightning_mlopt.checkpoint.serialization import load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
+from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
 
 
 def _size(path: Path) -> int:
@@ -66,8 +73,8 @@ def verify_checkpoints(path: Path) -> int:
     return 1 if failures else 0
 
 
-def consolidate(checkpoint: Path, output: Path) -> int:
-    """Write any checkpoint (one file, FSDP shards, ZeRO partitions) as one Lightning ``.ckpt``.
+def _state_to_read(checkpoint: Path, verb: str) -> Path:
+    """The state a command reads: a file or strategy folder as given; our step folders after verifying them.
 
     ``checkpoint`` may be a checkpoints folder: its newest checkpoint that verifies is taken.
     """
@@ -76,17 +83,23 @@ def consolidate(checkpoint: Path, output: Path) -> int:
         entry = store.newest_valid()
         if entry is None:
             raise CheckpointInvalidError(f"{checkpoint}: no checkpoint in it verifies (see: checkpoint list)")
-        print(f"consolidating the newest valid checkpoint: {entry.path}")
+        print(f"{verb} the newest valid checkpoint: {entry.path}")
         checkpoint = entry.path
     if (checkpoint / "manifest.json").exists():
         verify(checkpoint)  # before anything in it is unpickled
-        state = checkpoint / STATE_NAME
-    else:
-        state = checkpoint
+        return checkpoint / STATE_NAME
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"no checkpoint at {checkpoint}")
+    return checkpoint
+
+
+def consolidate(checkpoint: Path, output: Path, trust_pickles: bool = False) -> int:
+    """Write any checkpoint (one file, FSDP shards, ZeRO partitions) as one Lightning ``.ckpt``."""
+    state = _state_to_read(checkpoint, "consolidating")
     if output.exists():
         print(f"error: {output} exists; choose a new path (nothing is overwritten)", file=sys.stderr)
         return 2
-    result = load_full_checkpoint(state)
+    result = load_full_checkpoint(state, trust_pickles)
     result.pop("optimizer_states", None)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(result, output)
@@ -94,19 +107,42 @@ def consolidate(checkpoint: Path, output: Path) -> int:
     return 0
 
 
-def load_full_checkpoint(state: Path) -> dict[str, Any]:
-    """Any strategy's ``state.ckpt`` (a file, a DCP folder, a DeepSpeed folder) as one full Lightning dict, on CPU."""
+def export(checkpoint: Path, out_dir: Path, max_shard_bytes: int, trust_pickles: bool = False) -> int:
+    """Write any checkpoint's model weights as safetensors (sharded above ``max_shard_bytes``) plus its config."""
+    from lightning_mlopt.checkpoint.export import write_model_config, write_safetensors
+
+    state = _state_to_read(checkpoint, "exporting")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        print(f"error: {out_dir} is not empty; choose a new folder (nothing is overwritten)", file=sys.stderr)
+        return 2
+    full = load_full_checkpoint(state, trust_pickles)
+    files = write_safetensors(full["state_dict"], out_dir, max_shard_bytes)
+    run_config = state.parent.parent.parent / "config.yaml" if state.name == STATE_NAME else None
+    files.append(write_model_config(full, run_config, out_dir))
+    size = sum(path.stat().st_size for path in files)
+    names = ", ".join(p.name for p in files) if len(files) <= 3 else f"{len(files) - 2} shards, an index, the config"
+    print(f"wrote {len(full['state_dict'])} tensors to {out_dir} ({names}; {_human(size)})")
+    return 0
+
+
+def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
+    """Any strategy's ``state.ckpt`` (a file, a DCP folder, a DeepSpeed folder) as one full Lightning dict, on CPU.
+
+    Every pickle in it is checked against the allowlist first (raises UntrustedCheckpointError), unless
+    ``trust_pickles``.
+    """
+    check_trusted(state, trust_pickles)
     if state.is_file():
-        return torch.load(state, map_location="cpu", weights_only=False)
+        return load_file(state, trust_pickles)
     if any(state.glob("*.distcp")):  # torch.distributed.checkpoint (FSDP)
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         with tempfile.TemporaryDirectory() as scratch:
             flat = Path(scratch) / "flat.pt"
             dcp_to_torch_save(state, flat)
-            loaded = torch.load(flat, map_location="cpu", weights_only=False)
+            loaded = load_file(flat, trust_pickles)
         meta = state / "meta.pt"
-        result = torch.load(meta, map_location="cpu", weights_only=False) if meta.is_file() else {}
+        result = load_file(meta, trust_pickles) if meta.is_file() else {}
         result["state_dict"] = loaded["state_dict"]
         return result
     if (state / "checkpoint").is_dir() or (state / "latest").is_file():  # DeepSpeed
@@ -115,8 +151,22 @@ def load_full_checkpoint(state: Path) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as scratch:
             flat = Path(scratch) / "flat.ckpt"
             convert_zero_checkpoint_to_fp32_state_dict(str(state), str(flat), tag="checkpoint")
-            return torch.load(flat, map_location="cpu", weights_only=False)
+            return load_file(flat, trust_pickles)
     raise CheckpointInvalidError(f"{state}: not a checkpoint file, a DCP folder or a DeepSpeed folder")
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _byte_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count, as bytes (argparse type)."""
+    value = text.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if value.endswith(unit) and value[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(value[: -len(unit)]) * _UNITS[unit])
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size; e.g. 5GB, 500MB, 2GiB or a number of bytes")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -128,13 +178,29 @@ def main(argv: Sequence[str]) -> int:
     merge = commands.add_parser("consolidate", help="any checkpoint into one Lightning .ckpt")
     merge.add_argument("checkpoint", type=Path)
     merge.add_argument("output", type=Path)
+    out = commands.add_parser("export", help="any checkpoint's weights as safetensors, with the model's config")
+    out.add_argument("checkpoint", type=Path)
+    out.add_argument("out_dir", type=Path)
+    out.add_argument("--format", choices=["safetensors"], default="safetensors")
+    out.add_argument("--max-shard-size", type=_byte_size, default="5GB", help="shard above this (e.g. 5GB, 500MB)")
+    for loader in (merge, out):
+        loader.add_argument(
+            "--trust-pickles",
+            action="store_true",
+            help="load a checkpoint that references types outside the allowlist (only one you trust: it can run code)",
+        )
     args = parser.parse_args(list(argv))
     try:
         if args.command == "list":
             return list_checkpoints(args.dir)
         if args.command == "verify":
             return verify_checkpoints(args.path)
-        return consolidate(args.checkpoint, args.output)
+        if args.command == "export":
+            return export(args.checkpoint, args.out_dir, args.max_shard_size, args.trust_pickles)
+        return consolidate(args.checkpoint, args.output, args.trust_pickles)
+    except UntrustedCheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except CheckpointInvalidError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -7,6 +7,7 @@ import copy
 import os
 import sys
 from collections.abc import Mapping
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from typing_extensions import override
 
 from lightning_mlopt._compat import deepspeed_initialize_on_rank
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
+from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 
 Preset = Literal["zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -59,7 +61,7 @@ def merge_config(base: Mapping[str, Any], override_with: Mapping[str, Any]) -> d
     return merged
 
 
-class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO by preset name, with native DeepSpeed keys merged over it, on CPU as on GPU.
 
     On CPU it selects DeepSpeed's CPU accelerator and gloo itself (Lightning refuses DeepSpeed off CUDA).
@@ -172,6 +174,23 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, ds_optimizer
+
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> Future[None]:
+        """Save as ``save_checkpoint`` does, but write the files in the background; the future ends when written.
+
+        Collective. DeepSpeed's own save runs (its barriers on the main thread), with an engine that keeps
+        each file's CPU copy instead of writing it (see ``background_checkpoint_engine``); the files are then
+        written, checksummed and fsynced on a thread. The layout is DeepSpeed's, so either loads the other's.
+        """
+        from lightning_mlopt.strategies.background_checkpoint_engine import BackgroundCheckpointEngine
+
+        background = BackgroundCheckpointEngine()
+        original, self.deepspeed_engine.checkpoint_engine = self.deepspeed_engine.checkpoint_engine, background
+        try:
+            self.save_checkpoint(checkpoint, filepath)
+        finally:
+            self.deepspeed_engine.checkpoint_engine = original
+        return background.write_in_background()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from concurrent.futures import Future
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -20,12 +22,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt._bad_input import BadInputError
+from lightning_mlopt.checkpoint.serialization import save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
+from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 
 DType = Literal["float32", "bfloat16", "float16"]
+_META_NAME = "meta.pt"  # Lightning's name for the non-tensor state next to the DCP shards (it loads it from there)
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
     """Fully sharded data parallel (FSDP2) for any LightningModule, configured from YAML.
 
     Lightning's FSDP strategies refuse to run off CUDA, and its FSDP2 path asks the model to call
@@ -103,6 +108,30 @@ class FSDPStrategy(ModelParallelStrategy):
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.cpu_offload = cpu_offload
+
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> Future[Any]:
+        """Save ``checkpoint`` as a DCP folder in the background; the future ends when this rank's shards are written.
+
+        Collective. What blocks: staging every shard into CPU memory (pinned on CUDA) and rank zero writing
+        the small ``meta.pt``. DCP's thread then writes the shards (fsynced) and coordinates the ranks over
+        :attr:`checkpoint_process_group`, never over training's communicator. The layout is the one
+        ``save_checkpoint`` writes, so either loads the other's.
+
+        Example::
+
+            pending = strategy.save_checkpoint_async(trainer._checkpoint_connector.dump_checkpoint(), path)
+            ...  # training goes on
+            pending.result()  # raises if any rank's write failed
+        """
+        from torch.distributed.checkpoint import async_save
+
+        path = Path(filepath)
+        path.mkdir(parents=True, exist_ok=True)
+        converted = {"state_dict": checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.global_rank == 0:
+            save_file(checkpoint, path / _META_NAME)
+        return async_save(converted, checkpoint_id=path, process_group=self.checkpoint_process_group)  # type: ignore[return-value]
 
     @property
     def shard_mesh(self) -> DeviceMesh:

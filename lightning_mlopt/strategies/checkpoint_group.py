@@ -1,0 +1,32 @@
+"""The process group that background checkpoint writes coordinate over, apart from training's."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+
+class CheckpointGroupMixin:
+    """Gives a strategy :attr:`checkpoint_process_group`: a gloo group created on first use.
+
+    A background write coordinates ranks (DCP's plan exchange, our agreement before the commit) in a
+    thread while training runs collectives; on one communicator the two would interleave unpredictably,
+    and NCCL cannot carry DCP's CPU objects. torchtitan's async checkpointer does the same.
+
+    Example::
+
+        class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy): ...
+        dist.all_gather_object(out, mine, group=strategy.checkpoint_process_group)
+    """
+
+    _checkpoint_group: Any = None
+    _timeout: timedelta | None
+
+    @property
+    def checkpoint_process_group(self) -> Any:
+        """The group; creating it is collective, so the first use must be on every rank, in the main thread."""
+        if self._checkpoint_group is None:
+            import torch.distributed as dist
+
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._checkpoint_group
