@@ -76,3 +76,19 @@ def deepspeed_initialize_on_rank(device_rank: int) -> Iterator[None]:
         yield
     finally:
         deepspeed.initialize = original
+
+
+def preload_checkpoint(trainer: Any, path: Any, checkpoint: dict[str, Any]) -> None:
+    """Hand Lightning a checkpoint we loaded ourselves, as ``CheckpointConnector.resume_start`` would load it.
+
+    Reaches ``trainer._checkpoint_connector._ckpt_path`` and ``._loaded_checkpoint`` (what ``resume_start``
+    sets) and Lightning's checkpoint migration. Used for single-file checkpoints, loaded memory-mapped after
+    verification (one read of the disk; ranks on one machine share the pages) under the pickle allowlist.
+    """
+    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+    connector = _require(trainer, "_checkpoint_connector", "preloading a checkpoint")
+    _require(connector, "_loaded_checkpoint", "preloading a checkpoint")
+    _require(connector, "_ckpt_path", "preloading a checkpoint")
+    connector._ckpt_path = path
+    connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, path)

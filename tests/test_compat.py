@@ -55,3 +55,13 @@ def test_deepspeed_initialize_is_wrapped_only_inside_the_block():
     finally:
         deepspeed.initialize = original
     assert seen["args"].device_rank == 3 and callable(deepspeed_initialize)
+
+
+def test_a_preloaded_checkpoint_is_what_lightning_restores_from():
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    checkpoint = {"epoch": 3, "global_step": 7, "pytorch-lightning_version": pl.__version__, "state_dict": {}}
+    _compat.preload_checkpoint(trainer, "/ckpt/state.ckpt", checkpoint)
+    assert trainer._checkpoint_connector._ckpt_path == "/ckpt/state.ckpt"
+    assert trainer._checkpoint_connector._loaded_checkpoint["global_step"] == 7

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_mlopt import exit_codes
 from lightning_mlopt._bad_input import BadInputError
-from lightning_mlopt._compat import keep_lightning_off_signals
+from lightning_mlopt._compat import keep_lightning_off_signals, preload_checkpoint
 from lightning_mlopt.checkpoint import (
     STATE_NAME,
     AsyncWriter,
@@ -33,7 +33,7 @@ from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, FileEntry, descri
 from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.checkpoint.resume import skip_first_batches
 from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
-from lightning_mlopt.checkpoint.serialization import allowlisted_loading, cpu_copy, load_file, save_file
+from lightning_mlopt.checkpoint.serialization import StagingBuffer, allowlisted_loading, load_file, save_file
 from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
 from lightning_mlopt.distributed.phase import phase
 
@@ -160,6 +160,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.resumed_from: Path | None = None
         self.last_saved: Path | None = None
         self._writer = AsyncWriter()
+        self._staging = StagingBuffer()  # CPU memory reused by every async single-file save
         self._last_save_step = -1
         self._last_save_time = time.monotonic()
         self._resume_final = False
@@ -490,7 +491,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if not trainer.is_global_zero:
             return
-        staged = cpu_copy(checkpoint) if copy_first else checkpoint
+        staged = self._staging.stage(checkpoint) if copy_first else checkpoint  # the last write has finished
         manifest = self._describe(trainer, reason, final, world_size)
         assert self.store is not None
         store = self.store
@@ -677,12 +678,16 @@ class FaultTolerantCheckpoint(Checkpoint):
         # connector here makes the restore Lightning does next use it (an explicit ckpt_path loads later
         # and wins).
         assert self.resumed_from is not None
-        # Every pickle in it was checked against the allowlist when it was chosen; torch's own loader checks
-        # again where Lightning calls it (one-file checkpoints, DCP's meta.pt).
-        with allowlisted_loading():
-            trainer._checkpoint_connector.resume_start(
-                self.resumed_from / STATE_NAME, weights_only=not self.trust_pickles
-            )
+        state = self.resumed_from / STATE_NAME
+        if state.is_file():
+            # One file: memory-mapped (verification just read it, so its pages are cached: no second copy;
+            # ranks on one machine share them), under the allowlist.
+            preload_checkpoint(trainer, state, load_file(state, self.trust_pickles, mmap=True))
+        else:
+            # Every pickle in it was checked against the allowlist when it was chosen; torch's own loader checks
+            # again where Lightning calls it (DCP's meta.pt).
+            with allowlisted_loading():
+                trainer._checkpoint_connector.resume_start(state, weights_only=not self.trust_pickles)
         self._preloaded_path = str(self.resumed_from / STATE_NAME)
 
     def _resumed_from_ours(self, trainer: pl.Trainer) -> bool:

@@ -34,9 +34,31 @@ def save_file(obj: Any, path: Path, algorithm: str = DEFAULT_ALGORITHM) -> FileE
     Through a Python file object, a failed write raises the OS error (errno 28, ...), not torch's
     ``unexpected pos``.
     """
-    with durable_hashed_file(path, algorithm) as writer:
+    with durable_hashed_file(path, algorithm) as writer, _without_zip_crc32():
         torch.save(obj, writer)
     return FileEntry(size=writer.size, digest=writer.hexdigest())
+
+
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """Skip the CRC32 torch's zip writer computes per record: the manifest's checksum covers every byte.
+
+    It costs about 30% of the write at disk speed (measured: 0.25 s against 0.18 s for 403 MB). Loading
+    does not need it. The setting is process-wide; concurrent saves at worst compute it needlessly.
+    """
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch < 2.6
+        config = None
+    save_config = getattr(config, "save", None)
+    if save_config is None or not hasattr(save_config, "compute_crc32"):
+        yield
+        return
+    previous, save_config.compute_crc32 = save_config.compute_crc32, False
+    try:
+        yield
+    finally:
+        save_config.compute_crc32 = previous
 
 
 def load_file(path: Path | Any, trust_pickles: bool = False, map_location: Any = "cpu", mmap: bool = False) -> Any:
@@ -60,6 +82,40 @@ def cpu_copy(value: Any, clone: bool = True) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(cpu_copy(item, clone) for item in value)
     return copy.deepcopy(value)
+
+
+class StagingBuffer:
+    """CPU memory kept between saves for the staging copy of an async save, as DCP's cached staging does.
+
+    Copying into tensors allocated at the first save is about 5x faster than allocating new ones each time
+    (no page faults; measured 0.02 s against 0.10 s for 403 MB). The cost is one checkpoint's worth of CPU
+    memory held for the run. Only reuse it once the write that read the previous copy has finished.
+
+    Example::
+
+        buffer = StagingBuffer()
+        staged = buffer.stage(checkpoint)   # a deep copy; tensors in memory reused from the last save
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def stage(self, value: Any, _path: tuple[Any, ...] = ()) -> Any:
+        """A deep copy of ``value`` with every tensor in CPU memory owned by this buffer."""
+        if isinstance(value, torch.Tensor):
+            cached = self._tensors.get(_path)
+            source = value.detach()
+            if cached is None or cached.shape != source.shape or cached.dtype != source.dtype or source.is_sparse:
+                cached = source.to("cpu", copy=True)
+                self._tensors[_path] = cached
+            else:
+                cached.copy_(source)
+            return cached
+        if isinstance(value, dict):
+            return type(value)((key, self.stage(item, (*_path, key))) for key, item in value.items())
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.stage(item, (*_path, index)) for index, item in enumerate(value))
+        return copy.deepcopy(value)
 
 
 @contextlib.contextmanager

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from lightning_mlopt._bad_input import BadInputError
 
@@ -193,10 +194,9 @@ def globals_in_pickle(data: bytes) -> list[str]:
 def _pickles_in_file(path: Path, relative: str) -> Iterator[tuple[str, bytes]]:
     """(label, pickle bytes) of each pickle stream a loader would unpickle from this file."""
     if zipfile.is_zipfile(path):  # torch.save's archive: <name>/data.pkl (+ tensor data, not pickles)
-        with zipfile.ZipFile(path) as archive:
-            for member in archive.namelist():
-                if member.endswith(".pkl"):
-                    yield f"{relative}:{member}", archive.read(member)
+        with path.open("rb") as handle:
+            for member, data in _zip_pickles(handle):
+                yield f"{relative}:{member}", data
         return
     with path.open("rb") as handle:
         head = handle.read(1)
@@ -218,12 +218,30 @@ def _dcp_byte_items(folder: Path) -> Iterator[tuple[str, bytes]]:
             blob = handle.read(info.length)
         label = f"{(folder / info.relative_path).name}:{index.fqn}"
         if zipfile.is_zipfile(io.BytesIO(blob)):
-            with zipfile.ZipFile(io.BytesIO(blob)) as archive:
-                for member in archive.namelist():
-                    if member.endswith(".pkl"):
-                        yield label, archive.read(member)
+            for _, data in _zip_pickles(io.BytesIO(blob)):
+                yield label, data
         else:
             yield label, blob
+
+
+def _zip_pickles(handle: BinaryIO) -> Iterator[tuple[str, bytes]]:
+    """The ``.pkl`` members of a zip archive as torch.save writes it.
+
+    torch stores members uncompressed and may skip their CRC32 (our writes do: the manifest checksums every
+    byte), which Python's zipfile would reject; stored members are read straight from their offset.
+    """
+    with zipfile.ZipFile(handle) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".pkl"):
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                yield info.filename, archive.read(info)
+                continue
+            handle.seek(info.header_offset)
+            header = handle.read(30)  # the local file header; its name and extra field lengths end it
+            name_length, extra_length = struct.unpack("<HH", header[26:30])
+            handle.seek(info.header_offset + 30 + name_length + extra_length)
+            yield info.filename, handle.read(info.compress_size)
 
 
 class _Restricted(pickle.Unpickler):

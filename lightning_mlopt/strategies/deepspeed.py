@@ -175,6 +175,11 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
         )
         return engine, ds_optimizer
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """DeepSpeed's save, with every file fsynced before this returns (the commit that follows relies on it)."""
+        self._save_through_background_engine(checkpoint, filepath, storage_options).result()
+
     def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> Future[None]:
         """Save as ``save_checkpoint`` does, but write the files in the background; the future ends when written.
 
@@ -182,12 +187,17 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
         each file's CPU copy instead of writing it (see ``background_checkpoint_engine``); the files are then
         written, checksummed and fsynced on a thread. The layout is DeepSpeed's, so either loads the other's.
         """
+        return self._save_through_background_engine(checkpoint, filepath)
+
+    def _save_through_background_engine(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> Future[None]:
         from lightning_mlopt.strategies.background_checkpoint_engine import BackgroundCheckpointEngine
 
         background = BackgroundCheckpointEngine()
         original, self.deepspeed_engine.checkpoint_engine = self.deepspeed_engine.checkpoint_engine, background
         try:
-            self.save_checkpoint(checkpoint, filepath)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
         finally:
             self.deepspeed_engine.checkpoint_engine = original
         return background.write_in_background()
