@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import median, publish, run_worker, worker_parser
 
-MODES = [f"{strategy}-{mode}" for strategy in ("fsdp", "zero2") for mode in ("sync", "async")]
+MODES = [f"{strategy}-{mode}" for strategy in ("fsdp", "zero2") for mode in ("sync", "async")] + ["fsdp-process"]
 
 
 def _worker(mode: str, steps: int, out: Path, width: int, layers: int, every: int) -> None:
@@ -45,11 +45,13 @@ def _worker(mode: str, steps: int, out: Path, width: int, layers: int, every: in
 
     name, how = mode.split("-")
     strategy = FSDPStrategy(wrap_classes=["torch.nn.Linear"]) if name == "fsdp" else DeepSpeedStrategy(preset="zero2")
+    if how == "process":  # DCP's process-based async checkpointer instead of its thread
+        strategy.async_checkpointer = "process"  # type: ignore[union-attr]
     with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parent) as scratch:
         callback = FaultTolerantCheckpoint(
             dirpath=scratch,
             every_n_steps=every,
-            async_save=how == "async",
+            async_save=how != "sync",
             save_on_epoch_end=False,
             save_on_train_end=False,
             auto_resume=False,

@@ -75,6 +75,9 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
 
     strategy_name = "mlopt_fsdp"
 
+    # DCP's async checkpointer: "thread" (chosen: see benchmarks/results/checkpoint_sharded_*) or "process".
+    async_checkpointer: Literal["thread", "process"] = "thread"
+
     def __init__(
         self,
         wrap_classes: Sequence[str] = (),
@@ -131,7 +134,14 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
         converted.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
         if self.global_rank == 0:
             save_file(checkpoint, path / _META_NAME)
-        return async_save(converted, checkpoint_id=path, process_group=self.checkpoint_process_group)  # type: ignore[return-value]
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        return async_save(  # type: ignore[return-value]
+            converted,
+            checkpoint_id=path,
+            process_group=self.checkpoint_process_group,
+            async_checkpointer_type=AsyncCheckpointerType(self.async_checkpointer),
+        )
 
     @property
     def shard_mesh(self) -> DeviceMesh:
