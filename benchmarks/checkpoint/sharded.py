@@ -16,7 +16,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import median, publish, run_worker, worker_parser
@@ -26,22 +25,10 @@ MODES = [f"{strategy}-{mode}" for strategy in ("fsdp", "zero2") for mode in ("sy
 
 def _worker(mode: str, steps: int, out: Path, width: int, layers: int, every: int) -> None:
     import lightning.pytorch as pl
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from bench import loader, wide_model  # the same model and data as the one-file benchmark
 
     from lightning_mlopt.callbacks import FaultTolerantCheckpoint
     from lightning_mlopt.strategies import DeepSpeedStrategy, FSDPStrategy
-
-    class Wide(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            return self.layers(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     name, how = mode.split("-")
     strategy = FSDPStrategy(wrap_classes=["torch.nn.Linear"]) if name == "fsdp" else DeepSpeedStrategy(preset="zero2")
@@ -68,7 +55,7 @@ def _worker(mode: str, steps: int, out: Path, width: int, layers: int, every: in
             callbacks=[callback],
         )
         pl.seed_everything(0, verbose=False)
-        trainer.fit(Wide(), DataLoader(TensorDataset(torch.randn(512, width)), batch_size=4))
+        trainer.fit(wide_model(width, layers), loader(width))
         callback._writer.wait()
         if trainer.is_global_zero:
             newest = max(Path(scratch).glob("step-*"))
