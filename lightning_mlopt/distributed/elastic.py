@@ -21,7 +21,7 @@ def restart_store_warning(environ: Mapping[str, str] | None = None) -> str | Non
 
     Example::
 
-        >>> restart_store_warning({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"})[:30]
+        >>> restart_store_warning({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"})[:29]
         'torchrun may restart this job'
     """
     environ = os.environ if environ is None else environ

@@ -43,8 +43,8 @@ def collect_fingerprint() -> dict[str, str]:
 
     Example::
 
-        >>> sorted(collect_fingerprint())[:3]
-        ['cuda', 'deepspeed', 'gpu']
+        >>> {"torch", "lightning", "python"} <= set(collect_fingerprint())
+        True
     """
     import lightning
 
