@@ -36,6 +36,7 @@ from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightning_mlopt.checkpoint.serialization import StagingBuffer, allowlisted_loading, load_file, save_file
 from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
 from lightning_mlopt.distributed.phase import phase
+from lightning_mlopt.checkpoint.layout import ONE_FILE, can_resume, checkpoint_layout, layout_of_manifest
 
 log = logging.getLogger(__name__)
 _RNG_DIR = "rng"
@@ -311,7 +312,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             return
         if not self.save_on_exception or self.store is None:
             return
-        if not self._training_started or not _is_single_file(trainer.strategy):
+        if not self._training_started or checkpoint_layout(trainer.strategy) != ONE_FILE:
             return  # an error while setting up or resuming leaves nothing new worth saving
         if trainer.global_step == self._last_save_step or not trainer.is_global_zero:
             return
@@ -413,7 +414,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             problem = describe_write_error(error, staging)
         self._raise_if_any_failed(trainer, problem, staging)
         world_size = trainer.world_size
-        if _is_single_file(trainer.strategy):
+        if checkpoint_layout(trainer.strategy) == ONE_FILE:
             # One path for both modes: a synchronous save is a background write waited for at once.
             in_background = self.async_save and not wait
             self._save_single_file(trainer, staging, reason, final, world_size, copy_first=in_background)
@@ -581,6 +582,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             epoch=trainer.current_epoch,
             world_size=world_size,
             strategy=type(trainer.strategy).__name__,
+            layout=checkpoint_layout(trainer.strategy),
             reason=reason,
             final=final,
             metric=self._metric(trainer),
@@ -655,7 +657,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         assert entry.manifest is not None
         self._last_total_bytes = entry.manifest.total_bytes
         self._last_commit_time = entry.manifest.created
-        refusal = _strategy_switch_refusal(entry.manifest.strategy, type(trainer.strategy).__name__, entry.path)
+        refusal = _strategy_switch_refusal(entry.manifest, trainer.strategy, entry.path)
         if refusal is None:
             try:
                 check_trusted(entry.path, self.trust_pickles)  # before anything in it is unpickled
@@ -726,34 +728,17 @@ class FaultTolerantCheckpoint(Checkpoint):
         keep_lightning_off_signals(trainer, owned)
 
 
-def _is_single_file(strategy: Strategy) -> bool:
-    """Strategies that save through the base implementation: one file, written by rank zero's CheckpointIO.
-
-    (DDP and single device. FSDP and DeepSpeed override ``save_checkpoint`` with sharded formats; note that
-    Lightning's DeepSpeedStrategy is a DDPStrategy subclass, so an isinstance test would be wrong.)
-    """
-    return type(strategy).save_checkpoint is Strategy.save_checkpoint
-
-
-# How each strategy lays a checkpoint out; resuming works within a layout, and from one file into FSDP (DCP
-# reads a full state dict and shards it). Issue: the strategies should answer this themselves.
-_LAYOUTS = {
-    "DeepSpeedStrategy": "ZeRO partitions",
-    "FSDPStrategy": "DCP shards",
-    "ModelParallelStrategy": "DCP shards",
-}
-_SUPPORTED_SWITCHES = {("one file", "DCP shards")}
-
-
-def _strategy_switch_refusal(saved: str, current: str, path: Path) -> str | None:
-    """A one-line refusal when the checkpoint's strategy cannot be resumed by this run's strategy, else None."""
-    saved_layout, current_layout = _LAYOUTS.get(saved, "one file"), _LAYOUTS.get(current, "one file")
-    if saved_layout == current_layout or (saved_layout, current_layout) in _SUPPORTED_SWITCHES:
+def _strategy_switch_refusal(saved: Manifest, strategy: Strategy, path: Path) -> str | None:
+    """A one-line refusal when the checkpoint's layout cannot be resumed by this run's strategy, else None."""
+    saved_layout = layout_of_manifest(saved.layout, saved.strategy)
+    current_layout = checkpoint_layout(strategy)
+    if can_resume(saved_layout, current_layout):
         return None
+    current = type(strategy).__name__
     return (
-        f"cannot resume {path} (written by {saved}: {saved_layout}) with {current} ({current_layout}). Resuming works "
-        "with the same strategy family at any world size (DDP, FSDP; ZeRO at the same world size), and from DDP to "
-        "FSDP. Go back to the strategy that wrote it, or start a new run (another run_dir); "
+        f"cannot resume {path} (written by {saved.strategy}: {saved_layout}) with {current} ({current_layout}). "
+        "Resuming works with the same strategy family at any world size (DDP, FSDP; ZeRO at the same world size), "
+        "and from DDP to FSDP. Go back to the strategy that wrote it, or start a new run (another run_dir); "
         "`python -m lightning_mlopt checkpoint consolidate` turns any checkpoint into one Lightning file of weights."
     )
 

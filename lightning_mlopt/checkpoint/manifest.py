@@ -37,7 +37,9 @@ class Manifest:
         step: optimizer steps taken (``trainer.global_step``) when it was saved.
         epoch: the epoch it was saved in.
         world_size: processes that wrote it.
-        strategy: the strategy class name (its format: one file, DCP shards or DeepSpeed partitions).
+        strategy: the strategy class name.
+        layout: how the strategy laid the state out (``one file``, ``DCP shards``, ``ZeRO partitions``; see
+            ``strategies/layout.py``); None in manifests written before it was recorded.
         reason: the trigger that saved it (``every_n_steps``, ``signal``, ``final``, ...).
         final: saved at the end of training; a run resumed from it does not train again.
         metric: the monitored metric's name and value when one is configured, else None.
@@ -62,6 +64,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     run_ids: dict[str, str] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    layout: str | None = None
     checksum: str = DEFAULT_ALGORITHM
     format_version: int = FORMAT_VERSION
 

@@ -64,6 +64,8 @@ class DDPStrategy(_LightningDDPStrategy):
 
     strategy_name = "mlopt_ddp"
 
+    checkpoint_layout = "one file"  # rank zero writes the whole state (see checkpoint/layout.py)
+
     def __init__(
         self,
         comm_hook: CommHook = "none",

@@ -96,6 +96,8 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
 
     strategy_name = "mlopt_deepspeed"
 
+    checkpoint_layout = "ZeRO partitions"  # DeepSpeed's checkpoint folder (see checkpoint/layout.py)
+
     def __init__(
         self,
         preset: Preset = "zero2",

@@ -75,6 +75,7 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
 
     strategy_name = "mlopt_fsdp"
 
+    checkpoint_layout = "DCP shards"  # a torch.distributed.checkpoint folder (see checkpoint/layout.py)
     # DCP's async checkpointer: "thread" (chosen: see benchmarks/results/checkpoint_sharded_*) or "process".
     async_checkpointer: Literal["thread", "process"] = "thread"
 
