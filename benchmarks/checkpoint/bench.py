@@ -70,9 +70,9 @@ def _fit(root: Path, width: int, layers: int, steps: int, every: int, async_save
             self.blocked: list[float] = []
             self.first_step_at = 0.0
 
-        def _save(self, *args: Any, **kwargs: Any) -> None:
+        def save(self, *args: Any, **kwargs: Any) -> None:
             start = time.perf_counter()
-            super()._save(*args, **kwargs)
+            super().save(*args, **kwargs)
             self.blocked.append(time.perf_counter() - start)
 
         def on_train_batch_start(self, *args: Any) -> None:
@@ -93,7 +93,7 @@ def _fit(root: Path, width: int, layers: int, steps: int, every: int, async_save
     )
     start = time.perf_counter()
     trainer.fit(wide_model(width, layers), loader(width))
-    callback._writer.wait()
+    callback.saver.wait()
     return callback.blocked, callback.first_step_at - start
 
 

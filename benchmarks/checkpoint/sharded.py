@@ -56,14 +56,14 @@ def _worker(mode: str, steps: int, out: Path, width: int, layers: int, every: in
         )
         pl.seed_everything(0, verbose=False)
         trainer.fit(wide_model(width, layers), loader(width))
-        callback._writer.wait()
+        callback.saver.wait()
         if trainer.is_global_zero:
             newest = max(Path(scratch).glob("step-*"))
             size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
             timings = callback.save_timings
             # Each save logs the previous background write's seconds; the last one's is the writer's own.
             background = [t.get("checkpoint/background_s", 0.0) for t in timings[1:]]
-            background.append(callback._writer.last_seconds or 0.0)
+            background.append(callback.saver.last_background_seconds or 0.0)
             out.write_text(
                 json.dumps(
                     {

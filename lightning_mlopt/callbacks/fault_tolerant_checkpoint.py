@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -15,7 +14,6 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 from typing_extensions import override
 
 from lightning_mlopt import exit_codes
@@ -23,23 +21,20 @@ from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt._compat import keep_lightning_off_signals, preload_checkpoint
 from lightning_mlopt.checkpoint import (
     STATE_NAME,
-    AsyncWriter,
     CheckpointStore,
     Manifest,
     RetentionPolicy,
 )
-from lightning_mlopt.checkpoint.errors import CheckpointWriteError, describe_write_error, failed_ranks
-from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, FileEntry, describe_files, library_versions
+from lightning_mlopt.checkpoint.errors import CheckpointWriteError
+from lightning_mlopt.checkpoint.layout import ONE_FILE, can_resume, checkpoint_layout, layout_of_manifest
 from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.checkpoint.resume import skip_first_batches
-from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
-from lightning_mlopt.checkpoint.serialization import StagingBuffer, allowlisted_loading, load_file, save_file
+from lightning_mlopt.checkpoint.rng import restore_rng_state
+from lightning_mlopt.checkpoint.saver import RNG_DIR, CheckpointSaver
+from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
 from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
-from lightning_mlopt.distributed.phase import phase
-from lightning_mlopt.checkpoint.layout import ONE_FILE, can_resume, checkpoint_layout, layout_of_manifest
 
 log = logging.getLogger(__name__)
-_RNG_DIR = "rng"
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -159,9 +154,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.trust_pickles = trust_pickles
         self.store: CheckpointStore | None = None
         self.resumed_from: Path | None = None
-        self.last_saved: Path | None = None
-        self._writer = AsyncWriter()
-        self._staging = StagingBuffer()  # CPU memory reused by every async single-file save
+        self.saver: CheckpointSaver | None = None  # how checkpoints are written; made at setup
+        self._restored_last_saved: Path | None = None
         self._last_save_step = -1
         self._last_save_time = time.monotonic()
         self._resume_final = False
@@ -169,11 +163,18 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._pending_rng: dict[str, Any] | None = None
         self._training_started = False
         self._final_saved = False
-        self._committed: list[tuple[Path, Manifest]] = []
-        self._last_total_bytes = 0  # size of the newest committed checkpoint: the free space the next one needs
-        self._rng_entry: FileEntry | None = None  # this rank's RNG file of the save in progress, checksummed
-        self._last_commit_time: float | None = None  # UNIX time of the newest committed checkpoint (rank zero)
-        self.save_timings: list[dict[str, float]] = []  # what each save logged, oldest first
+
+    @property
+    def last_saved(self) -> Path | None:
+        """The newest checkpoint this run committed (or, resumed, the one the checkpoint remembers)."""
+        if self.saver is not None and self.saver.last_saved is not None:
+            return self.saver.last_saved
+        return self._restored_last_saved
+
+    @property
+    def save_timings(self) -> list[dict[str, float]]:
+        """What each save logged (``checkpoint/blocking_s``, ...), oldest first."""
+        return self.saver.save_timings if self.saver is not None else []
 
     @property
     @override
@@ -192,8 +193,9 @@ class FaultTolerantCheckpoint(Checkpoint):
             return
         # Every rank must write to and resume from the same place: rank zero's path decides.
         self.store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
+        self.saver = CheckpointSaver(self.store, self.retention, self.async_save, self.monitor)
         self._own_signals(trainer)
-        self._check_writable(trainer)
+        self.saver.check_writable(trainer)
         resume = self._choose_resume_checkpoint(trainer) if self.auto_resume else None
         # Rank zero chose; every rank gets its choice, or its refusal, and acts on it alike.
         self.resumed_from, self._resume_final, refusal = trainer.strategy.broadcast(resume or (None, False, None))
@@ -259,13 +261,14 @@ class FaultTolerantCheckpoint(Checkpoint):
             and self.resumed_from is not None
             and trainer.fit_loop.done
         ):
-            self._save(trainer, reason="final", final=True, wait=True)
+            self.save(trainer, reason="final", final=True, wait=True)
             self._tell_loggers(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         try:
-            self._writer.close()
+            if self.saver is not None:
+                self.saver.close()
         finally:
             if stage == "fit":
                 preemption.release()
@@ -286,21 +289,21 @@ class FaultTolerantCheckpoint(Checkpoint):
         signalled, due_by_time = self._agree_at_step_boundary(trainer)
         if signalled:
             preemption.acknowledge()  # acted on: it must not end the process a second time
-            self._save(trainer, reason="signal", wait=True)
+            self.save(trainer, reason="signal", wait=True)
             self._tell_loggers(trainer)
             rank_zero_warn(f"Preemption signal: saved step {step}; exiting with status {self.exit_code}.")
             self._exiting = True
             raise SystemExit(self.exit_code)
         if due_by_steps or due_by_time or epoch_ends:
             reason = "every_n_steps" if due_by_steps else "every_n_minutes" if due_by_time else "epoch_end"
-            self._save(trainer, reason=reason)
+            self.save(trainer, reason=reason)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         preemption.acknowledge()  # a signal after the last step boundary: the run finishes and is saved
         if self.save_on_train_end and not self._resume_final:
-            self._save(trainer, reason="final", final=True, wait=True)
-        self._wait_for_writer(trainer)
+            self.save(trainer, reason="final", final=True, wait=True)
+        self.saver.wait(trainer)
         self._tell_loggers(trainer)
 
     @override
@@ -310,26 +313,14 @@ class FaultTolerantCheckpoint(Checkpoint):
         preemption.release()
         if self._exiting or isinstance(exception, (CheckpointWriteError, KeyboardInterrupt)):
             return
-        if not self.save_on_exception or self.store is None:
+        if not self.save_on_exception or self.saver is None:
             return
         if not self._training_started or checkpoint_layout(trainer.strategy) != ONE_FILE:
             return  # an error while setting up or resuming leaves nothing new worth saving
         if trainer.global_step == self._last_save_step or not trainer.is_global_zero:
             return
-        # Only this rank is known to be here, so no collective may run. Every rank of a single-file strategy
-        # holds the full state and would raise the same error: rank zero alone writes, so no two ranks ever
-        # write (and commit) the same staging folder. Other ranks' RNG states are not saved (a resume from
-        # it warns and continues, not bitwise).
-        try:
-            self._writer.wait()
-            staging = self.store.stage(trainer.global_step)
-            entry = save_file(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), staging / STATE_NAME)
-            self._write_rng(staging, trainer.global_rank)
-            manifest = self._describe(trainer, reason="exception", final=False, world_size=trainer.world_size)
-            self._commit_prepared(staging, manifest, self._known_entries(trainer, entry))
-            log.warning("Saved a checkpoint at step %d after an exception: %r", trainer.global_step, exception)
-        except Exception as error:
-            log.error("Could not save a checkpoint after the exception: %s", error)
+        # Only this rank is known to be here, so no collective may run: rank zero writes alone.
+        self.saver.save_after_exception(trainer, exception)
 
     # ------------------------------------------------------------------ state
 
@@ -340,7 +331,7 @@ class FaultTolerantCheckpoint(Checkpoint):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         last = state_dict.get("last_saved")
-        self.last_saved = Path(last) if last else None
+        self._restored_last_saved = Path(last) if last else None
 
     # ------------------------------------------------------------------ saving
 
@@ -358,283 +349,36 @@ class FaultTolerantCheckpoint(Checkpoint):
                     self.every_n_minutes is not None
                     and time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
                 ),
-                float(self._writer.failed),
+                float(self.saver is not None and self.saver.failed),
             ],
             device=trainer.strategy.root_device,
         )
         total = trainer.strategy.reduce(local, reduce_op="sum")
         signalled, due, write_failed = (bool(value > 0) for value in total.tolist())
         if write_failed:
-            self._wait_for_writer(trainer)  # collective: every rank raises the same error
+            self.saver.wait(trainer)  # collective: every rank raises the same error
         return signalled, due
 
-    def _save(self, trainer: pl.Trainer, reason: str, final: bool = False, wait: bool = False) -> None:
-        """Save on every rank (collective), following the commit protocol."""
-        started = time.perf_counter()
-        with phase("checkpoint"):  # what a hang watchdog reports if the save never returns
-            self._save_in_phase(trainer, reason, final, wait)
-        self._log_save_timings(trainer, blocking_s=time.perf_counter() - started)
+    def save(self, trainer: pl.Trainer, reason: str = "manual", final: bool = False, wait: bool = False) -> None:
+        """Save now, on every rank (collective), by the commit protocol; ``wait``: return once committed.
 
-    def _log_save_timings(self, trainer: pl.Trainer, blocking_s: float) -> None:
-        """Log this save's timings to every logger (rank zero).
-
-        ``checkpoint/blocking_s``: how long this save held training; ``checkpoint/background_s``: how long the
-        last finished background write ran; ``checkpoint/age_s``: the age of the newest committed checkpoint
-        when this save started (what a crash at that moment would have lost).
+        What the triggers call; call it yourself from a hook every rank runs (e.g. ``on_train_batch_end``).
         """
-        timings = {"checkpoint/blocking_s": blocking_s}
-        if self._writer.last_seconds is not None:
-            timings["checkpoint/background_s"] = self._writer.last_seconds
-        if self._last_commit_time is not None:
-            timings["checkpoint/age_s"] = time.time() - self._last_commit_time
-        self.save_timings.append(timings)
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(timings, step=trainer.global_step)
-
-    def _save_in_phase(self, trainer: pl.Trainer, reason: str, final: bool, wait: bool) -> None:
-        assert self.store is not None
-        step = trainer.global_step
-        self._wait_for_writer(trainer)
-        staging = self.store.staging_path(step)
-        # Rank zero makes the staging folder (and checks the space the last checkpoint took is free); then
-        # every rank writes its RNG state into it. Each stage ends in a collective every rank reaches,
-        # whether its own part failed or not, so a failure is agreed, never a hang.
-        problem = None
-        if trainer.is_global_zero:
-            try:
-                self.store.stage(step)
-                problem = _space_problem(self.store.root, self._last_total_bytes)
-            except OSError as error:
-                problem = describe_write_error(error, staging)
-        self._raise_if_any_failed(trainer, problem, staging)
-        try:
-            self._write_rng(staging, trainer.global_rank)
-        except OSError as error:
-            problem = describe_write_error(error, staging)
-        self._raise_if_any_failed(trainer, problem, staging)
-        world_size = trainer.world_size
-        if checkpoint_layout(trainer.strategy) == ONE_FILE:
-            # One path for both modes: a synchronous save is a background write waited for at once.
-            in_background = self.async_save and not wait
-            self._save_single_file(trainer, staging, reason, final, world_size, copy_first=in_background)
-            if not in_background:
-                self._wait_for_writer(trainer)
-        elif self.async_save and hasattr(trainer.strategy, "save_checkpoint_async"):
-            self._save_sharded_in_background(trainer, staging, reason, final, world_size)
-            if wait:
-                self._wait_for_writer(trainer)
-        else:
-            self._save_sharded(trainer, staging, reason, final, world_size)
-        self._last_save_step = step
+        assert self.saver is not None, "save() needs the trainer's setup (fit) to have run"
+        self.saver.save(trainer, reason, final, wait)
+        self._last_save_step = trainer.global_step
         self._last_save_time = time.monotonic()
         self._final_saved = self._final_saved or final
 
-    def _save_sharded(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
-        problem = None
-        try:
-            # The strategy decides the layout; all ranks call.
-            trainer.save_checkpoint(staging / STATE_NAME, weights_only=False)
-        except (Exception, _CheckpointException) as error:  # DCP's CheckpointException is a BaseException
-            problem = describe_write_error(error, staging / STATE_NAME)
-            # Trainer.save_checkpoint ends in a barrier that the failed rank skipped; the ranks that
-            # succeeded wait in it. Reach it here, so that every rank is in the same collective again.
-            trainer.strategy.barrier("Trainer.save_checkpoint")
-        self._raise_if_any_failed(trainer, problem, staging)
-        if trainer.is_global_zero:
-            self._commit(trainer, staging, reason, final, world_size)
-        trainer.strategy.barrier("FaultTolerantCheckpoint.commit")
-
-    def _raise_if_any_failed(self, trainer: pl.Trainer, problem: str | None, staging: Path) -> None:
-        """Collective (every rank calls it): if any rank had a problem, every rank raises the same error."""
-        problem = _first_problem(trainer, problem)
-        if problem is None:
-            return
-        if trainer.is_global_zero:
-            assert self.store is not None
-            self.store.discard(staging)
-        raise CheckpointWriteError(f"{problem}; earlier checkpoints are intact")
-
-    def _check_writable(self, trainer: pl.Trainer) -> None:
-        """Before the first step: every rank can create and remove a file in the checkpoint folder (collective).
-
-        A read-only mount, a path through a file, or a full disk is found here, in seconds, not at the first
-        save hours later.
-        """
-        assert self.store is not None
-        probe = self.store.root / f".write-test-rank{trainer.global_rank}-{os.getpid()}"
-        problem = None
-        try:
-            self.store.root.mkdir(parents=True, exist_ok=True)
-            with probe.open("wb") as handle:
-                handle.write(b"\0" * 4096)
-                handle.flush()
-                os.fsync(handle.fileno())
-            probe.unlink()
-        except OSError as error:
-            problem = describe_write_error(error, self.store.root)
-        problem = _first_problem(trainer, problem)
-        if problem is not None:
-            raise CheckpointWriteError(
-                f"cannot save checkpoints: {problem}; stopped before training, earlier checkpoints are intact. "
-                "Choose a writable folder with checkpoint.dirpath, or free space"
-            )
-
-    def _save_single_file(
-        self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int, copy_first: bool
-    ) -> None:
-        """Every rank dumps (callbacks' hooks may be collective); rank zero writes and commits on the writer thread.
-
-        Single-file strategies hold the full state on every rank. The state streams into the file through
-        the checksum (no in-memory pickle, no second pass). ``copy_first``: stage it in CPU memory first, so
-        training may change the live tensors while the write runs.
-        """
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if not trainer.is_global_zero:
-            return
-        staged = self._staging.stage(checkpoint) if copy_first else checkpoint  # the last write has finished
-        manifest = self._describe(trainer, reason, final, world_size)
-        assert self.store is not None
-        store = self.store
-
-        def write() -> None:
-            try:
-                entry = save_file(staged, staging / STATE_NAME)
-                self._commit_prepared(staging, manifest, self._known_entries(trainer, entry))
-            except BaseException:
-                store.discard(staging)
-                raise
-
-        self._writer.submit(write)
-
-    def _save_sharded_in_background(
-        self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int
-    ) -> None:
-        """Sharded strategies that write in the background (``save_checkpoint_async``); the commit waits for all.
-
-        Blocking: dump, stage to CPU memory, start the write (failures there are agreed at once). In the
-        background, each rank waits for its own write, then every rank agrees over the strategy's
-        checkpoint group (not training's): only if every rank's write completed (and was fsynced) does rank
-        zero commit. A failure anywhere fails the save on every rank, reported at the next step boundary.
-        """
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        problem = None
-        pending: Any = None
-        try:
-            pending = trainer.strategy.save_checkpoint_async(checkpoint, staging / STATE_NAME)  # type: ignore[attr-defined]
-        except (Exception, _CheckpointException) as error:
-            problem = describe_write_error(error, staging / STATE_NAME)
-        self._raise_if_any_failed(trainer, problem, staging)
-        manifest = self._describe(trainer, reason, final, world_size)
-        group = trainer.strategy.checkpoint_process_group  # type: ignore[attr-defined]
-        rank, known = trainer.global_rank, self._known_entries(trainer)
-        assert self.store is not None
-        store = self.store
-
-        def write() -> None:
-            problem = None
-            try:
-                pending.result()
-            except (Exception, _CheckpointException) as error:
-                blamed = failed_ranks(error)  # DCP raises on every rank; the failed rank reports its own cause
-                if not blamed or rank in blamed:
-                    problem = describe_write_error(error, staging / STATE_NAME)
-            problem = _agree(problem, world_size, group)
-            if problem is not None:
-                if rank == 0:
-                    store.discard(staging)
-                raise CheckpointWriteError(problem)
-            if rank == 0:
-                self._commit_prepared(staging, manifest, known)
-
-        self._writer.submit(write)
-
-    def _known_entries(self, trainer: pl.Trainer, state: FileEntry | None = None) -> dict[str, FileEntry]:
-        """Checksums this rank computed while writing (the committer reads no file twice)."""
-        known = {} if state is None else {STATE_NAME: state}
-        if self._rng_entry is not None:
-            known[f"{_RNG_DIR}/rank-{trainer.global_rank}.pt"] = self._rng_entry
-        return known
-
-    def _wait_for_writer(self, trainer: pl.Trainer | None = None) -> None:
-        """Wait for the background write; with ``trainer``, a collective: a failure raises on every rank."""
-        problem = agreed = None
-        try:
-            self._writer.wait()
-        except CheckpointWriteError as error:  # agreed by every rank in the background, naming the failed rank
-            agreed = f"the background checkpoint write failed: {error}"
-        except Exception as error:
-            assert self.store is not None
-            problem = f"the background checkpoint write failed: {describe_write_error(error, self.store.root)}"
-        if trainer is not None:
-            problem = _first_problem(trainer, problem)  # reached by every rank, whatever happened here
-        problem = agreed or problem
-        if problem is not None:
-            raise CheckpointWriteError(f"{problem}. Earlier checkpoints are intact")
-
-    def _commit(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
-        self._commit_prepared(staging, self._describe(trainer, reason, final, world_size), self._known_entries(trainer))
-
-    def _describe(self, trainer: pl.Trainer, reason: str, final: bool, world_size: int) -> Manifest:
-        """The manifest of a save, taken when it starts (the files are added at commit)."""
-        return Manifest(
-            step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            world_size=world_size,
-            strategy=type(trainer.strategy).__name__,
-            layout=checkpoint_layout(trainer.strategy),
-            reason=reason,
-            final=final,
-            metric=self._metric(trainer),
-            run_ids=_tracker_run_ids(trainer),
-        )
-
-    def _commit_prepared(self, staging: Path, manifest: Manifest, known: dict[str, FileEntry]) -> None:
-        """Rank zero (or the background writer): manifest, rename into place, ``latest``, retention."""
-        assert self.store is not None
-        manifest.files = describe_files(staging, known, manifest.checksum)
-        manifest.versions = library_versions()
-        manifest.created = time.time()
-        self.last_saved = self.store.commit(staging, manifest)
-        self._last_commit_time = manifest.created
-        self._last_total_bytes = manifest.total_bytes
-        self._apply_retention(protected=manifest.step)
-        self._committed.append((self.last_saved, manifest))  # loggers hear of it on the main thread
-
     def _tell_loggers(self, trainer: pl.Trainer) -> None:
         """Rank zero, main thread: hand each newly committed checkpoint to loggers that upload them."""
-        while self._committed:
-            path, manifest = self._committed.pop(0)
+        if self.saver is None:
+            return
+        for path, manifest in self.saver.take_committed():
             for logger in trainer.loggers:
                 upload = getattr(logger, "log_checkpoint_artifact", None)
                 if upload is not None:
                     upload(path, manifest)
-
-    def _apply_retention(self, protected: int) -> None:
-        assert self.store is not None
-        scored: list[tuple[int, float | None]] = []
-        paths = {}
-        for step, path in self.store.committed():
-            try:
-                manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
-            except (OSError, ValueError, Exception):
-                continue
-            metric = manifest.metric
-            scored.append((step, None if metric is None else metric.get("value")))
-            paths[step] = path
-        for step in self.retention.to_delete(scored, protected=[protected]):
-            shutil.rmtree(paths[step], ignore_errors=True)
-
-    def _metric(self, trainer: pl.Trainer) -> dict[str, float] | None:
-        if self.monitor is None or self.monitor not in trainer.callback_metrics:
-            return None
-        return {"name": self.monitor, "value": float(trainer.callback_metrics[self.monitor])}  # type: ignore[dict-item]
-
-    def _write_rng(self, staging: Path, rank: int) -> None:
-        folder = staging / _RNG_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        self._rng_entry = None
-        self._rng_entry = save_file(capture_rng_state(), folder / f"rank-{rank}.pt")
 
     # ------------------------------------------------------------------ resuming
 
@@ -655,8 +399,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         if entry is None:
             return None
         assert entry.manifest is not None
-        self._last_total_bytes = entry.manifest.total_bytes
-        self._last_commit_time = entry.manifest.created
+        assert self.saver is not None
+        self.saver.note_resumed(entry.manifest)
         refusal = _strategy_switch_refusal(entry.manifest, trainer.strategy, entry.path)
         if refusal is None:
             try:
@@ -703,8 +447,8 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _load_rng(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """Load the saved RNG states of this rank; None when the world size changed."""
         assert self.resumed_from is not None
-        path = self.resumed_from / _RNG_DIR / f"rank-{trainer.global_rank}.pt"
-        saved_world = len(list((self.resumed_from / _RNG_DIR).glob("rank-*.pt")))
+        path = self.resumed_from / RNG_DIR / f"rank-{trainer.global_rank}.pt"
+        saved_world = len(list((self.resumed_from / RNG_DIR).glob("rank-*.pt")))
         if saved_world != trainer.world_size or not path.is_file():
             rank_zero_warn(
                 f"Resuming at world size {trainer.world_size} from a checkpoint written by {saved_world} processes: "
@@ -741,52 +485,6 @@ def _strategy_switch_refusal(saved: Manifest, strategy: Strategy, path: Path) ->
         "and from DDP to FSDP. Go back to the strategy that wrote it, or start a new run (another run_dir); "
         "`python -m lightning_mlopt checkpoint consolidate` turns any checkpoint into one Lightning file of weights."
     )
-
-
-def _first_problem(trainer: pl.Trainer, problem: str | None) -> str | None:
-    """Collective over every rank: the first rank's problem (prefixed with its rank), or None if none had one."""
-    return _agree(problem, trainer.world_size)
-
-
-def _agree(problem: str | None, world_size: int, group: Any = None) -> str | None:
-    """:func:`_first_problem` over ``group`` (None: the default group); callable from a background thread."""
-    import torch.distributed as dist
-
-    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-        return problem
-    problems: list[str | None] = [None] * world_size
-    dist.all_gather_object(problems, problem, group=group)
-    for rank, found in enumerate(problems):
-        if found is not None:
-            return f"rank {rank}: {found}"
-    return None
-
-
-def _space_problem(root: Path, needed_bytes: int) -> str | None:
-    """A full disk, found before writing: the last checkpoint's size must be free.
-
-    (Retention frees space only after the next commit.)
-    """
-    if needed_bytes <= 0:
-        return None
-    free = shutil.disk_usage(root).free
-    if free >= needed_bytes:
-        return None
-    return (
-        f"No space left on device: the checkpoint needs about {needed_bytes / 2**20:.1f} MiB and {root} has "
-        f"{free / 2**20:.1f} MiB free"
-    )
-
-
-def _tracker_run_ids(trainer: pl.Trainer) -> dict[str, str]:
-    """Run ids of the experiment trackers that resume by id (W&B), for the manifest. Rank zero has them."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    run_ids = {}
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and logger.version:
-            run_ids["wandb"] = str(logger.version)
-    return run_ids
 
 
 def _in_main_thread() -> bool:

@@ -469,7 +469,7 @@ class GradNormMonitor(Callback):
 
             savers = [cb for cb in trainer.callbacks if isinstance(cb, FaultTolerantCheckpoint)]  # type: ignore[attr-defined]
             if savers:
-                savers[0]._save(trainer, reason="nonfinite", wait=True)  # the state before this update
+                savers[0].save(trainer, reason="nonfinite", wait=True)  # the state before this update
                 report += f"\n  saved a checkpoint at step {trainer.global_step} (before this update)"
             else:
                 report += "\n  no FaultTolerantCheckpoint in the Trainer: nothing was saved"

@@ -1,10 +1,11 @@
 """How a strategy lays out its checkpoints, and which layouts can resume which: asked here, nowhere else.
 
-Our strategies declare it (their ``checkpoint_layout`` class attribute); a strategy that is not ours is recognised by how it saves
-(the documented fallback): Lightning's DeepSpeed strategy writes ZeRO partitions, its FSDP and model-parallel
-strategies DCP shards, and a strategy that keeps Lightning's base ``save_checkpoint`` writes one file from
-rank zero. Anything else has its own format, which FaultTolerantCheckpoint saves synchronously through the
-strategy and resumes only with the same strategy class.
+Our strategies declare it (their ``checkpoint_layout`` class attribute); a strategy that is not ours is
+recognised by how it saves (the documented fallback): Lightning's DeepSpeed strategy writes ZeRO partitions,
+its FSDP and model-parallel strategies DCP shards, and a strategy that keeps Lightning's base
+``save_checkpoint`` writes one file from rank zero. Anything else has its own format, which
+FaultTolerantCheckpoint saves synchronously through the strategy and resumes only with the same strategy
+class.
 
 Example::
 
