@@ -12,27 +12,22 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt import exit_codes
 from lightning_mlopt._bad_input import BadInputError
-from lightning_mlopt._compat import keep_lightning_off_signals, preload_checkpoint
+from lightning_mlopt._compat import keep_lightning_off_signals
 from lightning_mlopt.checkpoint import (
-    STATE_NAME,
     CheckpointStore,
-    Manifest,
     RetentionPolicy,
 )
 from lightning_mlopt.checkpoint.errors import CheckpointWriteError
-from lightning_mlopt.checkpoint.layout import ONE_FILE, can_resume, checkpoint_layout, layout_of_manifest
+from lightning_mlopt.checkpoint.layout import ONE_FILE, checkpoint_layout
 from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
-from lightning_mlopt.checkpoint.resume import skip_first_batches
+from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
-from lightning_mlopt.checkpoint.saver import RNG_DIR, CheckpointSaver
-from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
-from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
+from lightning_mlopt.checkpoint.saver import CheckpointSaver
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +151,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.resumed_from: Path | None = None
         self.saver: CheckpointSaver | None = None  # how checkpoints are written; made at setup
         self._restored_last_saved: Path | None = None
+        self._preloaded_path: str | None = None
         self._last_save_step = -1
         self._last_save_time = time.monotonic()
         self._resume_final = False
@@ -196,51 +192,41 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.saver = CheckpointSaver(self.store, self.retention, self.async_save, self.monitor)
         self._own_signals(trainer)
         self.saver.check_writable(trainer)
-        resume = self._choose_resume_checkpoint(trainer) if self.auto_resume else None
+        choice = None
+        if self.auto_resume and trainer.is_global_zero:
+            choice = choose_checkpoint(self.store, trainer.strategy, self.trust_pickles, self.resume_final)
+            if choice is not None and choice.manifest is not None:
+                self.saver.note_resumed(choice.manifest)
         # Rank zero chose; every rank gets its choice, or its refusal, and acts on it alike.
-        self.resumed_from, self._resume_final, refusal = trainer.strategy.broadcast(resume or (None, False, None))
-        if refusal is not None:
-            raise BadInputError(refusal)
+        choice = trainer.strategy.broadcast(choice) or ResumeChoice(None)
+        self.resumed_from, self._resume_final = choice.path, choice.stays_final
+        if choice.refusal is not None:
+            raise BadInputError(choice.refusal)
         if self.resumed_from is not None and not trainer.strategy.restore_checkpoint_after_setup:
-            self._preload(trainer)
+            self._preloaded_path = preload(trainer, self.resumed_from, self.trust_pickles)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Sharded strategies (FSDP, DeepSpeed) can only load once the model is wrapped, after setup.
         if self.resumed_from is not None and trainer.strategy.restore_checkpoint_after_setup:
-            self._preload(trainer)
+            self._preloaded_path = preload(trainer, self.resumed_from, self.trust_pickles)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training_started = True
         self._last_save_time = time.monotonic()
         self._last_save_step = trainer.global_step
-        if self.resumed_from is None or not self._resumed_from_ours(trainer):
+        explicit = trainer.ckpt_path
+        if self.resumed_from is not None and explicit and str(explicit) != self._preloaded_path:
+            rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
+            self.resumed_from = None
+        if self.resumed_from is None:
             return
         if self._resume_final:
             trainer.should_stop = True  # even if max_steps was raised since: a finished run stays finished
             return
-        rng_state = self._load_rng(trainer)
-        # `processed`, not `completed`: a save inside on_train_batch_end precedes that batch's completion,
-        # which Lightning itself counts again on restart.
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-        fetcher = trainer.fit_loop._data_fetcher  # Lightning created this epoch's iterator before this hook
-        if 0 < done < trainer.num_training_batches:
-            combined = trainer.fit_loop._combined_loader
-            skip_first_batches(combined.flattened if combined is not None else [], done)
-            rank_zero_info(f"Resuming mid-epoch: skipping the {done} batches epoch {trainer.current_epoch} used")
-            if fetcher is not None:
-                iter(fetcher)  # a new iterator that starts after the skipped batches
-            # The uninterrupted run created this epoch's iterator (which draws a seed from the global RNG)
-            # before it saved; here it was just created again. Restoring the RNG right before the next step
-            # puts both runs in the same state for it.
-            self._pending_rng = rng_state
-        elif rng_state is not None:
-            # Saved at the end of an epoch: the uninterrupted run created the next epoch's iterator after the
-            # save, from the saved RNG state. Do the same: restore, then create it again.
-            restore_rng_state(rng_state)
-            if fetcher is not None:
-                iter(fetcher)
+        rng_state = load_rng(self.resumed_from, trainer.global_rank, trainer.world_size, self.trust_pickles)
+        self._pending_rng = position_in_epoch(trainer, rng_state)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -380,84 +366,6 @@ class FaultTolerantCheckpoint(Checkpoint):
                 if upload is not None:
                     upload(path, manifest)
 
-    # ------------------------------------------------------------------ resuming
-
-    def _choose_resume_checkpoint(self, trainer: pl.Trainer) -> tuple[Path | None, bool, str | None] | None:
-        """Rank zero: clean interrupted saves, find the newest checkpoint that verifies, check it fits the strategy.
-
-        Returns (path, marked final and staying finished, a refusal message or None); None on other ranks.
-        """
-        if not trainer.is_global_zero:
-            return None
-        assert self.store is not None
-        for leftover in self.store.clean_staging():
-            rank_zero_info(f"Removed an interrupted save: {leftover}")
-        skipped: list[Any] = []
-        entry = self.store.newest_valid(skipped)
-        for bad in skipped:
-            rank_zero_warn(f"Checkpoint {bad.path} failed verification ({bad.problem}); trying an older one.")
-        if entry is None:
-            return None
-        assert entry.manifest is not None
-        assert self.saver is not None
-        self.saver.note_resumed(entry.manifest)
-        refusal = _strategy_switch_refusal(entry.manifest, trainer.strategy, entry.path)
-        if refusal is None:
-            try:
-                check_trusted(entry.path, self.trust_pickles)  # before anything in it is unpickled
-            except UntrustedCheckpointError as error:
-                refusal = str(error)
-        if refusal is not None:
-            return None, False, refusal
-        if entry.manifest.final and not self.resume_final:
-            rank_zero_info(
-                f"{entry.path} is marked final: this run already finished at step {entry.step}; not training again. "
-                "To train on (e.g. with a larger max_steps), set checkpoint.resume_final: true."
-            )
-            return entry.path, True, None
-        how = "a finished run, resume_final is set" if entry.manifest.final else f"saved by {entry.manifest.reason}"
-        rank_zero_info(f"Auto-resuming from {entry.path} (step {entry.step}, {how}).")
-        return entry.path, False, None
-
-    def _preload(self, trainer: pl.Trainer) -> None:
-        # Lightning takes the checkpoint path only as a `fit` argument; loading it into the checkpoint
-        # connector here makes the restore Lightning does next use it (an explicit ckpt_path loads later
-        # and wins).
-        assert self.resumed_from is not None
-        state = self.resumed_from / STATE_NAME
-        if state.is_file():
-            # One file: memory-mapped (verification just read it, so its pages are cached: no second copy;
-            # ranks on one machine share them), under the allowlist.
-            preload_checkpoint(trainer, state, load_file(state, self.trust_pickles, mmap=True))
-        else:
-            # Every pickle in it was checked against the allowlist when it was chosen; torch's own loader checks
-            # again where Lightning calls it (DCP's meta.pt).
-            with allowlisted_loading():
-                trainer._checkpoint_connector.resume_start(state, weights_only=not self.trust_pickles)
-        self._preloaded_path = str(self.resumed_from / STATE_NAME)
-
-    def _resumed_from_ours(self, trainer: pl.Trainer) -> bool:
-        explicit = trainer.ckpt_path
-        if explicit and str(explicit) != getattr(self, "_preloaded_path", None):
-            rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
-            self.resumed_from = None
-            return False
-        return True
-
-    def _load_rng(self, trainer: pl.Trainer) -> dict[str, Any] | None:
-        """Load the saved RNG states of this rank; None when the world size changed."""
-        assert self.resumed_from is not None
-        path = self.resumed_from / RNG_DIR / f"rank-{trainer.global_rank}.pt"
-        saved_world = len(list((self.resumed_from / RNG_DIR).glob("rank-*.pt")))
-        if saved_world != trainer.world_size or not path.is_file():
-            rank_zero_warn(
-                f"Resuming at world size {trainer.world_size} from a checkpoint written by {saved_world} processes: "
-                "RNG states are not restored, so the run continues correctly but not bitwise identically."
-            )
-            return None
-        # Verified with the rest of the checkpoint (manifest checksums, allowlist) before this unpickling.
-        return load_file(path, trust_pickles=self.trust_pickles)
-
     # ------------------------------------------------------------------ signals
 
     def _own_signals(self, trainer: pl.Trainer) -> None:
@@ -470,21 +378,6 @@ class FaultTolerantCheckpoint(Checkpoint):
             return
         owned = preemption.install(self.signals, deadline_s=self.signal_deadline_s, exit_code=self.exit_code)
         keep_lightning_off_signals(trainer, owned)
-
-
-def _strategy_switch_refusal(saved: Manifest, strategy: Strategy, path: Path) -> str | None:
-    """A one-line refusal when the checkpoint's layout cannot be resumed by this run's strategy, else None."""
-    saved_layout = layout_of_manifest(saved.layout, saved.strategy)
-    current_layout = checkpoint_layout(strategy)
-    if can_resume(saved_layout, current_layout):
-        return None
-    current = type(strategy).__name__
-    return (
-        f"cannot resume {path} (written by {saved.strategy}: {saved_layout}) with {current} ({current_layout}). "
-        "Resuming works with the same strategy family at any world size (DDP, FSDP; ZeRO at the same world size), "
-        "and from DDP to FSDP. Go back to the strategy that wrote it, or start a new run (another run_dir); "
-        "`python -m lightning_mlopt checkpoint consolidate` turns any checkpoint into one Lightning file of weights."
-    )
 
 
 def _in_main_thread() -> bool:

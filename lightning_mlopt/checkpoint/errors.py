@@ -1,9 +1,10 @@
-"""Why a checkpoint could not be written, in one line a user can act on.
+"""Why a checkpoint could not be written, in one line a user can act on, agreed by every rank.
 
 Writers fail in many dialects: Python's ``OSError(28, 'No space left on device')``, torch's zip writer's
 ``unexpected pos 850496 vs 850448`` (a short write on a full disk, errno lost), DCP's ``CheckpointException``
 wrapping each rank's failure, DeepSpeed's tracebacks. ``describe_write_error`` finds the operating system's
-reason in the chain where there is one, and asks the disk where there is none.
+reason in the chain where there is one, and asks the disk where there is none. ``agree`` and
+``first_problem`` make every rank raise the same error, whichever rank failed (a collective all ranks reach).
 
 Example::
 
@@ -19,6 +20,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 # Below this much free space, a write failure without an errno is taken to be a full disk.
 _NEARLY_FULL_BYTES = 64 * 2**20
@@ -98,3 +100,41 @@ def _nearly_full(path: Path) -> bool:
         return shutil.disk_usage(probe).free < _NEARLY_FULL_BYTES
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------ agreeing on a failure
+
+
+def first_problem(trainer: Any, problem: str | None) -> str | None:
+    """Collective over every rank: the first rank's problem (prefixed with its rank), or None if none had one."""
+    return agree(problem, trainer.world_size)
+
+
+def agree(problem: str | None, world_size: int, group: Any = None) -> str | None:
+    """:func:`first_problem` over ``group`` (None: the default group); callable from a background thread."""
+    import torch.distributed as dist
+
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return problem
+    problems: list[str | None] = [None] * world_size
+    dist.all_gather_object(problems, problem, group=group)
+    for rank, found in enumerate(problems):
+        if found is not None:
+            return f"rank {rank}: {found}"
+    return None
+
+
+def space_problem(root: Path, needed_bytes: int) -> str | None:
+    """A full disk, found before writing: the last checkpoint's size must be free.
+
+    (Retention frees space only after the next commit.)
+    """
+    if needed_bytes <= 0:
+        return None
+    free = shutil.disk_usage(root).free
+    if free >= needed_bytes:
+        return None
+    return (
+        f"No space left on device: the checkpoint needs about {needed_bytes / 2**20:.1f} MiB and {root} has "
+        f"{free / 2**20:.1f} MiB free"
+    )

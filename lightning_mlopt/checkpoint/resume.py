@@ -1,11 +1,156 @@
-"""Mid-epoch resume: skip the batches an epoch already used, at the sampler, without loading them."""
+"""Resuming: which checkpoint (verified, trusted, fitting the strategy), loading it, and the exact position.
+
+The position: a mid-epoch resume skips the batches the epoch already used, at the sampler, without loading
+them, and puts every RNG back where the uninterrupted run had it for the next step.
+
+Example::
+
+    choice = choose_checkpoint(store, trainer.strategy, trust_pickles=False, resume_final=False)  # rank zero
+    preload(trainer, choice.path, trust_pickles=False)
+    pending_rng = position_in_epoch(trainer, load_rng(choice.path, rank, world_size))
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Sampler
+
+from lightning_mlopt._compat import preload_checkpoint
+from lightning_mlopt.checkpoint.layout import can_resume, checkpoint_layout, layout_of_manifest
+from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.checkpoint.rng import restore_rng_state
+from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
+from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
+from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
+
+RNG_DIR = "rng"  # rng/rank-<r>.pt in every checkpoint folder
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """What rank zero chose: a checkpoint and whether it stays finished, or a refusal (then ``path`` is None)."""
+
+    path: Path | None
+    stays_final: bool = False
+    refusal: str | None = None
+    manifest: Manifest | None = None
+
+
+def choose_checkpoint(
+    store: CheckpointStore, strategy: Any, trust_pickles: bool, resume_final: bool
+) -> ResumeChoice | None:
+    """Rank zero: clean interrupted saves, take the newest checkpoint that verifies, check it fits and is trusted.
+
+    None when there is nothing to resume from.
+    """
+    for leftover in store.clean_staging():
+        rank_zero_info(f"Removed an interrupted save: {leftover}")
+    skipped: list[Any] = []
+    entry = store.newest_valid(skipped)
+    for bad in skipped:
+        rank_zero_warn(f"Checkpoint {bad.path} failed verification ({bad.problem}); trying an older one.")
+    if entry is None:
+        return None
+    assert entry.manifest is not None
+    refusal = strategy_switch_refusal(entry.manifest, strategy, entry.path)
+    if refusal is None:
+        try:
+            check_trusted(entry.path, trust_pickles)  # before anything in it is unpickled
+        except UntrustedCheckpointError as error:
+            refusal = str(error)
+    if refusal is not None:
+        return ResumeChoice(None, refusal=refusal, manifest=entry.manifest)
+    if entry.manifest.final and not resume_final:
+        rank_zero_info(
+            f"{entry.path} is marked final: this run already finished at step {entry.step}; not training again. "
+            "To train on (e.g. with a larger max_steps), set checkpoint.resume_final: true."
+        )
+        return ResumeChoice(entry.path, stays_final=True, manifest=entry.manifest)
+    how = "a finished run, resume_final is set" if entry.manifest.final else f"saved by {entry.manifest.reason}"
+    rank_zero_info(f"Auto-resuming from {entry.path} (step {entry.step}, {how}).")
+    return ResumeChoice(entry.path, manifest=entry.manifest)
+
+
+def strategy_switch_refusal(saved: Manifest, strategy: Any, path: Path) -> str | None:
+    """A one-line refusal when the checkpoint's layout cannot be resumed by this run's strategy, else None."""
+    saved_layout = layout_of_manifest(saved.layout, saved.strategy)
+    current_layout = checkpoint_layout(strategy)
+    if can_resume(saved_layout, current_layout):
+        return None
+    current = type(strategy).__name__
+    return (
+        f"cannot resume {path} (written by {saved.strategy}: {saved_layout}) with {current} ({current_layout}). "
+        "Resuming works with the same strategy family at any world size (DDP, FSDP; ZeRO at the same world size), "
+        "and from DDP to FSDP. Go back to the strategy that wrote it, or start a new run (another run_dir); "
+        "`python -m lightning_mlopt checkpoint consolidate` turns any checkpoint into one Lightning file of weights."
+    )
+
+
+def preload(trainer: Any, folder: Path, trust_pickles: bool) -> str:
+    """Load ``folder``'s state into Lightning's checkpoint connector, so the restore Lightning does next uses it.
+
+    Lightning takes a checkpoint path only as a ``fit`` argument; an explicit ``ckpt_path`` loads later and
+    wins. Returns the path Lightning will report as its ``ckpt_path``.
+    """
+    state = folder / STATE_NAME
+    if state.is_file():
+        # One file: memory-mapped (verification just read it, so its pages are cached: no second copy;
+        # ranks on one machine share them), under the allowlist.
+        preload_checkpoint(trainer, state, load_file(state, trust_pickles, mmap=True))
+    else:
+        # Every pickle in it was checked against the allowlist when it was chosen; torch's own loader checks
+        # again where Lightning calls it (DCP's meta.pt).
+        with allowlisted_loading():
+            trainer._checkpoint_connector.resume_start(state, weights_only=not trust_pickles)
+    return str(state)
+
+
+def load_rng(folder: Path, rank: int, world_size: int, trust_pickles: bool) -> dict[str, Any] | None:
+    """The saved RNG states of ``rank``; None (with a warning) when the world size changed."""
+    path = folder / RNG_DIR / f"rank-{rank}.pt"
+    saved_world = len(list((folder / RNG_DIR).glob("rank-*.pt")))
+    if saved_world != world_size or not path.is_file():
+        rank_zero_warn(
+            f"Resuming at world size {world_size} from a checkpoint written by {saved_world} processes: "
+            "RNG states are not restored, so the run continues correctly but not bitwise identically."
+        )
+        return None
+    # Verified with the rest of the checkpoint (manifest checksums, allowlist) before this unpickling.
+    return load_file(path, trust_pickles=trust_pickles)
+
+
+def position_in_epoch(trainer: Any, rng_state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """At train start of a resumed run: skip the epoch's used batches and set the RNGs as the saved run had them.
+
+    Returns RNG states to restore right before the next step (mid-epoch), else None. Reads Lightning's loop
+    progress and its data fetcher and combined loader (the loop's own record of the position).
+    """
+    # `processed`, not `completed`: a save inside on_train_batch_end precedes that batch's completion,
+    # which Lightning itself counts again on restart.
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    fetcher = trainer.fit_loop._data_fetcher  # Lightning created this epoch's iterator before this hook
+    if 0 < done < trainer.num_training_batches:
+        combined = trainer.fit_loop._combined_loader
+        skip_first_batches(combined.flattened if combined is not None else [], done)
+        rank_zero_info(f"Resuming mid-epoch: skipping the {done} batches epoch {trainer.current_epoch} used")
+        if fetcher is not None:
+            iter(fetcher)  # a new iterator that starts after the skipped batches
+        # The uninterrupted run created this epoch's iterator (which draws a seed from the global RNG) before
+        # it saved; here it was just created again. Restoring the RNG right before the next step puts both
+        # runs in the same state for it.
+        return rng_state
+    if rng_state is not None:
+        # Saved at the end of an epoch: the uninterrupted run created the next epoch's iterator after the
+        # save, from the saved RNG state. Do the same: restore, then create it again.
+        restore_rng_state(rng_state)
+        if fetcher is not None:
+            iter(fetcher)
+    return None
 
 
 class _SkipOnce(Sampler[list[int]]):

@@ -25,9 +25,17 @@ import lightning.pytorch as pl
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
 from lightning_mlopt.checkpoint.async_writer import AsyncWriter
-from lightning_mlopt.checkpoint.errors import CheckpointWriteError, describe_write_error, failed_ranks
+from lightning_mlopt.checkpoint.errors import (
+    CheckpointWriteError,
+    agree,
+    describe_write_error,
+    failed_ranks,
+    first_problem,
+    space_problem,
+)
 from lightning_mlopt.checkpoint.layout import ONE_FILE, checkpoint_layout
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, describe_files, library_versions
+from lightning_mlopt.checkpoint.resume import RNG_DIR
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.rng import capture_rng_state
 from lightning_mlopt.checkpoint.serialization import StagingBuffer, save_file
@@ -35,7 +43,6 @@ from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.distributed.phase import phase
 
 log = logging.getLogger(__name__)
-RNG_DIR = "rng"
 
 
 class CheckpointSaver:
@@ -142,7 +149,7 @@ class CheckpointSaver:
         if trainer.is_global_zero:
             try:
                 self.store.stage(step)
-                problem = _space_problem(self.store.root, self._last_total_bytes)
+                problem = space_problem(self.store.root, self._last_total_bytes)
             except OSError as error:
                 problem = describe_write_error(error, staging)
         self._raise_if_any_failed(trainer, problem, staging)
@@ -182,7 +189,7 @@ class CheckpointSaver:
 
     def _raise_if_any_failed(self, trainer: pl.Trainer, problem: str | None, staging: Path) -> None:
         """Collective (every rank calls it): if any rank had a problem, every rank raises the same error."""
-        problem = _first_problem(trainer, problem)
+        problem = first_problem(trainer, problem)
         if problem is None:
             return
         if trainer.is_global_zero:
@@ -206,7 +213,7 @@ class CheckpointSaver:
             probe.unlink()
         except OSError as error:
             problem = describe_write_error(error, self.store.root)
-        problem = _first_problem(trainer, problem)
+        problem = first_problem(trainer, problem)
         if problem is not None:
             raise CheckpointWriteError(
                 f"cannot save checkpoints: {problem}; stopped before training, earlier checkpoints are intact. "
@@ -270,7 +277,7 @@ class CheckpointSaver:
                 blamed = failed_ranks(error)  # DCP raises on every rank; the failed rank reports its own cause
                 if not blamed or rank in blamed:
                     problem = describe_write_error(error, staging / STATE_NAME)
-            problem = _agree(problem, world_size, group)
+            problem = agree(problem, world_size, group)
             if problem is not None:
                 if rank == 0:
                     store.discard(staging)
@@ -297,7 +304,7 @@ class CheckpointSaver:
         except Exception as error:
             problem = f"the background checkpoint write failed: {describe_write_error(error, self.store.root)}"
         if trainer is not None:
-            problem = _first_problem(trainer, problem)  # reached by every rank, whatever happened here
+            problem = first_problem(trainer, problem)  # reached by every rank, whatever happened here
         problem = agreed or problem
         if problem is not None:
             raise CheckpointWriteError(f"{problem}. Earlier checkpoints are intact")
@@ -354,41 +361,6 @@ class CheckpointSaver:
         folder.mkdir(parents=True, exist_ok=True)
         self._rng_entry = None
         self._rng_entry = save_file(capture_rng_state(), folder / f"rank-{rank}.pt")
-
-
-def _first_problem(trainer: pl.Trainer, problem: str | None) -> str | None:
-    """Collective over every rank: the first rank's problem (prefixed with its rank), or None if none had one."""
-    return _agree(problem, trainer.world_size)
-
-
-def _agree(problem: str | None, world_size: int, group: Any = None) -> str | None:
-    """:func:`_first_problem` over ``group`` (None: the default group); callable from a background thread."""
-    import torch.distributed as dist
-
-    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-        return problem
-    problems: list[str | None] = [None] * world_size
-    dist.all_gather_object(problems, problem, group=group)
-    for rank, found in enumerate(problems):
-        if found is not None:
-            return f"rank {rank}: {found}"
-    return None
-
-
-def _space_problem(root: Path, needed_bytes: int) -> str | None:
-    """A full disk, found before writing: the last checkpoint's size must be free.
-
-    (Retention frees space only after the next commit.)
-    """
-    if needed_bytes <= 0:
-        return None
-    free = shutil.disk_usage(root).free
-    if free >= needed_bytes:
-        return None
-    return (
-        f"No space left on device: the checkpoint needs about {needed_bytes / 2**20:.1f} MiB and {root} has "
-        f"{free / 2**20:.1f} MiB free"
-    )
 
 
 def _tracker_run_ids(trainer: pl.Trainer) -> dict[str, str]:
