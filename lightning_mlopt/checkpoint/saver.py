@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
 from lightning_mlopt.checkpoint.async_writer import AsyncWriter
 from lightning_mlopt.checkpoint.errors import (
     CheckpointWriteError,
-    agree,
     describe_write_error,
     failed_ranks,
     first_problem,
@@ -271,18 +271,27 @@ class CheckpointSaver:
 
         def write() -> None:
             problem = None
+            written: dict[str, FileEntry] = {}
             try:
-                pending.result()
+                written = {f"{STATE_NAME}/{name}": entry for name, entry in (pending.result() or {}).items()}
             except (Exception, _CheckpointException) as error:
                 blamed = failed_ranks(error)  # DCP raises on every rank; the failed rank reports its own cause
                 if not blamed or rank in blamed:
                     problem = describe_write_error(error, staging / STATE_NAME)
-            problem = agree(problem, world_size, group)
+            # One exchange over the checkpoint group: every rank's problem, and the checksums of what it wrote.
+            reports: list[Any] = [None] * world_size
+            if world_size > 1:
+                torch.distributed.all_gather_object(reports, (problem, written), group=group)
+            else:
+                reports = [(problem, written)]
+            problem = next((f"rank {r}: {p}" for r, (p, _) in enumerate(reports) if p is not None), None)
             if problem is not None:
                 if rank == 0:
                     store.discard(staging)
                 raise CheckpointWriteError(problem)
             if rank == 0:
+                for _, entries in reports:
+                    known.update(entries)
                 self._commit_prepared(staging, manifest, known)
 
         self._writer.submit(write)

@@ -13,7 +13,7 @@ Example::
     deepspeed_engine.checkpoint_engine, original = engine, deepspeed_engine.checkpoint_engine
     deepspeed_engine.save_checkpoint(path, tag="checkpoint")        # returns once every file is staged
     deepspeed_engine.checkpoint_engine = original
-    engine.write_in_background().result()                           # raises if a write failed
+    engine.write_in_background(path).result()                       # raises if a write failed
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import cpu_copy, save_file
 
 
@@ -56,19 +57,21 @@ class BackgroundCheckpointEngine(CheckpointEngine):
         """DeepSpeed's end of a save: the files are staged, not yet written; the caller commits later."""
         return True
 
-    def write_in_background(self) -> Future[None]:
-        """Write every staged file on a new thread; the future ends when all are on disk (fsynced)."""
+    def write_in_background(self, root: Path) -> Future[dict[str, FileEntry]]:
+        """Write every staged file on a new thread; the future ends when all are on disk (fsynced).
+
+        Its result: each file's path relative to ``root`` with its size and checksum, computed while writing.
+        """
         staged, self._staged = self._staged, []
-        future: Future[None] = Future()
+        future: Future[dict[str, FileEntry]] = Future()
 
         def write() -> None:
             try:
-                for path, state in staged:
-                    save_file(state, path)
+                entries = {path.relative_to(root).as_posix(): save_file(state, path) for path, state in staged}
             except BaseException as error:
                 future.set_exception(error)
             else:
-                future.set_result(None)
+                future.set_result(entries)
 
         # Not a daemon: the interpreter waits for a write in progress rather than cutting it off.
         threading.Thread(target=write, name="deepspeed-checkpoint-writer", daemon=False).start()

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt._compat import deepspeed_initialize_on_rank
+from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 
@@ -182,7 +183,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
         """DeepSpeed's save, with every file fsynced before this returns (the commit that follows relies on it)."""
         self._save_through_background_engine(checkpoint, filepath, storage_options).result()
 
-    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> Future[None]:
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> Future[dict[str, FileEntry]]:
         """Save as ``save_checkpoint`` does, but write the files in the background; the future ends when written.
 
         Collective. DeepSpeed's own save runs (its barriers on the main thread), with an engine that keeps
@@ -193,7 +194,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
 
     def _save_through_background_engine(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> Future[None]:
+    ) -> Future[dict[str, FileEntry]]:
         from lightning_mlopt.strategies.background_checkpoint_engine import BackgroundCheckpointEngine
 
         background = BackgroundCheckpointEngine()
@@ -202,7 +203,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
         finally:
             self.deepspeed_engine.checkpoint_engine = original
-        return background.write_in_background()
+        return background.write_in_background(Path(self.broadcast(filepath)))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -22,9 +21,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt._bad_input import BadInputError
+from lightning_mlopt.checkpoint.checksum import digest_of
+from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
-from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
+from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin, PendingWrite
 
 DType = Literal["float32", "bfloat16", "float16"]
 _META_NAME = "meta.pt"  # Lightning's name for the non-tensor state next to the DCP shards (it loads it from there)
@@ -113,7 +114,7 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
         self.reduce_dtype = reduce_dtype
         self.cpu_offload = cpu_offload
 
-    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> Future[Any]:
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> PendingWrite:
         """Save ``checkpoint`` as a DCP folder in the background; the future ends when this rank's shards are written.
 
         Collective. What blocks: staging every shard into CPU memory (pinned on CUDA) and rank zero writing
@@ -133,16 +134,16 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
         path.mkdir(parents=True, exist_ok=True)
         converted = {"state_dict": checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        if self.global_rank == 0:
-            save_file(checkpoint, path / _META_NAME)
+        written = {_META_NAME: save_file(checkpoint, path / _META_NAME)} if self.global_rank == 0 else {}
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        return async_save(  # type: ignore[return-value]
+        dcp_write = async_save(
             converted,
             checkpoint_id=path,
             process_group=self.checkpoint_process_group,
             async_checkpointer_type=AsyncCheckpointerType(self.async_checkpointer),
         )
+        return _OwnShards(dcp_write, path, self.global_rank, written)
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -272,6 +273,27 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
         assert self.model is not None
         if not self.cpu_offload:  # offloaded shards stay on the CPU by design
             self.model.to(self.root_device)
+
+
+class _OwnShards:
+    """DCP's pending write, completed with the checksums of this rank's own shard files (``__<rank>_*.distcp``).
+
+    Each rank hashes what it wrote, in parallel and from the page cache it just filled; rank zero does not read
+    every rank's shards again at the commit.
+    """
+
+    def __init__(self, dcp_write: Any, folder: Path, rank: int, written: dict[str, FileEntry]) -> None:
+        self._dcp_write = dcp_write
+        self._folder = folder
+        self._rank = rank
+        self._written = written
+
+    def result(self, timeout: float | None = None) -> dict[str, FileEntry]:
+        self._dcp_write.result(timeout)
+        entries = dict(self._written)
+        for shard in sorted(self._folder.glob(f"__{self._rank}_*.distcp")):
+            entries[shard.name] = FileEntry(shard.stat().st_size, digest_of(shard))
+        return entries
 
 
 def _clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
