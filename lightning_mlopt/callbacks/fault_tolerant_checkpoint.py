@@ -147,7 +147,6 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.auto_resume = auto_resume
         self.resume_final = resume_final
         self.trust_pickles = trust_pickles
-        self.store: CheckpointStore | None = None
         self.resumed_from: Path | None = None
         self.saver: CheckpointSaver | None = None  # how checkpoints are written; made at setup
         self._restored_last_saved: Path | None = None
@@ -166,6 +165,11 @@ class FaultTolerantCheckpoint(Checkpoint):
         if self.saver is not None and self.saver.last_saved is not None:
             return self.saver.last_saved
         return self._restored_last_saved
+
+    @property
+    def store(self) -> CheckpointStore | None:
+        """The checkpoint folders of this run (set at setup)."""
+        return self.saver.store if self.saver is not None else None
 
     @property
     def save_timings(self) -> list[dict[str, float]]:
@@ -188,13 +192,13 @@ class FaultTolerantCheckpoint(Checkpoint):
         if stage != "fit":
             return
         # Every rank must write to and resume from the same place: rank zero's path decides.
-        self.store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
-        self.saver = CheckpointSaver(self.store, self.retention, self.async_save, self.monitor)
+        store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
+        self.saver = CheckpointSaver(store, self.retention, self.async_save, self.monitor)
         self._own_signals(trainer)
         self.saver.check_writable(trainer)
         choice = None
         if self.auto_resume and trainer.is_global_zero:
-            choice = choose_checkpoint(self.store, trainer.strategy, self.trust_pickles, self.resume_final)
+            choice = choose_checkpoint(store, trainer.strategy, self.trust_pickles, self.resume_final)
             if choice is not None and choice.manifest is not None:
                 self.saver.note_resumed(choice.manifest)
         # Rank zero chose; every rank gets its choice, or its refusal, and acts on it alike.
@@ -289,6 +293,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         preemption.acknowledge()  # a signal after the last step boundary: the run finishes and is saved
         if self.save_on_train_end and not self._resume_final:
             self.save(trainer, reason="final", final=True, wait=True)
+        assert self.saver is not None  # made at setup
         self.saver.wait(trainer)
         self._tell_loggers(trainer)
 
@@ -328,6 +333,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         """
         if not self.signals and self.every_n_minutes is None and not self.async_save:
             return False, False
+        assert self.saver is not None  # made at setup
         local = torch.tensor(
             [
                 float(preemption.received() is not None),
@@ -335,7 +341,7 @@ class FaultTolerantCheckpoint(Checkpoint):
                     self.every_n_minutes is not None
                     and time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
                 ),
-                float(self.saver is not None and self.saver.failed),
+                float(self.saver.failed),
             ],
             device=trainer.strategy.root_device,
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,12 @@ def describe_write_error(error: BaseException, path: Path) -> str:
     return f"{type(error).__name__}: {first_line} writing {path}"
 
 
-def _find_os_error(error: BaseException) -> OSError | None:
-    """The first OSError with an errno in ``error``, its causes, contexts, and (DCP) per-rank failures."""
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and every exception it carries, breadth first, each once.
+
+    Causes, contexts, exceptions in its ``args``, and the per-rank failures of torch.distributed.checkpoint's
+    CheckpointException.
+    """
     seen: set[int] = set()
     pending: list[BaseException] = [error]
     while pending:
@@ -57,18 +62,24 @@ def _find_os_error(error: BaseException) -> OSError | None:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
+        yield current
         pending += [e for e in (current.__cause__, current.__context__) if e is not None]
         # torch.distributed.checkpoint's CheckpointException keeps {rank: (exception, traceback)} in .failures
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, dict):
-            for value in failures.values():
-                candidate = value[0] if isinstance(value, tuple) else value
-                if isinstance(candidate, BaseException):
-                    pending.append(candidate)
+        for value in _dcp_failures(current).values():
+            candidate = value[0] if isinstance(value, tuple) else value
+            if isinstance(candidate, BaseException):
+                pending.append(candidate)
         pending += [arg for arg in getattr(current, "args", ()) if isinstance(arg, BaseException)]
-    return None
+
+
+def _dcp_failures(error: BaseException) -> dict[Any, Any]:
+    failures = getattr(error, "failures", None)
+    return failures if isinstance(failures, dict) else {}
+
+
+def _find_os_error(error: BaseException) -> OSError | None:
+    """The first OSError with an errno in ``error``'s chain (see :func:`_chain`)."""
+    return next((e for e in _chain(error) if isinstance(e, OSError) and e.errno is not None), None)
 
 
 def failed_ranks(error: BaseException) -> set[int]:
@@ -77,17 +88,9 @@ def failed_ranks(error: BaseException) -> set[int]:
     A DCP save that fails on one rank raises on all of them with the same ``failures``; the ranks whose own
     write succeeded should not report the failure as theirs.
     """
-    pending: list[BaseException] = [error]
-    seen: set[int] = set()
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, dict) and failures:
+    for current in _chain(error):
+        if failures := _dcp_failures(current):
             return {rank for rank in failures if isinstance(rank, int)}
-        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
     return set()
 
 
@@ -112,16 +115,24 @@ def first_problem(trainer: Any, problem: str | None) -> str | None:
 
 def agree(problem: str | None, world_size: int, group: Any = None) -> str | None:
     """:func:`first_problem` over ``group`` (None: the default group); callable from a background thread."""
+    return agree_and_gather(problem, None, world_size, group)[0]
+
+
+def agree_and_gather(
+    problem: str | None, payload: Any, world_size: int, group: Any = None
+) -> tuple[str | None, list[Any]]:
+    """Collective: the first rank's problem (prefixed with its rank) or None, and every rank's ``payload``.
+
+    One exchange carries both, e.g. whether each rank's write succeeded and the checksums of what it wrote.
+    """
     import torch.distributed as dist
 
-    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-        return problem
-    problems: list[str | None] = [None] * world_size
-    dist.all_gather_object(problems, problem, group=group)
-    for rank, found in enumerate(problems):
-        if found is not None:
-            return f"rank {rank}: {found}"
-    return None
+    reports: list[Any] = [(problem, payload)]
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        reports = [None] * world_size
+        dist.all_gather_object(reports, (problem, payload), group=group)
+    first = next((f"rank {rank}: {found}" for rank, (found, _) in enumerate(reports) if found is not None), None)
+    return first, [sent for _, sent in reports]
 
 
 def space_problem(root: Path, needed_bytes: int) -> str | None:

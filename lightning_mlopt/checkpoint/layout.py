@@ -20,6 +20,8 @@ from typing import Any
 ONE_FILE = "one file"
 DCP_SHARDS = "DCP shards"
 ZERO_PARTITIONS = "ZeRO partitions"
+# Lightning's name for the non-tensor state next to DCP's shards (it loads it from there; so does our tool).
+DCP_META_NAME = "meta.pt"
 
 # Resuming works within a layout, and from one file into DCP shards (DCP reads a full state dict and shards it).
 _CROSS_LAYOUT_RESUMES = {(ONE_FILE, DCP_SHARDS)}

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
 from lightning_mlopt.checkpoint.async_writer import AsyncWriter
 from lightning_mlopt.checkpoint.errors import (
     CheckpointWriteError,
+    agree_and_gather,
     describe_write_error,
     failed_ranks,
     first_problem,
@@ -279,18 +279,13 @@ class CheckpointSaver:
                 if not blamed or rank in blamed:
                     problem = describe_write_error(error, staging / STATE_NAME)
             # One exchange over the checkpoint group: every rank's problem, and the checksums of what it wrote.
-            reports: list[Any] = [None] * world_size
-            if world_size > 1:
-                torch.distributed.all_gather_object(reports, (problem, written), group=group)
-            else:
-                reports = [(problem, written)]
-            problem = next((f"rank {r}: {p}" for r, (p, _) in enumerate(reports) if p is not None), None)
+            problem, everyones = agree_and_gather(problem, written, world_size, group)
             if problem is not None:
                 if rank == 0:
                     store.discard(staging)
                 raise CheckpointWriteError(problem)
             if rank == 0:
-                for _, entries in reports:
+                for entries in everyones:
                     known.update(entries)
                 self._commit_prepared(staging, manifest, known)
 

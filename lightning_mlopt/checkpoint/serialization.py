@@ -17,9 +17,9 @@ import contextlib
 import copy
 import importlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -35,7 +35,7 @@ def save_file(obj: Any, path: Path, algorithm: str = DEFAULT_ALGORITHM) -> FileE
     ``unexpected pos``.
     """
     with durable_hashed_file(path, algorithm) as writer, _without_zip_crc32():
-        torch.save(obj, writer)
+        torch.save(obj, cast(IO[bytes], writer))  # a write-only binary stream is all torch.save uses
     return FileEntry(size=writer.size, digest=writer.hexdigest())
 
 
@@ -47,10 +47,10 @@ def _without_zip_crc32() -> Iterator[None]:
     does not need it. The setting is process-wide; concurrent saves at worst compute it needlessly.
     """
     try:
-        from torch.utils.serialization import config
+        from torch.utils.serialization import config as serialization_config
     except ImportError:  # torch < 2.6
-        config = None
-    save_config = getattr(config, "save", None)
+        serialization_config = None  # type: ignore[assignment]
+    save_config = getattr(serialization_config, "save", None)
     if save_config is None or not hasattr(save_config, "compute_crc32"):
         yield
         return
@@ -69,18 +69,26 @@ def load_file(path: Path | Any, trust_pickles: bool = False, map_location: Any =
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
-def cpu_copy(value: Any, clone: bool = True) -> Any:
-    """A deep copy with every tensor in CPU memory: the staging copy a background write reads from.
+def cpu_copy(value: Any) -> Any:
+    """A deep copy whose tensors are in CPU memory; tensors already there are kept, not copied.
 
-    ``clone``: copy CPU tensors too (False when they are copies already, e.g. DeepSpeed's). Everything
-    else is deep-copied, since training goes on changing it.
+    For state whose tensors are copies already (DeepSpeed's): everything else is deep-copied, since
+    training goes on changing it.
     """
+    return _rebuild(value, lambda tensor, _: tensor.to("cpu"))
+
+
+_OnTensor = Callable[[torch.Tensor, tuple[Any, ...]], torch.Tensor]
+
+
+def _rebuild(value: Any, on_tensor: _OnTensor, at: tuple[Any, ...] = ()) -> Any:
+    """``value`` rebuilt: each tensor replaced by ``on_tensor(tensor, its path)``, everything else deep-copied."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=clone)
+        return on_tensor(value.detach(), at)
     if isinstance(value, dict):
-        return type(value)((key, cpu_copy(item, clone)) for key, item in value.items())
+        return type(value)((key, _rebuild(item, on_tensor, (*at, key))) for key, item in value.items())
     if isinstance(value, (list, tuple)):
-        return type(value)(cpu_copy(item, clone) for item in value)
+        return type(value)(_rebuild(item, on_tensor, (*at, index)) for index, item in enumerate(value))
     return copy.deepcopy(value)
 
 
@@ -100,22 +108,18 @@ class StagingBuffer:
     def __init__(self) -> None:
         self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def stage(self, value: Any, _path: tuple[Any, ...] = ()) -> Any:
+    def stage(self, value: Any) -> Any:
         """A deep copy of ``value`` with every tensor in CPU memory owned by this buffer."""
-        if isinstance(value, torch.Tensor):
-            cached = self._tensors.get(_path)
-            source = value.detach()
-            if cached is None or cached.shape != source.shape or cached.dtype != source.dtype or source.is_sparse:
-                cached = source.to("cpu", copy=True)
-                self._tensors[_path] = cached
-            else:
-                cached.copy_(source)
-            return cached
-        if isinstance(value, dict):
-            return type(value)((key, self.stage(item, (*_path, key))) for key, item in value.items())
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.stage(item, (*_path, index)) for index, item in enumerate(value))
-        return copy.deepcopy(value)
+        return _rebuild(value, self._into_buffer)
+
+    def _into_buffer(self, source: torch.Tensor, at: tuple[Any, ...]) -> torch.Tensor:
+        cached = self._tensors.get(at)
+        if cached is None or cached.shape != source.shape or cached.dtype != source.dtype or source.is_sparse:
+            cached = source.to("cpu", copy=True)
+            self._tensors[at] = cached
+        else:
+            cached.copy_(source)
+        return cached
 
 
 @contextlib.contextmanager

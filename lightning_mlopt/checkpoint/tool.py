@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lightning_mlopt.checkpoint.layout import DCP_META_NAME
 from lightning_mlopt.checkpoint.manifest import CheckpointInvalidError, verify
 from lightning_mlopt.checkpoint.serialization import load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
@@ -141,7 +142,7 @@ def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, 
             flat = Path(scratch) / "flat.pt"
             dcp_to_torch_save(state, flat)
             loaded = load_file(flat, trust_pickles)
-        meta = state / "meta.pt"
+        meta = state / DCP_META_NAME
         result = load_file(meta, trust_pickles) if meta.is_file() else {}
         result["state_dict"] = loaded["state_dict"]
         return result
@@ -155,18 +156,16 @@ def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, 
     raise CheckpointInvalidError(f"{state}: not a checkpoint file, a DCP folder or a DeepSpeed folder")
 
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
 def _byte_size(text: str) -> int:
-    """``5GB``, ``500MB``, ``2GiB`` or a byte count, as bytes (argparse type)."""
-    value = text.strip().upper()
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if value.endswith(unit) and value[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(value[: -len(unit)]) * _UNITS[unit])
-    if value.isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError(f"{text!r} is not a size; e.g. 5GB, 500MB, 2GiB or a number of bytes")
+    """``5GB``, ``500MB``, ``2GiB`` (the memory planner's units) or a byte count, as bytes (argparse type)."""
+    from lightning_mlopt.planning.memory import parse_size
+
+    if text.strip().isdigit():
+        return int(text)
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def main(argv: Sequence[str]) -> int:

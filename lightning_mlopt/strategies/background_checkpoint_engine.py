@@ -47,7 +47,7 @@ class BackgroundCheckpointEngine(CheckpointEngine):
         Tensors are usually CPU clones already (DeepSpeed clones before calling this); the rest (Python
         containers holding loop and callback state) is copied, since training goes on changing it.
         """
-        self._staged.append((Path(path), cpu_copy(state_dict, clone=False)))
+        self._staged.append((Path(path), cpu_copy(state_dict)))
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """Load as DeepSpeed's own torch engine does (the files were checked against the allowlist first)."""

@@ -22,13 +22,13 @@ from typing_extensions import override
 
 from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.checkpoint.checksum import digest_of
+from lightning_mlopt.checkpoint.layout import DCP_META_NAME
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin, PendingWrite
 
 DType = Literal["float32", "bfloat16", "float16"]
-_META_NAME = "meta.pt"  # Lightning's name for the non-tensor state next to the DCP shards (it loads it from there)
 
 
 class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
@@ -134,7 +134,7 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
         path.mkdir(parents=True, exist_ok=True)
         converted = {"state_dict": checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        written = {_META_NAME: save_file(checkpoint, path / _META_NAME)} if self.global_rank == 0 else {}
+        written = {DCP_META_NAME: save_file(checkpoint, path / DCP_META_NAME)} if self.global_rank == 0 else {}
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         dcp_write = async_save(
