@@ -113,6 +113,14 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
     run_dir = tmp_path / "interrupted"
     command = _command(run_dir, strategy)
     if strategy == "ddp":
+        # Paced so the 10 steps after the first checkpoint outlast the kill's random delay (up to 2 s) on a
+        # fast machine too; pacing changes no number the run computes.
+        paced = [
+            "--trainer.callbacks+=tests.helpers.Pace",
+            f"--trainer.callbacks.out_dir={run_dir / 'pace'}",
+            "--trainer.callbacks.seconds_per_step=0.25",
+        ]
+        command = command + paced
         _kill_job_mid_training(command, tmp_path, run_dir / "checkpoints", random.Random(f"{strategy}-kill"))
     else:
         held = [

@@ -121,16 +121,17 @@ def agree(problem: str | None, world_size: int, group: Any = None) -> str | None
 def agree_and_gather(
     problem: str | None, payload: Any, world_size: int, group: Any = None
 ) -> tuple[str | None, list[Any]]:
-    """Collective: the first rank's problem (prefixed with its rank) or None, and every rank's ``payload``.
+    """Collective: the first rank's problem or None, and every rank's ``payload``.
 
     One exchange carries both, e.g. whether each rank's write succeeded and the checksums of what it wrote.
+    With several ranks the problem is prefixed with the rank that found it; a single process reports it bare.
     """
     import torch.distributed as dist
 
-    reports: list[Any] = [(problem, payload)]
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        reports = [None] * world_size
-        dist.all_gather_object(reports, (problem, payload), group=group)
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return problem, [payload]
+    reports: list[Any] = [None] * world_size
+    dist.all_gather_object(reports, (problem, payload), group=group)
     first = next((f"rank {rank}: {found}" for rank, (found, _) in enumerate(reports) if found is not None), None)
     return first, [sent for _, sent in reports]
 
