@@ -18,6 +18,8 @@ from typing import Any, NoReturn
 
 import yaml
 
+from lightning_mlopt.exceptions import BadInputError
+
 MAX_LINES = 15
 _NOISE = re.compile(
     r"^\s*(Subtypes:|Given value type:|Errors:|- Expected a <class 'NoneType'>"
@@ -36,10 +38,6 @@ DEMO_CLASSES = {
         "lightning_mlopt.demos.TokenDataModule",
     ),
 }
-
-
-class BadInputError(ValueError):
-    """The user's configuration is wrong; the message says what and how to fix it (the CLI exits with 2)."""
 
 
 class ToolArgumentParser(argparse.ArgumentParser):

@@ -12,9 +12,7 @@ import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-
-class CompatError(RuntimeError):
-    """A private name we depend on is gone or changed; the message names it."""
+from lightning_mlopt.exceptions import CompatError
 
 
 def _require(owner: Any, name: str, what: str) -> Any:

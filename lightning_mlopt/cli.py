@@ -28,10 +28,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from typing_extensions import override
 
 from lightning_mlopt import exit_codes, strategies
-from lightning_mlopt._bad_input import BadInputError, check_config_files, config_paths, explain_parser_error
+from lightning_mlopt._bad_input import check_config_files, config_paths, explain_parser_error
 from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck
-from lightning_mlopt.checkpoint.errors import CheckpointWriteError
+from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError
 from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, resolve_run_dir
 from lightning_mlopt.tracking import ThroughputProgressBar

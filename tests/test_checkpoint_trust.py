@@ -13,12 +13,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint
 from lightning_mlopt.checkpoint import CheckpointStore, Manifest, verify
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, describe_files
 from lightning_mlopt.checkpoint.serialization import load_file
 from lightning_mlopt.checkpoint.trust import globals_in_pickle, untrusted_globals
+from lightning_mlopt.exceptions import BadInputError
 from tests.conftest import run_cli
 from tests.helpers import ThirdPartyLM
 

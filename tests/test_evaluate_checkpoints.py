@@ -57,8 +57,8 @@ def test_evaluate_from_a_step_folder_and_a_checkpoints_folder(tmp_path, strategy
 
 
 def test_a_step_folder_that_fails_verification_is_refused_before_loading(tmp_path):
-    from lightning_mlopt._bad_input import BadInputError
     from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
+    from lightning_mlopt.exceptions import BadInputError
 
     folder = tmp_path / "checkpoints" / "step-000000002"
     folder.mkdir(parents=True)

@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.checkpoint import CheckpointStore
+from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.launch.slurm import check_task_count, time_limit_seconds
 from tests.conftest import CONFIGS, run_cli
 from tests.slurm_cluster import missing_requirement

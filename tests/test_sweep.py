@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.cli import check_arguments
+from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.launch.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
 from tests.conftest import CONFIGS, run_cli
 from tests.slurm_cluster import missing_requirement

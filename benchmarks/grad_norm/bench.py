@@ -28,23 +28,21 @@ def _part_a(repeats: int, d_model: int) -> str:
     import torch
     from lightning.pytorch.utilities import grad_norm
 
-    from lightning_mlopt.callbacks import GradNormMonitor
     from lightning_mlopt.demos import GPTLanguageModel
+    from lightning_mlopt.diagnosis.module_norms import ModuleNorms
+    from lightning_mlopt.distributed.sharding import TensorSharding
 
     torch.manual_seed(0)
     model = GPTLanguageModel(n_layer=26, d_model=d_model, n_head=4)
     tensors = list(model.parameters())
     tokens = torch.randint(0, 256, (8, 65))
     model._loss((tokens[:, :-1], tokens[:, 1:])).backward()
-    monitor = GradNormMonitor(depth=2, locate_nonfinite=False)
-    from types import SimpleNamespace
-
-    # Builds the name and group tables only; a single process with plain gradients is "replicated".
-    monitor.on_fit_start(SimpleNamespace(strategy=None), model)  # type: ignore[arg-type]
+    # The monitor's own per-module tables; a single process with plain gradients is "replicated".
+    norms = ModuleNorms(model, TensorSharding(), depth=2)
 
     def ours() -> float:
         # What the monitor runs on a logging step: total and per-module sums, then the step's one host sync.
-        total, groups, _ = monitor._gradient_sums(None, True, torch.device("cpu"))
+        total, groups, _ = norms.gradient_sums(True, torch.device("cpu"))
         return torch.cat([total.reshape(1), groups]).tolist()[0] ** 0.5
 
     def lightning() -> float:

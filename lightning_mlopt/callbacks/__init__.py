@@ -1,8 +1,9 @@
 """Callbacks for any Lightning Trainer."""
 
-from lightning_mlopt.callbacks.fault_tolerant_checkpoint import CheckpointWriteError, FaultTolerantCheckpoint
-from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor, NonFiniteGradientError
-from lightning_mlopt.callbacks.nccl_health_check import HealthCheckError, NCCLHealthCheck
+from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
+from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor
+from lightning_mlopt.callbacks.nccl_health_check import NCCLHealthCheck
+from lightning_mlopt.exceptions import CheckpointWriteError, HealthCheckError, NonFiniteGradientError
 
 __all__ = [
     "CheckpointWriteError",

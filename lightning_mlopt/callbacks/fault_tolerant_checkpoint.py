@@ -16,18 +16,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt import exit_codes
-from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt._compat import keep_lightning_off_signals
 from lightning_mlopt.checkpoint import (
     CheckpointStore,
     RetentionPolicy,
 )
-from lightning_mlopt.checkpoint.errors import CheckpointWriteError
 from lightning_mlopt.checkpoint.layout import ONE_FILE, checkpoint_layout
 from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
+from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +303,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         preemption.release()
         if self._exiting or isinstance(exception, (CheckpointWriteError, KeyboardInterrupt)):
             return
+        if isinstance(exception, StoppedTogether) and exception.checkpoint_first:
+            self._save_for_stop(trainer, exception)
+            return
         if not self.save_on_exception or self.saver is None:
             return
         if not self._training_started or checkpoint_layout(trainer.strategy) != ONE_FILE:
@@ -312,6 +314,18 @@ class FaultTolerantCheckpoint(Checkpoint):
             return
         # Only this rank is known to be here, so no collective may run: rank zero writes alone.
         self.saver.save_after_exception(trainer, exception)
+
+    def _save_for_stop(self, trainer: pl.Trainer, stop: StoppedTogether) -> None:
+        """Every rank raised ``stop`` at the same step boundary, so the save may be collective; say what it did."""
+        if self.saver is None or not self._training_started:
+            stop.add_detail("  nothing was saved: training had not started")
+            return
+        try:
+            self.save(trainer, reason=stop.checkpoint_reason, wait=True)
+        except CheckpointWriteError as error:
+            stop.add_detail(f"  no checkpoint was saved: {error}")
+            return
+        stop.add_detail(f"  saved a checkpoint at step {trainer.global_step} (before this update): {self.last_saved}")
 
     # ------------------------------------------------------------------ state
 

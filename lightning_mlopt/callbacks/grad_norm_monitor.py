@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from typing import Any, Literal
@@ -13,31 +12,20 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_mlopt.distributed.grad_pieces import Piece, gradient_pieces, parameter_pieces
+from lightning_mlopt.diagnosis.module_names import module_group
+from lightning_mlopt.diagnosis.module_norms import ModuleNorms
+from lightning_mlopt.diagnosis.nonfinite import first_nonfinite_output, nonfinite_report
+from lightning_mlopt.diagnosis.spikes import SpikeDetector
+from lightning_mlopt.distributed.packed import Packed
+from lightning_mlopt.distributed.sharding import Piece, Sharding, TensorSharding
+from lightning_mlopt.exceptions import NonFiniteGradientError
+from lightning_mlopt.strategies.sharding import sharding_of
 
-log = logging.getLogger(__name__)
 Action = Literal["warn", "skip", "stop", "checkpoint_and_stop"]
 
-
-class NonFiniteGradientError(RuntimeError):
-    """Training stopped on a non-finite gradient or a spike; the message holds the diagnosis."""
-
-
-def module_group(name: str, depth: int) -> str:
-    """The module a parameter belongs to, cut to ``depth`` components: ``layers.3.attn.qkv.weight`` -> ``layers.3``.
-
-    Example::
-
-        >>> module_group("layers.3.attn.qkv.weight", 2)
-        'layers.3'
-        >>> module_group("token_embedding.weight", 2)
-        'token_embedding'
-    """
-    module_path = name.split(".")[:-1] or name.split(".")
-    return ".".join(module_path[:depth])
+__all__ = ["GradNormMonitor", "NonFiniteGradientError", "module_group"]
 
 
 class GradNormMonitor(Callback):
@@ -54,7 +42,8 @@ class GradNormMonitor(Callback):
     report names the step, the ranks and those modules (or, for a NaN born in backward, the modules with
     non-finite gradients). Healthy steps pay nothing for this. Then every rank takes the same action:
     ``warn``, ``skip`` (drop this optimizer step), ``stop`` (raise :class:`NonFiniteGradientError`), or
-    ``checkpoint_and_stop`` (save through FaultTolerantCheckpoint first).
+    ``checkpoint_and_stop`` (the same error, asking FaultTolerantCheckpoint to save the state before this
+    update first; it does so on every rank in its ``on_exception``).
 
     Spikes: a loss or gradient norm more than ``spike_threshold`` standard deviations above the mean of the
     last ``spike_window`` steps triggers ``on_spike``. Statistics and counters are callback state, so a
@@ -104,41 +93,29 @@ class GradNormMonitor(Callback):
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
-        if spike_window < 2:
-            raise ValueError(f"spike_window must be >= 2, got {spike_window}")
-        if spike_threshold <= 0:
-            raise ValueError(f"spike_threshold must be > 0, got {spike_threshold}")
         for name, action in (("on_nonfinite", on_nonfinite), ("on_spike", on_spike)):
             if action not in ("warn", "skip", "stop", "checkpoint_and_stop"):
                 raise ValueError(f"{name} must be warn, skip, stop or checkpoint_and_stop; got {action!r}")
+        self.spikes = SpikeDetector(spike_window, spike_threshold, spike_min_history)  # validates its values
         self.log_every_n_steps = log_every_n_steps
         self.depth = depth
         self.param_norms = param_norms
         self.update_ratios = update_ratios
-        self._before_update: list[Tensor] | None = None
         self.on_nonfinite = on_nonfinite
         self.locate_nonfinite = locate_nonfinite
         self.on_spike = on_spike
         self.spike_window = spike_window
         self.spike_threshold = spike_threshold
         self.spike_min_history = spike_min_history
-        # State that survives resume.
-        self.loss_history: deque[float] = deque(maxlen=spike_window)
-        self.norm_history: deque[float] = deque(maxlen=spike_window)
+        # State that survives resume (with the spike history).
         self.nonfinite_events = 0
-        self.spike_events = 0
         self.skipped_steps = 0
-        # Per-run structures, built in setup.
-        self._params: list[nn.Parameter] = []
-        self._names: dict[int, str] = {}
-        self._groups: list[str] = []
-        self._group_of: dict[int, int] = {}
-        self._modules: list[str] = []
+        # Per-run structures, built in setup and on_fit_start.
+        self._sharding: Sharding = TensorSharding()
+        self._norms = ModuleNorms(nn.Module(), self._sharding, depth)  # the real one at on_fit_start
         self._last_batch: tuple[Any, int] | None = None
-        self._prefix = ""
         self._losses: list[Tensor] = []  # this rank's loss per micro-batch of the current step
-        self._replicated = True
-        self._plans: dict[tuple[Any, ...], tuple[Tensor | None, Tensor]] = {}
+        self._before_update: list[Tensor] | None = None
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -146,71 +123,52 @@ class GradNormMonitor(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(depth=self.depth, on_nonfinite=self.on_nonfinite)
 
+    @property
+    def loss_history(self) -> deque[float]:
+        """The spike detector's recent losses."""
+        return self.spikes.loss_history
+
+    @property
+    def norm_history(self) -> deque[float]:
+        """The spike detector's recent gradient norms."""
+        return self.spikes.norm_history
+
+    @property
+    def spike_events(self) -> int:
+        """Spikes seen so far in the run (across resumes)."""
+        return self.spikes.events
+
+    @spike_events.setter
+    def spike_events(self, value: int) -> None:
+        self.spikes.events = value
+
     # ------------------------------------------------------------------ setup
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if "skip" in (self.on_nonfinite, self.on_spike) and _is_deepspeed(trainer.strategy):
+        self._sharding = sharding_of(trainer.strategy)
+        if "skip" in (self.on_nonfinite, self.on_spike) and not self._sharding.can_skip_step:
             raise ValueError(
                 "GradNormMonitor: 'skip' cannot drop a DeepSpeed step (the engine owns the update); "
                 "use on_nonfinite/on_spike: stop, checkpoint_and_stop or warn"
+            )
+        if "checkpoint_and_stop" in (self.on_nonfinite, self.on_spike) and not _has_checkpointer(trainer):
+            rank_zero_warn(
+                "GradNormMonitor: checkpoint_and_stop without a FaultTolerantCheckpoint in the Trainer: "
+                "nothing will be saved before stopping"
             )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After the strategy's setup, not in `setup`: FSDP replaces parameters with sharded ones, and the
         # name and group tables are keyed by the parameters the optimizer will see.
-        self._params = list(pl_module.parameters())
-        names = [name for name, _ in pl_module.named_parameters()]
-        prefix = _common_root(names)
-        self._names = {id(p): name[len(prefix) :] for name, p in pl_module.named_parameters()}
-        groups = dict.fromkeys(module_group(n, self.depth) for n in self._names.values()) if self.depth else {}
-        self._groups = list(groups)
-        index = {group: i for i, group in enumerate(self._groups)}
-        self._group_of = {pid: index[module_group(n, self.depth)] for pid, n in self._names.items()} if groups else {}
-        self._prefix = prefix
         # Replicated (single device, DDP): after backward every rank holds the same averaged gradients, so the
         # norms computed locally are the global ones, bitwise equal on every rank, and decisions taken from
         # them agree without a collective. Only the loss differs per rank: one 1-float all-reduce per step.
         # Sharded (FSDP, HSDP, ZeRO): one packed all-reduce of the weighted pieces and the loss per step.
-        self._replicated = not _is_deepspeed(trainer.strategy) and not any(isinstance(p, DTensor) for p in self._params)
-
-    def _first_nonfinite_module(self, pl_module: pl.LightningModule) -> int:
-        """Re-run the last batch's forward with hooks; return 1 + the first bad module's index, or 0.
-
-        "Bad" is a non-finite output; "first" is in forward order. Only on a bad step: healthy steps pay nothing.
-        """
-        if self._last_batch is None:
-            return 0
-        modules = [(name, module) for name, module in pl_module.named_modules() if name]
-        self._modules = [n[len(self._prefix) :] if n.startswith(self._prefix) else n for n, _ in modules]
-        first = [0]
-
-        def make_hook(index: int) -> Any:
-            def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-                tensor = output[0] if isinstance(output, (tuple, list)) and output else output
-                floating = isinstance(tensor, Tensor) and tensor.is_floating_point()
-                if first[0] == 0 and floating and not bool(torch.isfinite(tensor).all()):
-                    first[0] = index
-
-            return hook
-
-        handles = [module.register_forward_hook(make_hook(i + 1)) for i, (_, module) in enumerate(modules)]
-        batch, batch_idx = self._last_batch
-        silenced = pl_module.log
-        try:
-            pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # a diagnosis logs nothing
-            with torch.no_grad():
-                pl_module.training_step(batch, batch_idx)
-        except Exception as error:
-            log.warning("GradNormMonitor could not re-run the forward pass to locate the problem: %s", error)
-        finally:
-            pl_module.log = silenced  # type: ignore[method-assign]
-            for handle in handles:
-                handle.remove()
-        return first[0]
+        self._norms = ModuleNorms(pl_module, self._sharding, self.depth)
 
     # ------------------------------------------------------------------ per step
 
@@ -229,127 +187,66 @@ class GradNormMonitor(Callback):
         step = trainer.global_step + 1  # the step this update makes
         every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
         logging_step = step % every == 0
-        per_group = logging_step and bool(self._groups)
-        grad_sq, grad_groups, device = self._gradient_sums(trainer.strategy, per_group, pl_module.device)
-        packed = [grad_sq.reshape(1)]
+        per_group = logging_step and bool(self._norms.groups)
+        packed = Packed()
+        grad_sq, grad_groups, device = self._norms.gradient_sums(per_group, pl_module.device)
+        packed.add("grad_sq", grad_sq)
         if per_group:
-            packed.append(grad_groups)
+            packed.add("grad_groups", grad_groups)
         if logging_step and self.param_norms:
-            if self._replicated:
-                tensors = [p.detach() for p in self._params]
-                param_sq, param_groups = self._squares(self._params, tensors, None, per_group, device)
-            else:
-                param_sq, param_groups = self._sum_squares(list(parameter_pieces(self._params)), per_group, device)
-            packed += [param_sq.reshape(1), param_groups] if per_group else [param_sq.reshape(1)]
+            param_sq, param_groups = self._norms.parameter_sums(per_group, device)
+            packed.add("param_sq", param_sq)
+            if per_group:
+                packed.add("param_groups", param_groups)
         world = trainer.world_size
         loss = (torch.cat(self._losses).sum() if self._losses else torch.zeros(())).to(device) / world
         self._losses.clear()
-        if world > 1 and self._replicated:
+        if world > 1 and self._norms.replicated:
             # Every rank, every step: the loss mean, the one value that differs between ranks. Here, after
             # backward, not while it runs: an all-reduce issued in on_before_backward sits in the process
             # group's queue ahead of DDP's bucket all-reduces and stalls them (measured: +1.4% vs +0.1%).
             dist.all_reduce(loss)
-        packed.append(loss.reshape(1))
-        vector = torch.cat([t.float().to(device) for t in packed])
-        if world > 1 and not self._replicated:
+        packed.add("loss", loss)
+        vector = packed.tensor(device)
+        if world > 1 and not self._norms.replicated:
             dist.all_reduce(vector)  # every rank, every step: one packed collective (sharded strategies)
-        values = vector.tolist()  # the one host sync of the step
+        values = packed.unpack(vector.tolist())  # the one host sync of the step
         if logging_step and self.update_ratios:
             # Snapshot this rank's parameter pieces; compared after the optimizer step in on_train_batch_end.
-            self._before_update = [piece.tensor.detach().clone() for piece in parameter_pieces(self._params)]
-        self._act(trainer, pl_module, optimizer, values, logging_step, per_group, step)
+            self._before_update = [piece.tensor.detach().clone() for piece in self._norms.parameter_pieces()]
+        self._act(trainer, pl_module, optimizer, values, logging_step, step)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._before_update is None:
             return
         before, self._before_update = self._before_update, None
-        after = list(parameter_pieces(self._params))
+        after = self._norms.parameter_pieces()
         device = before[0].device if before else pl_module.device
         deltas = torch._foreach_sub([piece.tensor.detach() for piece in after], before)
         delta_pieces = [
             Piece(piece.param, delta, piece.replication) for piece, delta in zip(after, deltas, strict=True)
         ]
-        per_group = bool(self._groups)
-        delta_sq, delta_groups = self._sum_squares(delta_pieces, per_group, device)
-        param_sq, param_groups = self._sum_squares(after, per_group, device)
-        vector = torch.cat([delta_sq.reshape(1), param_sq.reshape(1), delta_groups, param_groups])
-        if self._replicated:
-            vector.mul_(trainer.world_size)  # this rank's sums are the global ones (see on_fit_start)
-        elif trainer.world_size > 1:
+        packed = Packed()
+        for name, pieces in (("delta", delta_pieces), ("param", after)):
+            total, groups = self._norms.sums_of_pieces(pieces, True, device)
+            packed.add(f"{name}_sq", total)
+            packed.add(f"{name}_groups", groups)
+        vector = packed.tensor(device)
+        if not self._norms.replicated and trainer.world_size > 1:
             dist.all_reduce(vector)  # every rank, on logging steps only
-        values = vector.tolist()
-        count = len(self._groups)
+        values = packed.unpack(vector.tolist())
 
         def ratio(delta: float, param: float) -> float:
             return math.sqrt(max(delta, 0.0)) / math.sqrt(param) if param > 0 else 0.0
 
-        metrics = {"update_ratio/total": ratio(values[0], values[1])}
-        for index, group in enumerate(self._groups):
-            metrics[f"update_ratio/{group}"] = ratio(values[2 + index], values[2 + count + index])
+        metrics = {"update_ratio/total": ratio(values["delta_sq"][0], values["param_sq"][0])}
+        for index, group in enumerate(self._norms.groups):
+            metrics[f"update_ratio/{group}"] = ratio(values["delta_groups"][index], values["param_groups"][index])
         self.last_metrics = {**self.last_metrics, **metrics}
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _sum_squares(self, pieces: list[Piece], per_group: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Total and per-group sums of squares, each piece divided by its replication, in fp32."""
-        tensors = [p.tensor for p in pieces]
-        return self._squares([p.param for p in pieces], tensors, [p.replication for p in pieces], per_group, device)
-
-    def _gradient_sums(self, strategy: Any, per_group: bool, default: torch.device) -> tuple[Tensor, Tensor, Any]:
-        """Sum of squares of the gradients (total, per group) and their device; summed over ranks when sharded."""
-        if self._replicated:
-            # The common case, kept lean: plain tensors, no per-piece bookkeeping, no weights.
-            with_grad = [p for p in self._params if p.grad is not None]
-            tensors: list[Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
-            device = tensors[0].device if tensors else default
-            return (*self._squares(with_grad, tensors, None, per_group, device), device)
-        pieces = list(gradient_pieces(self._params, strategy))
-        device = pieces[0].tensor.device if pieces else default
-        return (*self._sum_squares(pieces, per_group, device), device)
-
-    def _squares(
-        self,
-        params: list[nn.Parameter],
-        tensors: list[Tensor],
-        replications: list[int] | None,
-        per_group: bool,
-        device: torch.device,
-    ) -> tuple[Tensor, Tensor]:
-        """Total and per-group sums of squares of ``tensors`` (one per entry of ``params``), in fp32.
-
-        With ``replications``, each square is divided by its piece's replication (sharded strategies).
-        """
-        groups = torch.zeros(len(self._groups), device=device)
-        if not tensors:
-            return torch.zeros((), device=device), groups
-        # Empty pieces (a rank's share of a small FSDP parameter) have norm 0: no need to filter them out.
-        squares = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).to(device).pow_(2)
-        if replications is not None or per_group:
-            weights, index = self._plan(params, device, replications)
-            if weights is not None:
-                squares.mul_(weights)
-            if per_group:
-                groups.index_add_(0, index, squares)
-        return squares.sum(), groups
-
-    def _plan(
-        self, params: list[nn.Parameter], device: torch.device, replications: list[int] | None = None
-    ) -> tuple[Tensor | None, Tensor]:
-        """Per-entry weights (1 / replication; None without replications) and group indices.
-
-        Built once per list of parameters: the parameters holding gradients do not change between steps.
-        """
-        key = (replications is not None, *[id(p) for p in params])  # a list, not a generator: faster
-        plan = self._plans.get(key)
-        if plan is None:
-            if self._groups and any(id(p) not in self._group_of for p in params):
-                raise RuntimeError("GradNormMonitor: a gradient belongs to no known parameter (did the model change?)")
-            weights = None if replications is None else torch.tensor([1.0 / r for r in replications], device=device)
-            index = torch.tensor([self._group_of.get(id(p), 0) for p in params], device=device)
-            plan = self._plans[key] = (weights, index)
-        return plan
 
     # ------------------------------------------------------------------ decisions
 
@@ -358,100 +255,47 @@ class GradNormMonitor(Callback):
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         optimizer: Any,
-        values: list[float],
+        values: dict[str, list[float]],
         logging_step: bool,
-        per_group: bool,
         step: int,
     ) -> None:
-        total = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
-        cursor = 1
-        group_values = values[cursor : cursor + len(self._groups)] if per_group else []
-        cursor += len(group_values)
-        param_total, param_groups = None, []
-        if logging_step and self.param_norms:
-            param_total = math.sqrt(values[cursor])
-            cursor += 1
-            if per_group:
-                param_groups = values[cursor : cursor + len(self._groups)]
-                cursor += len(self._groups)
-        loss = values[cursor]
-
+        grad_sq = values["grad_sq"][0]
+        total = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
+        loss = values["loss"][0]
         if not math.isfinite(total) or not math.isfinite(loss):
             self.nonfinite_events += 1
-            first_bad = self._gather_first_nonfinite(trainer, pl_module)
-            pieces = list(gradient_pieces(self._params, trainer.strategy))  # only on a bad step
-            report = self._nonfinite_report(trainer, pl_module, step, first_bad, pieces, total, loss)
-            self._take(self.on_nonfinite, report, trainer, optimizer)
+            culprits = self._gather_culprits(trainer, pl_module)
+            # Born in backward when no forward went non-finite: name the modules whose gradients are not.
+            bad_gradients = [] if culprits else self._norms.nonfinite_gradient_modules()
+            report = nonfinite_report(step, total, loss, culprits, trainer.global_rank, bad_gradients)
+            self._take(self.on_nonfinite, report, optimizer)
             return
-        spike = self._spike(loss, total)
+        spike = self.spikes.observe(loss, total)
         if spike:
-            self.spike_events += 1
-            self._take(self.on_spike, f"step {step}: {spike}", trainer, optimizer)
-        else:
-            self.loss_history.append(loss)
-            self.norm_history.append(total)
+            self._take(self.on_spike, f"step {step}: {spike}", optimizer)
         if logging_step:
-            self._log(trainer, step, total, group_values, param_total, param_groups)
+            param_total = math.sqrt(values["param_sq"][0]) if "param_sq" in values else None
+            self._log(trainer, step, total, values.get("grad_groups", []), param_total, values.get("param_groups", []))
 
-    def _gather_first_nonfinite(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[int]:
-        """Each rank's first bad module, in one all-reduce of per-rank slots.
+    def _gather_culprits(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, str]:
+        """Each rank's first module with a non-finite output, in one all-reduce of per-rank slots.
 
         Every rank re-runs its forward; all ranks reach this, because the decision to call it was collective.
         """
         world = trainer.world_size
         slots = torch.zeros(world, device=pl_module.device)
-        if self.locate_nonfinite:
-            slots[trainer.global_rank] = float(self._first_nonfinite_module(pl_module))
+        modules: list[str] = []
+        if self.locate_nonfinite and self._last_batch is not None:
+            index, modules = first_nonfinite_output(pl_module, *self._last_batch)
+            slots[trainer.global_rank] = float(index)
         if world > 1:
             dist.all_reduce(slots)
-        return [int(v) for v in slots.tolist()]
+        if not modules:  # every rank holds the same model: the names are the same everywhere
+            modules = [name for name, _ in pl_module.named_modules() if name]
+        names = [name.removeprefix(self._norms.prefix) for name in modules]
+        return {rank: names[int(index) - 1] for rank, index in enumerate(slots.tolist()) if index > 0}
 
-    def _spike(self, loss: float, norm: float) -> str | None:
-        for label, value, history in (("loss", loss, self.loss_history), ("gradient norm", norm, self.norm_history)):
-            if len(history) < max(2, self.spike_min_history):
-                continue
-            mean = sum(history) / len(history)
-            std = math.sqrt(sum((x - mean) ** 2 for x in history) / (len(history) - 1))
-            if value > mean + self.spike_threshold * max(std, 1e-12):
-                return (
-                    f"{label} spike: {value:.4g} is more than {self.spike_threshold:g} standard deviations above "
-                    f"the mean {mean:.4g} (std {std:.3g}) of the last {len(history)} steps"
-                )
-        return None
-
-    def _nonfinite_report(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        step: int,
-        first_bad: list[int],
-        grads: list[Piece],
-        total: float,
-        loss: float,
-    ) -> str:
-        lines = [f"non-finite values at step {step} (gradient norm {total}, mean loss {loss})"]
-        culprits = [(rank, self._modules[index - 1]) for rank, index in enumerate(first_bad) if index > 0]
-        if culprits:
-            for rank, module in culprits:
-                lines.append(f"  rank {rank}: first non-finite output in forward order: {module}")
-        else:
-            # Born in backward: the forward was finite everywhere. Name the modules whose gradients are not.
-            bad_groups = self._nonfinite_gradient_groups(grads)
-            lines.append(
-                "  the forward pass was finite on every rank; modules with non-finite gradients on rank "
-                f"{trainer.global_rank}: {', '.join(bad_groups) or 'none here'}"
-            )
-        return "\n".join(lines)
-
-    def _nonfinite_gradient_groups(self, grads: list[Piece]) -> list[str]:
-        bad = []
-        for piece in grads:
-            if piece.tensor.numel() and not bool(torch.isfinite(piece.tensor).all()):
-                name = self._names.get(id(piece.param), "?")
-                bad.append(module_group(name, max(self.depth, 1)))
-        return list(dict.fromkeys(bad))
-
-    def _take(self, action: Action, report: str, trainer: pl.Trainer, optimizer: Any) -> None:
+    def _take(self, action: Action, report: str, optimizer: Any) -> None:
         """Apply an action every rank agreed on (they all read the same reduced values)."""
         if action == "warn":
             rank_zero_warn(f"GradNormMonitor: {report}")
@@ -464,16 +308,10 @@ class GradNormMonitor(Callback):
                 for param in group["params"]:
                     param.grad = None
             return
-        if action == "checkpoint_and_stop":
-            from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
-
-            savers = [cb for cb in trainer.callbacks if isinstance(cb, FaultTolerantCheckpoint)]  # type: ignore[attr-defined]
-            if savers:
-                savers[0].save(trainer, reason="nonfinite", wait=True)  # the state before this update
-                report += f"\n  saved a checkpoint at step {trainer.global_step} (before this update)"
-            else:
-                report += "\n  no FaultTolerantCheckpoint in the Trainer: nothing was saved"
-        raise NonFiniteGradientError(f"GradNormMonitor stopped training: {report}")
+        # Every rank raises here, at the same step: FaultTolerantCheckpoint may save collectively on it.
+        raise NonFiniteGradientError(
+            f"GradNormMonitor stopped training: {report}", checkpoint_first=action == "checkpoint_and_stop"
+        )
 
     def _log(
         self,
@@ -488,11 +326,16 @@ class GradNormMonitor(Callback):
         clip = trainer.gradient_clip_val
         if clip and (trainer.gradient_clip_algorithm or "norm") == "norm":
             metrics["grad_norm/total_clipped"] = total * min(1.0, float(clip) / (total + 1e-6))
-        metrics.update({f"grad_norm/{g}": math.sqrt(max(v, 0.0)) for g, v in zip(self._groups, groups, strict=False)})
+        metrics.update(
+            {f"grad_norm/{g}": math.sqrt(max(v, 0.0)) for g, v in zip(self._norms.groups, groups, strict=False)}
+        )
         if param_total is not None:
             metrics["param_norm/total"] = param_total
             metrics.update(
-                {f"param_norm/{g}": math.sqrt(max(v, 0.0)) for g, v in zip(self._groups, param_groups, strict=False)}
+                {
+                    f"param_norm/{g}": math.sqrt(max(v, 0.0))
+                    for g, v in zip(self._norms.groups, param_groups, strict=False)
+                }
             )
         self.last_metrics = metrics
         if trainer.is_global_zero:
@@ -503,30 +346,23 @@ class GradNormMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        spikes = self.spikes.state_dict()
         return {
-            "loss_history": list(self.loss_history),
-            "norm_history": list(self.norm_history),
+            "loss_history": spikes["loss_history"],
+            "norm_history": spikes["norm_history"],
             "nonfinite_events": self.nonfinite_events,
-            "spike_events": self.spike_events,
+            "spike_events": spikes["events"],
             "skipped_steps": self.skipped_steps,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.loss_history = deque(state_dict.get("loss_history", []), maxlen=self.spike_window)
-        self.norm_history = deque(state_dict.get("norm_history", []), maxlen=self.spike_window)
+        self.spikes.load_state_dict({**state_dict, "events": state_dict.get("spike_events", 0)})
         self.nonfinite_events = state_dict.get("nonfinite_events", 0)
-        self.spike_events = state_dict.get("spike_events", 0)
         self.skipped_steps = state_dict.get("skipped_steps", 0)
 
 
-def _common_root(names: list[str]) -> str:
-    """``model.`` when every parameter lives under one attribute of the LightningModule, else empty."""
-    roots = {name.split(".", 1)[0] for name in names}
-    return f"{roots.pop()}." if len(roots) == 1 and all("." in n for n in names) else ""
+def _has_checkpointer(trainer: pl.Trainer) -> bool:
+    from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 
-
-def _is_deepspeed(strategy: Any) -> bool:
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    return isinstance(strategy, DeepSpeedStrategy)
+    return any(isinstance(callback, FaultTolerantCheckpoint) for callback in trainer.callbacks)  # type: ignore[attr-defined]

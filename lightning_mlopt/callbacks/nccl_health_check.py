@@ -24,13 +24,10 @@ from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
 from lightning_mlopt.distributed.watchdog import HangWatchdog
+from lightning_mlopt.exceptions import HealthCheckError
 
 log = logging.getLogger(__name__)
 OnProblem = Literal["warn", "error"]
-
-
-class HealthCheckError(RuntimeError):
-    """A pre-flight check failed; the message names the ranks and hosts concerned."""
 
 
 class NCCLHealthCheck(Callback):

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_mlopt.checkpoint.async_writer import AsyncWriter
-    from lightning_mlopt.checkpoint.manifest import CheckpointInvalidError, Manifest, verify
+    from lightning_mlopt.checkpoint.manifest import Manifest, verify
     from lightning_mlopt.checkpoint.retention import RetentionPolicy
     from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointEntry, CheckpointStore
+    from lightning_mlopt.exceptions import CheckpointInvalidError
 
 _WHERE = {
     "AsyncWriter": "async_writer",

@@ -27,10 +27,6 @@ from typing import Any
 _NEARLY_FULL_BYTES = 64 * 2**20
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; earlier checkpoints are intact. The message names the path and cause."""
-
-
 def describe_write_error(error: BaseException, path: Path) -> str:
     """``"<reason> (errno N) writing <path>"``: the OS error in the exception chain, else the disk's state.
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_mlopt._bad_input import BadInputError
-from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, CheckpointInvalidError, Manifest, verify
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointEntry, CheckpointStore
+from lightning_mlopt.exceptions import BadInputError, CheckpointInvalidError
 
 
 def resolve_checkpoint_path(value: str, own_dir: Path | None, mode: str = "min") -> tuple[str, str | None]:

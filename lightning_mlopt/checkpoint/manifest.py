@@ -11,14 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mlopt.checkpoint.checksum import DEFAULT_ALGORITHM, digest_of, new_hasher
+from lightning_mlopt.exceptions import CheckpointInvalidError
 
 MANIFEST_NAME = "manifest.json"
 # 2: checksums by a recorded algorithm (xxh3_128) under "digest"; 1: SHA-256 under "sha256" (still verifies).
 FORMAT_VERSION = 2
-
-
-class CheckpointInvalidError(Exception):
-    """A checkpoint failed verification; the message says which file and why."""
 
 
 @dataclass(frozen=True)

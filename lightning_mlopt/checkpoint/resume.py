@@ -26,7 +26,8 @@ from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
-from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
+from lightning_mlopt.checkpoint.trust import check_trusted
+from lightning_mlopt.exceptions import UntrustedCheckpointError
 
 RNG_DIR = "rng"  # rng/rank-<r>.pt in every checkpoint folder
 

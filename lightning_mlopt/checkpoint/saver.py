@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.api import CheckpointException as _CheckpointE
 
 from lightning_mlopt.checkpoint.async_writer import AsyncWriter
 from lightning_mlopt.checkpoint.errors import (
-    CheckpointWriteError,
     agree_and_gather,
     describe_write_error,
     failed_ranks,
@@ -41,6 +40,7 @@ from lightning_mlopt.checkpoint.rng import capture_rng_state
 from lightning_mlopt.checkpoint.serialization import StagingBuffer, save_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.distributed.phase import phase
+from lightning_mlopt.exceptions import CheckpointWriteError
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from lightning_mlopt.checkpoint.manifest import (
     MANIFEST_NAME,
-    CheckpointInvalidError,
     Manifest,
     fsync_directory,
     verify,
     write_atomically,
     write_manifest,
 )
+from lightning_mlopt.exceptions import CheckpointInvalidError
 
 LATEST_NAME = "latest"
 STATE_NAME = "state.ckpt"  # what the strategy writes: a file (DDP) or a folder of shards (FSDP, DeepSpeed)

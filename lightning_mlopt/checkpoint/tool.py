@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME
-from lightning_mlopt.checkpoint.manifest import CheckpointInvalidError, verify
+from lightning_mlopt.checkpoint.manifest import verify
 from lightning_mlopt.checkpoint.serialization import load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
-from lightning_mlopt.checkpoint.trust import UntrustedCheckpointError, check_trusted
+from lightning_mlopt.checkpoint.trust import check_trusted
+from lightning_mlopt.exceptions import CheckpointInvalidError, UntrustedCheckpointError
 
 
 def _size(path: Path) -> int:

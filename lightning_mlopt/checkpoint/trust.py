@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from lightning_mlopt._bad_input import BadInputError
+from lightning_mlopt.exceptions import UntrustedCheckpointError
 
 TRUST_OPTION = "checkpoint.trust_pickles: true"
 
@@ -130,10 +130,6 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
         "deepspeed.utils.tensor_fragment.fragment_address",
     }
 )
-
-
-class UntrustedCheckpointError(BadInputError):
-    """A checkpoint names Python objects outside the allowlist; it was not loaded, nothing in it ran."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,16 @@
-"""The global gradient norm of a model whose gradients may be sharded (FSDP2 DTensors) or plain, and clipping.
+"""The package's one norm algorithm: sums of squares of sharded pieces, as if unsharded; and clipping by it.
 
-One fused ``_foreach_norm`` per group of like-sharded gradients and one all-reduce per sharded mesh
-dimension: N gradients cost a handful of kernels and collectives, not N.
+Each rank computes the fp32 sum of squares of the pieces it holds (one fused ``_foreach_norm``), each divided
+by its replication (see :mod:`lightning_mlopt.strategies.sharding`), and one all-reduce over the world sums
+them: every parameter counted once, under any strategy. Where every rank holds the whole, identical gradient
+(single device, DDP), the local sums are already the global ones: no weights, no collective.
+GradNormMonitor, :func:`global_grad_norm` and our FSDP strategy's clipping all go through
+:func:`sums_of_squares`.
+
+Example::
+
+    norm = global_grad_norm(model.parameters())  # DDP, FSDP, HSDP: plain tensors and DTensors
+    norm = global_grad_norm(params, sharding_of(trainer.strategy))  # any strategy, DeepSpeed ZeRO included
 """
 
 from __future__ import annotations
@@ -11,45 +20,67 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+
+from lightning_mlopt.distributed.sharding import Sharding, TensorSharding, world_size
 
 
-def global_grad_norm(parameters: Iterable[Tensor]) -> Tensor:
-    """L2 norm of all gradients as if unsharded, accumulated in fp32 whatever the gradients' dtype.
+def sums_of_squares(
+    tensors: list[Tensor],
+    device: torch.device,
+    weights: Tensor | None = None,
+    group_index: Tensor | None = None,
+    num_groups: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """The total and per-group sums of squares of ``tensors``, in fp32, on ``device`` (not collective).
 
-    Collective where gradients are DTensors: every rank must call it with the same parameters.
+    Args:
+        tensors: local pieces; empty ones (a rank's share of a small FSDP parameter) count 0.
+        device: where the sums live.
+        weights: one factor per tensor (1 / replication for sharded pieces); None: all 1.
+        group_index: one group number per tensor, for the per-group sums; None: no per-group sums.
+        num_groups: how many groups ``group_index`` numbers.
 
     Example::
 
-        norm = global_grad_norm(model.parameters())  # a 0-dim fp32 tensor on the gradients' device
+        >>> pieces = [torch.tensor([3.0, 4.0]), torch.tensor([2.0])]
+        >>> total, groups = sums_of_squares(pieces, torch.device("cpu"), group_index=torch.tensor([0, 1]), num_groups=2)
+        >>> total.item(), groups.tolist()
+        (29.0, [25.0, 4.0])
+
     """
-    # Gradients sharded the same way share one fused norm and one all-reduce per sharded mesh dimension.
-    groups: dict[tuple[int, str] | None, list[Tensor]] = {}
-    reduce_over: dict[tuple[int, str] | None, list[dist.ProcessGroup]] = {None: []}
-    for param in parameters:
-        grad = param.grad
-        if grad is None:
-            continue
-        key: tuple[int, str] | None = None
-        local = grad
-        if isinstance(grad, DTensor):
-            key = (id(grad.device_mesh), repr(grad.placements))
-            reduce_over[key] = [
-                grad.device_mesh.get_group(dim)
-                for dim, placement in enumerate(grad.placements)
-                if placement.is_shard() or placement.is_partial()
-            ]
-            local = grad.to_local()
-        groups.setdefault(key, []).append(local)
-    total = torch.zeros(())
-    for key, grads in groups.items():
-        nonempty = [g for g in grads if g.numel()]
-        squares = torch.zeros((), device=grads[0].device)
-        if nonempty:
-            squares = torch.stack(torch._foreach_norm(nonempty, 2.0, dtype=torch.float32)).pow(2).sum()
-        for group in reduce_over[key]:
-            dist.all_reduce(squares, group=group)
-        total = squares + total.to(squares.device)
+    groups = torch.zeros(num_groups, device=device)
+    if not tensors:
+        return torch.zeros((), device=device), groups
+    squares = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).to(device).pow_(2)
+    if weights is not None:
+        squares.mul_(weights)
+    if group_index is not None:
+        groups.index_add_(0, group_index, squares)
+    return squares.sum(), groups
+
+
+def global_grad_norm(parameters: Iterable[Tensor], sharding: Sharding | None = None) -> Tensor:
+    """L2 norm of all gradients as if unsharded, accumulated in fp32 whatever the gradients' dtype.
+
+    Args:
+        parameters: the model's parameters (every rank the same list).
+        sharding: what each rank holds (``strategies.sharding.sharding_of(trainer.strategy)``); None: plain
+            tensors and DTensors (``TensorSharding``).
+
+    Collective unless every gradient is replicated: every rank must call it.
+
+    """
+    params = list(parameters)
+    sharding = sharding or TensorSharding()
+    if sharding.gradients_replicated(params):
+        tensors = [p.grad for p in params if p.grad is not None]
+        return sums_of_squares(tensors, tensors[0].device if tensors else torch.device("cpu"))[0].sqrt()
+    pieces = list(sharding.gradient_pieces(params))
+    device = pieces[0].tensor.device if pieces else torch.device("cpu")
+    weights = torch.tensor([1.0 / piece.replication for piece in pieces], device=device)
+    total = sums_of_squares([piece.tensor for piece in pieces], device, weights)[0]
+    if world_size() > 1:
+        dist.all_reduce(total)
     return total.sqrt()
 
 
@@ -57,12 +88,12 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the pre-clip norm.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``, capped at 1),
-    for plain and sharded gradients alike.
+    for plain and sharded gradients alike (torch's fails on a mix of DTensors and plain tensors).
     """
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    grads = [piece.tensor for piece in TensorSharding().gradient_pieces(params)]
     for device_grads in _by_device(grads).values():
         torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
     return norm

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mlopt import exit_codes
-from lightning_mlopt._bad_input import BadInputError, ToolArgumentParser, config_paths
+from lightning_mlopt._bad_input import ToolArgumentParser, config_paths
+from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.launch._argv import without_options
 from lightning_mlopt.run_dir import resolve_run_dir
 

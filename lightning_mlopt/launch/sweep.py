@@ -43,7 +43,8 @@ from typing import IO, Any
 
 import yaml
 
-from lightning_mlopt._bad_input import BadInputError, ToolArgumentParser
+from lightning_mlopt._bad_input import ToolArgumentParser
+from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.launch._argv import without_options
 from lightning_mlopt.launch.slurm import add_slurm_arguments
 

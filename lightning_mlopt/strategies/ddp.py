@@ -13,6 +13,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_mlopt.distributed.sharding import TensorSharding
+
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 
 
@@ -65,6 +67,7 @@ class DDPStrategy(_LightningDDPStrategy):
     strategy_name = "mlopt_ddp"
 
     checkpoint_layout = "one file"  # rank zero writes the whole state (see checkpoint/layout.py)
+    sharding = TensorSharding()  # every rank holds the whole model and, after backward, the same gradients
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ from lightning_mlopt._compat import deepspeed_initialize_on_rank
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
+from lightning_mlopt.strategies.sharding import ZeroSharding
 
 Preset = Literal["zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -98,6 +99,11 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
     strategy_name = "mlopt_deepspeed"
 
     checkpoint_layout = "ZeRO partitions"  # DeepSpeed's checkpoint folder (see checkpoint/layout.py)
+
+    @property
+    def sharding(self) -> ZeroSharding:
+        """What each rank holds: ZeRO partitions (see strategies/sharding.py)."""
+        return ZeroSharding(self)
 
     def __init__(
         self,

@@ -20,12 +20,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mlopt._bad_input import BadInputError
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
+from lightning_mlopt.distributed.sharding import TensorSharding
+from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin, PendingWrite
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -77,6 +78,7 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
     strategy_name = "mlopt_fsdp"
 
     checkpoint_layout = "DCP shards"  # a torch.distributed.checkpoint folder (see checkpoint/layout.py)
+    sharding = TensorSharding()  # parameters and gradients are DTensors whose placements say who holds what
     # DCP's async checkpointer: "thread" (chosen: see benchmarks/results/checkpoint_sharded_*) or "process".
     async_checkpointer: Literal["thread", "process"] = "thread"
 

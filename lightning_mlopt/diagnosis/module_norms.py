@@ -1,0 +1,118 @@
+"""A model's gradient and parameter norms on one rank: in total and per module group, under any sharding.
+
+The numbers are this rank's share (sums of squares, weighted by 1 / replication where the model is sharded);
+the caller reduces them, packed with whatever else the step exchanges. Where every rank holds the whole,
+identical gradients (:attr:`ModuleNorms.replicated`), the local sums are the global ones and need no
+collective. The arithmetic is the package's one algorithm,
+:func:`~lightning_mlopt.distributed.grad_norm.sums_of_squares`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mlopt.diagnosis.module_names import common_root, module_group
+from lightning_mlopt.diagnosis.nonfinite import nonfinite_gradient_modules
+from lightning_mlopt.distributed.grad_norm import sums_of_squares
+from lightning_mlopt.distributed.sharding import Piece, Sharding
+
+
+class ModuleNorms:
+    """Name and group tables for ``module``'s parameters, and their sums of squares each step.
+
+    Build it after the strategy has set the model up: FSDP replaces parameters with sharded ones, and the
+    tables are keyed by the parameters the optimizer sees.
+
+    Args:
+        module: the model (a LightningModule); a single wrapper attribute (``model.``) is left out of names.
+        sharding: what each rank holds (``strategies.sharding.sharding_of(trainer.strategy)``).
+        depth: module-name depth of the groups (2: ``layers.3``); 0: no groups.
+
+    Example::
+
+        norms = ModuleNorms(pl_module, sharding_of(trainer.strategy), depth=2)
+        total, groups, device = norms.gradient_sums(per_group=True, default=pl_module.device)
+        if not norms.replicated:
+            dist.all_reduce(total)  # and groups: better, packed into one vector
+        print(total.sqrt(), dict(zip(norms.groups, groups.sqrt().tolist())))
+
+    """
+
+    def __init__(self, module: nn.Module, sharding: Sharding, depth: int) -> None:
+        self.sharding = sharding
+        self.depth = depth
+        self.params: list[Tensor] = list(module.parameters())
+        self.prefix = common_root([name for name, _ in module.named_parameters()])
+        self.names = {id(p): name[len(self.prefix) :] for name, p in module.named_parameters()}
+        groups = dict.fromkeys(module_group(n, depth) for n in self.names.values()) if depth else {}
+        self.groups: list[str] = list(groups)
+        index = {group: i for i, group in enumerate(self.groups)}
+        self._group_of = {pid: index[module_group(n, depth)] for pid, n in self.names.items()} if groups else {}
+        self.replicated = sharding.gradients_replicated(self.params)
+        self._plans: dict[tuple[Any, ...], tuple[Tensor | None, Tensor]] = {}
+
+    def gradient_sums(self, per_group: bool, default: torch.device) -> tuple[Tensor, Tensor, torch.device]:
+        """The gradients' sums of squares on this rank (total, per group) and the device they are on."""
+        if self.replicated:
+            # The common case, kept lean: plain tensors, no per-piece bookkeeping, no weights.
+            with_grad = [p for p in self.params if p.grad is not None]
+            tensors: list[Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
+            device = tensors[0].device if tensors else default
+            return (*self._sums(with_grad, tensors, None, per_group, device), device)
+        pieces = list(self.sharding.gradient_pieces(self.params))
+        device = pieces[0].tensor.device if pieces else default
+        return (*self.sums_of_pieces(pieces, per_group, device), device)
+
+    def parameter_pieces(self) -> list[Piece]:
+        """The parameter pieces this rank holds."""
+        return list(self.sharding.parameter_pieces(self.params))
+
+    def parameter_sums(self, per_group: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The parameters' sums of squares on this rank (total, per group)."""
+        return self.sums_of_pieces(self.parameter_pieces(), per_group, device)
+
+    def nonfinite_gradient_modules(self) -> list[str]:
+        """The module groups whose gradient pieces on this rank hold a non-finite value."""
+        return nonfinite_gradient_modules(list(self.sharding.gradient_pieces(self.params)), self.names, self.depth)
+
+    def sums_of_pieces(self, pieces: list[Piece], per_group: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Total and per-group sums of squares, each piece divided by its replication, in fp32.
+
+        Replicated: every rank holds every piece whole, and the local sums are the global ones as they are.
+        """
+        tensors = [p.tensor for p in pieces]
+        replications = None if self.replicated else [p.replication for p in pieces]
+        return self._sums([p.param for p in pieces], tensors, replications, per_group, device)
+
+    def _sums(
+        self,
+        params: list[Tensor],
+        tensors: list[Tensor],
+        replications: list[int] | None,
+        per_group: bool,
+        device: torch.device,
+    ) -> tuple[Tensor, Tensor]:
+        weights, index = None, None
+        if tensors and (replications is not None or per_group):
+            weights, index = self._plan(params, device, replications)
+        return sums_of_squares(tensors, device, weights, index if per_group else None, len(self.groups))
+
+    def _plan(
+        self, params: list[Tensor], device: torch.device, replications: list[int] | None
+    ) -> tuple[Tensor | None, Tensor]:
+        """Per-entry weights (1 / replication; None without replications) and group indices.
+
+        Built once per list of parameters: the parameters holding gradients do not change between steps.
+        """
+        key = (replications is not None, *[id(p) for p in params])  # a list, not a generator: faster
+        plan = self._plans.get(key)
+        if plan is None:
+            if self.groups and any(id(p) not in self._group_of for p in params):
+                raise RuntimeError("GradNormMonitor: a gradient belongs to no known parameter (did the model change?)")
+            weights = None if replications is None else torch.tensor([1.0 / r for r in replications], device=device)
+            index = torch.tensor([self._group_of.get(id(p), 0) for p in params], device=device)
+            plan = self._plans[key] = (weights, index)
+        return plan

@@ -1,0 +1,113 @@
+"""What a strategy answers about its sharding: which pieces of gradients and parameters this rank holds.
+
+Callbacks that measure the model (norms, fingerprints) ask
+:func:`lightning_mlopt.strategies.sharding.sharding_of` and never look inside a strategy. Each piece comes
+with its replication, how many ranks hold the same piece: dividing a piece's sum of squares by it and
+summing over all ranks gives the unsharded model's value with every parameter counted once. DDP replicates
+everything on every rank, HSDP each shard across its replica groups, FSDP and ZeRO partitions are disjoint;
+so one all-reduce over the world serves every strategy.
+
+This module holds the interface and :class:`TensorSharding` (plain tensors and DTensors: single device,
+DDP, FSDP, HSDP, ModelParallel); DeepSpeed's answers live with our strategies
+(``strategies/sharding.py``).
+
+Example::
+
+    sharding = TensorSharding()  # or strategies.sharding.sharding_of(trainer.strategy)
+    for piece in sharding.gradient_pieces(params):
+        squares += piece.tensor.float().pow(2).sum() / piece.replication
+    # then all-reduce ``squares`` over the world, unless sharding.gradients_replicated(params)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+
+class Piece(NamedTuple):
+    """A tensor this rank holds for one parameter, and on how many ranks the same piece lives.
+
+    A NamedTuple, not a dataclass: one is made per parameter per step, and a tuple is the cheapest object.
+    """
+
+    param: Tensor
+    tensor: Tensor
+    replication: int
+
+
+@runtime_checkable
+class Sharding(Protocol):
+    """A strategy's answers about what each rank holds; see the module docstring."""
+
+    #: Whether dropping every ``param.grad`` before the optimizer step makes that step a no-op. False where
+    #: the engine keeps gradients elsewhere and owns the update (DeepSpeed).
+    can_skip_step: bool
+
+    def gradient_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
+        """Every gradient piece this rank holds for ``params``, after backward and before the optimizer step."""
+        ...
+
+    def parameter_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
+        """Every parameter piece this rank holds (its shard where parameters are sharded)."""
+        ...
+
+    def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
+        """Whether every rank holds the whole, identical gradient of every parameter after backward.
+
+        Then a value computed from the local gradients is the global one, equal on every rank, and needs no
+        collective.
+        """
+        ...
+
+
+def world_size() -> int:
+    """Ranks in the default process group; 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def dtensor_replication(tensor: DTensor) -> int:
+    """On how many ranks each local shard of ``tensor`` lives: the product of its replicated mesh dimensions."""
+    replication = 1
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            replication *= tensor.device_mesh.size(dim)
+    return replication
+
+
+class TensorSharding:
+    """Parameters and gradients are torch tensors (replicated on every rank) or DTensors (their placements say).
+
+    Single device, DDP, FSDP2, HSDP and tensor parallelism through DTensor.
+    """
+
+    can_skip_step = True
+
+    def gradient_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
+        """See :class:`Sharding`. ``params`` is a list the caller keeps (walking the module each step costs more)."""
+        world = world_size()
+        for param in params:
+            grad = param.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):
+                yield Piece(param, grad.to_local(), dtensor_replication(grad))
+            else:
+                yield Piece(param, grad, world)  # DDP and single device: every rank holds the whole gradient
+
+    def parameter_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
+        """See :class:`Sharding`."""
+        world = world_size()
+        for param in params:
+            if isinstance(param, DTensor):
+                yield Piece(param, param.to_local(), dtensor_replication(param))
+            else:
+                yield Piece(param, param.detach(), world)
+
+    def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
+        """See :class:`Sharding`: no parameter is a DTensor."""
+        return not any(isinstance(p, DTensor) for p in params)

@@ -1,0 +1,66 @@
+"""Every exception type lightning_mlopt raises on purpose, in one place, and what each one means for the run.
+
+The entry point maps them to exit statuses (``exit_codes.py``): bad input exits 2, an unwritable checkpoint 74.
+Modules raise these; they never define their own.
+
+Example::
+
+    from lightning_mlopt.exceptions import BadInputError, StoppedTogether
+
+    try:
+        trainer.fit(model)
+    except StoppedTogether as stop:  # every rank raised it at the same step boundary
+        print(stop, stop.checkpoint_first)
+"""
+
+from __future__ import annotations
+
+
+class BadInputError(ValueError):
+    """The user's configuration is wrong; the message says what and how to fix it (the CLI exits with 2)."""
+
+
+class UntrustedCheckpointError(BadInputError):
+    """A checkpoint names Python objects outside the allowlist; it was not loaded, nothing in it ran."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; earlier checkpoints are intact. The message names the path and cause."""
+
+
+class CheckpointInvalidError(Exception):
+    """A checkpoint failed verification; the message says which file and why."""
+
+
+class StoppedTogether(RuntimeError):
+    """Every rank raised this at the same step boundary, from values they all agreed on.
+
+    So a callback's ``on_exception`` may run collectives for it, unlike for an arbitrary error that one rank
+    raised alone. ``checkpoint_first``: the raiser asks for the current state to be saved before the run ends
+    (FaultTolerantCheckpoint does it, on every rank, whatever its ``save_on_exception``, recording
+    ``checkpoint_reason`` in the manifest).
+    """
+
+    checkpoint_reason = "stopped"
+
+    def __init__(self, message: str, checkpoint_first: bool = False) -> None:
+        super().__init__(message)
+        self.checkpoint_first = checkpoint_first
+
+    def add_detail(self, line: str) -> None:
+        """Append a line to the message, e.g. what a handler did about it (``add_note`` needs Python 3.11)."""
+        self.args = (f"{self.args[0]}\n{line}", *self.args[1:])
+
+
+class NonFiniteGradientError(StoppedTogether):
+    """Training stopped on a non-finite gradient or a spike; the message holds the diagnosis."""
+
+    checkpoint_reason = "nonfinite"
+
+
+class HealthCheckError(RuntimeError):
+    """A pre-flight check failed; the message names the ranks and hosts concerned."""
+
+
+class CompatError(RuntimeError):
+    """A private name we depend on in Lightning, torch or DeepSpeed is gone or changed; the message names it."""

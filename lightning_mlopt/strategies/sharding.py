@@ -1,0 +1,83 @@
+"""Which strategy shards how: :func:`sharding_of`, and DeepSpeed ZeRO's answers to ``Sharding``.
+
+Our strategies declare theirs (a ``sharding`` attribute). A strategy that is not ours gets the documented
+fallback: Lightning's DeepSpeed strategy is read through its ZeRO optimizer (:class:`ZeroSharding`); any
+other is taken to keep torch tensors and DTensors in its parameters and gradients (``TensorSharding``),
+which is right for single device, DDP, FSDP, HSDP and Lightning's ModelParallel strategy.
+
+ZeRO keeps reduced gradients in its own partitions, not in ``param.grad``; they are read from the engine's
+ZeRO optimizer: stages 1 and 2 align ``params_in_partition`` with ``averaged_gradients``, stage 3 aligns
+``fp16_groups``. Stage 3 parameters hold their partition in ``ds_tensor``. These are DeepSpeed's own
+attribute names (DeepSpeed 0.19); this module is the one place that reads them for norms.
+
+Example::
+
+    sharding = sharding_of(trainer.strategy)  # ZeroSharding for DeepSpeed, after the engine is built
+    pieces = list(sharding.gradient_pieces(params))  # ZeRO: replication 1, the partitions are disjoint
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightning_mlopt.distributed.sharding import Piece, Sharding, TensorSharding, world_size
+
+
+class ZeroSharding:
+    """Gradients and ZeRO-3 parameters partitioned across the ranks; ZeRO-1/2 parameters replicated.
+
+    Args:
+        strategy: a Lightning DeepSpeed strategy (ours or Lightning's); its engine is read at each call.
+
+    """
+
+    can_skip_step = False  # the engine owns the update and keeps gradients in its partitions
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def _zero_optimizer(self) -> Any | None:
+        optimizer = getattr(getattr(self.strategy, "model", None), "optimizer", None)
+        return optimizer if hasattr(optimizer, "averaged_gradients") else None
+
+    def gradient_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
+        """The reduced gradient partitions of this rank (``params`` is unused: the engine knows its partitions)."""
+        zero = self._zero_optimizer()
+        if zero is None:  # no engine (yet), or an engine without ZeRO: plain replicated gradients
+            world = world_size()
+            yield from (Piece(p, p.grad, world) for p in params if p.grad is not None)
+            return
+        owners: Any = getattr(zero, "params_in_partition", None) or getattr(zero, "fp16_groups", None)
+        for group, grads in (zero.averaged_gradients or {}).items():
+            for param, grad in zip(owners[group], grads, strict=False):
+                if grad is not None:
+                    yield Piece(param, grad, 1)
+
+    def parameter_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
+        """ZeRO-3: each parameter's partition; ZeRO-1/2: the whole parameter, on every rank."""
+        world = world_size()
+        for param in params:
+            partition = getattr(param, "ds_tensor", None)
+            if partition is not None:
+                yield Piece(param, partition, 1)
+            else:
+                yield Piece(param, param.detach(), world)
+
+    def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
+        """Never: each rank holds only its partition of the reduced gradients."""
+        return False
+
+
+def sharding_of(strategy: Any) -> Sharding:
+    """The strategy's declared :class:`Sharding`, or the documented fallback (see the module docstring)."""
+    declared = getattr(strategy, "sharding", None)
+    if isinstance(declared, Sharding):
+        return declared
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy):
+        return ZeroSharding(strategy)
+    return TensorSharding()

@@ -1,0 +1,62 @@
+"""Which pieces each strategy says a rank holds; the fallback for strategies that are not ours; packed slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy as LightningDDP
+from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from lightning_mlopt.distributed.grad_norm import global_grad_norm
+from lightning_mlopt.distributed.packed import Packed
+from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
+from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+from lightning_mlopt.strategies.sharding import ZeroSharding, sharding_of
+
+
+def test_ours_declare_and_others_get_the_documented_fallback():
+    assert isinstance(sharding_of(DDPStrategy()), TensorSharding)
+    assert isinstance(sharding_of(FSDPStrategy()), TensorSharding)
+    assert isinstance(sharding_of(DeepSpeedStrategy()), ZeroSharding)
+    assert isinstance(sharding_of(LightningDeepSpeed()), ZeroSharding)  # Lightning's own: read through ZeRO
+    assert isinstance(sharding_of(LightningDDP()), TensorSharding)
+    assert isinstance(sharding_of(SingleDeviceStrategy(device=torch.device("cpu"))), TensorSharding)
+    for strategy in (DDPStrategy(), DeepSpeedStrategy()):
+        assert isinstance(sharding_of(strategy), Sharding)
+    assert not sharding_of(DeepSpeedStrategy()).can_skip_step and sharding_of(DDPStrategy()).can_skip_step
+
+
+def test_a_strategy_that_declares_its_own_sharding_is_asked():
+    class Halves(TensorSharding):
+        def gradient_pieces(self, params):  # pretend each rank holds half of every gradient, disjointly
+            return (
+                piece._replace(tensor=piece.tensor[: piece.tensor.numel() // 2], replication=1)
+                for piece in super().gradient_pieces(params)
+            )
+
+        def gradients_replicated(self, params):
+            return False
+
+    class Custom(SingleDeviceStrategy):
+        sharding = Halves()
+
+    assert isinstance(sharding_of(Custom(device=torch.device("cpu"))), Halves)
+    weight = torch.nn.Parameter(torch.zeros(4))
+    weight.grad = torch.tensor([3.0, 4.0, 100.0, 100.0])
+    assert global_grad_norm([weight], Halves()).item() == pytest.approx(5.0)  # one process: its half only
+    assert global_grad_norm([weight]).item() == pytest.approx(float(weight.grad.norm()))
+
+
+def test_packed_slots_are_read_back_by_name_and_checked():
+    packed = Packed()
+    packed.add("a", torch.tensor(1.0))
+    packed.add("b", torch.tensor([2.0, 3.0], dtype=torch.bfloat16))
+    assert "b" in packed and "c" not in packed
+    vector = packed.tensor(torch.device("cpu"))
+    assert vector.dtype == torch.float32
+    assert packed.unpack((vector * 2).tolist()) == {"a": [2.0], "b": [4.0, 6.0]}
+    with pytest.raises(ValueError, match="added twice"):
+        packed.add("a", torch.tensor(0.0))
+    with pytest.raises(ValueError, match="4 values for 3 slots"):
+        packed.unpack([0.0] * 4)
