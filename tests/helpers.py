@@ -163,7 +163,14 @@ class RecordMonitor(pl.Callback):
 
         (monitor,) = [cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)]
         self.metrics.append(dict(monitor.last_metrics))
-        record = {"metrics": self.metrics, "state": monitor.state_dict()}
+        from lightning_mlopt.distributed.step_exchange import step_exchange
+
+        record = {
+            "metrics": self.metrics,
+            "state": monitor.state_dict(),
+            "batches": trainer.fit_loop.epoch_loop.batch_progress.total.completed + 1,
+            "exchanges": step_exchange(trainer).collectives,
+        }
         (self.out_dir / f"monitor-rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

@@ -26,9 +26,11 @@ from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
+from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 
 log = logging.getLogger(__name__)
+_VOTE = "checkpoint.vote"  # this callback's flags in the step exchange: signal, timer due, write failed
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -195,6 +197,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.saver = CheckpointSaver(store, self.retention, self.async_save, self.monitor)
         self._own_signals(trainer)
         self.saver.check_writable(trainer)
+        if self._votes():  # each batch's exchange carries what this rank saw (read in on_train_batch_end)
+            step_exchange(trainer).provide(_VOTE, lambda: self._local_flags(trainer))
         choice = None
         if self.auto_resume and trainer.is_global_zero:
             choice = choose_checkpoint(store, trainer.strategy, self.trust_pickles, self.resume_final)
@@ -261,6 +265,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         finally:
             if stage == "fit":
                 preemption.release()
+                step_exchange(trainer).withdraw(_VOTE)
 
     # ------------------------------------------------------------------ triggers
 
@@ -340,27 +345,31 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ saving
 
-    def _agree_at_step_boundary(self, trainer: pl.Trainer) -> tuple[bool, bool]:
-        """One small all-reduce, reached by every rank: a signal, a timer run out, a failed background write.
+    def _votes(self) -> bool:
+        """Whether anything needs the ranks' agreement at each step boundary."""
+        return bool(self.signals) or self.every_n_minutes is not None or self.async_save
 
-        A failed background write raises on every rank here, at the step boundary after it failed.
+    def _local_flags(self, trainer: pl.Trainer) -> torch.Tensor:
+        """What this rank sees now: a signal received, the timer run out, a background write failed."""
+        assert self.saver is not None  # made at setup
+        due = self.every_n_minutes is not None and (
+            time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
+        )
+        flags = [float(preemption.received() is not None), float(due), float(self.saver.failed)]
+        return torch.tensor(flags, device=trainer.strategy.root_device)
+
+    def _agree_at_step_boundary(self, trainer: pl.Trainer) -> tuple[bool, bool]:
+        """What any rank saw: a signal, a timer run out, a failed background write.
+
+        Summed over the ranks in the batch's one exchange (see distributed/step_exchange.py), which every rank
+        reaches; when another callback exchanged earlier in the batch, its collective carried these too. A
+        failed background write raises on every rank here, at the step boundary after it failed.
         """
-        if not self.signals and self.every_n_minutes is None and not self.async_save:
+        if not self._votes():
             return False, False
         assert self.saver is not None  # made at setup
-        local = torch.tensor(
-            [
-                float(preemption.received() is not None),
-                float(
-                    self.every_n_minutes is not None
-                    and time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
-                ),
-                float(self.saver.failed),
-            ],
-            device=trainer.strategy.root_device,
-        )
-        total = trainer.strategy.reduce(local, reduce_op="sum")
-        signalled, due, write_failed = (bool(value > 0) for value in total.tolist())
+        total = step_exchange(trainer).read(trainer, _VOTE, trainer.strategy.root_device)
+        signalled, due, write_failed = (value > 0 for value in total)
         if write_failed:
             self.saver.wait(trainer)  # collective: every rank raises the same error
         return signalled, due

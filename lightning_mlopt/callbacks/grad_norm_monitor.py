@@ -20,10 +20,12 @@ from lightning_mlopt.diagnosis.nonfinite import first_nonfinite_output, nonfinit
 from lightning_mlopt.diagnosis.spikes import SpikeDetector
 from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.sharding import Piece, Sharding, TensorSharding
+from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import NonFiniteGradientError
 from lightning_mlopt.strategies.sharding import sharding_of
 
 Action = Literal["warn", "skip", "stop", "checkpoint_and_stop"]
+_SLOT = "grad_norm."  # this monitor's names in the step exchange
 
 __all__ = ["GradNormMonitor", "NonFiniteGradientError", "module_group"]
 
@@ -32,10 +34,11 @@ class GradNormMonitor(Callback):
     """Correct gradient norms under single device, DDP, FSDP and DeepSpeed ZeRO 1/2/3, cheaply.
 
     Every optimizer step: the global gradient norm (as if unsharded, replicated parameters counted once,
-    squares summed in fp32) and the mean loss are computed with one fused ``_foreach_norm`` and packed into
-    one all-reduce with each rank's non-finite report; one scalar vector is read on the host (as AMP's
-    GradScaler does). On logging steps the same all-reduce also carries per-module sums, so per-module
-    norms cost no extra collective.
+    squares summed in fp32; see ``distributed/grad_norm.py``) and the mean loss are computed with one fused
+    ``_foreach_norm`` and go into the batch's one exchange (``distributed/step_exchange.py``), which also
+    carries other callbacks' per-step values (FaultTolerantCheckpoint's signal and timer flags); one scalar
+    vector is read on the host (as AMP's GradScaler does). On logging steps the same exchange also carries
+    per-module sums, so per-module norms cost no extra collective.
 
     Non-finite values: when the gradient norm or loss is non-finite, every rank re-runs the step's forward pass
     (no gradients) with hooks that find the first module, in forward order, whose output is non-finite; the
@@ -188,29 +191,30 @@ class GradNormMonitor(Callback):
         every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
         logging_step = step % every == 0
         per_group = logging_step and bool(self._norms.groups)
-        packed = Packed()
+        # Replicated (DDP): the sums are already global and ride along unreduced; only the loss is summed.
+        # Sharded: everything is summed. Either way, in the step's one exchange (with other callbacks'
+        # values, e.g. FaultTolerantCheckpoint's signal flag) and one host read.
+        exchange = step_exchange(trainer)
+        local = Packed()
+        summed = local if self._norms.replicated else None
         grad_sq, grad_groups, device = self._norms.gradient_sums(per_group, pl_module.device)
-        packed.add("grad_sq", grad_sq)
-        if per_group:
-            packed.add("grad_groups", grad_groups)
+        slots = {"grad_sq": grad_sq, "grad_groups": grad_groups if per_group else None}
         if logging_step and self.param_norms:
             param_sq, param_groups = self._norms.parameter_sums(per_group, device)
-            packed.add("param_sq", param_sq)
-            if per_group:
-                packed.add("param_groups", param_groups)
-        world = trainer.world_size
-        loss = (torch.cat(self._losses).sum() if self._losses else torch.zeros(())).to(device) / world
+            slots.update(param_sq=param_sq, param_groups=param_groups if per_group else None)
+        for name, value in slots.items():
+            if value is not None:
+                if summed is not None:
+                    summed.add(f"{_SLOT}{name}", value)
+                else:
+                    exchange.put(trainer, f"{_SLOT}{name}", value)
+        loss = (torch.cat(self._losses).sum() if self._losses else torch.zeros(())).to(device) / trainer.world_size
         self._losses.clear()
-        if world > 1 and self._norms.replicated:
-            # Every rank, every step: the loss mean, the one value that differs between ranks. Here, after
-            # backward, not while it runs: an all-reduce issued in on_before_backward sits in the process
-            # group's queue ahead of DDP's bucket all-reduces and stalls them (measured: +1.4% vs +0.1%).
-            dist.all_reduce(loss)
-        packed.add("loss", loss)
-        vector = packed.tensor(device)
-        if world > 1 and not self._norms.replicated:
-            dist.all_reduce(vector)  # every rank, every step: one packed collective (sharded strategies)
-        values = packed.unpack(vector.tolist())  # the one host sync of the step
+        # Summed here, after backward, not while it runs: a collective issued in on_before_backward sits in the
+        # process group's queue ahead of DDP's bucket all-reduces and stalls them (measured: +1.4% vs +0.1%).
+        exchange.put(trainer, f"{_SLOT}loss", loss)
+        exchanged = exchange.flush(trainer, device, local)
+        values = {name.removeprefix(_SLOT): value for name, value in exchanged.items() if name.startswith(_SLOT)}
         if logging_step and self.update_ratios:
             # Snapshot this rank's parameter pieces; compared after the optimizer step in on_train_batch_end.
             self._before_update = [piece.tensor.detach().clone() for piece in self._norms.parameter_pieces()]
@@ -227,7 +231,7 @@ class GradNormMonitor(Callback):
         delta_pieces = [
             Piece(piece.param, delta, piece.replication) for piece, delta in zip(after, deltas, strict=True)
         ]
-        packed = Packed()
+        packed = Packed()  # logging steps only, after the optimizer step: its own small collective
         for name, pieces in (("delta", delta_pieces), ("param", after)):
             total, groups = self._norms.sums_of_pieces(pieces, True, device)
             packed.add(f"{name}_sq", total)

@@ -1,0 +1,112 @@
+"""One small all-reduce per training batch that every callback can put named values into.
+
+Callbacks that must agree on something each step (a preemption signal seen on any rank, a timer run out, a
+loss mean, a sharded norm) used to pay one collective and one host read each. Here the first callback that
+needs results in a batch (:meth:`StepExchange.flush` or :meth:`StepExchange.read`) sums, over every rank and
+through the strategy's own ``reduce``, in one collective and one host read: the values put so far in the
+batch (:meth:`StepExchange.put`) and the current values of every registered provider
+(:meth:`StepExchange.provide`, a function asked at that moment, so its values are as fresh as they can be
+whichever callback exchanges first). The others find their values already there.
+
+Every rank must put the same names with the same sizes and register the same providers; values are summed.
+A batch's values are forgotten when the next batch starts.
+
+Example::
+
+    exchange = step_exchange(trainer)
+    exchange.provide("ftc.signal", lambda: torch.tensor(float(signal_seen())))  # in setup
+    ...
+    signalled = exchange.read(trainer, "ftc.signal", device)[0] > 0            # at the batch's end
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_mlopt.distributed.packed import Packed
+
+_EXCHANGES: weakref.WeakKeyDictionary[Any, StepExchange] = weakref.WeakKeyDictionary()
+
+
+def step_exchange(trainer: Any) -> StepExchange:
+    """The trainer's exchange (one per Trainer, shared by its callbacks)."""
+    exchange = _EXCHANGES.get(trainer)
+    if exchange is None:
+        exchange = _EXCHANGES[trainer] = StepExchange()
+    return exchange
+
+
+def _batch_key(trainer: Any) -> int:
+    """Which batch the trainer is in: batches started so far in this fit (a public progress counter)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+
+
+class StepExchange:
+    """Named values summed over every rank once per batch; see the module docstring.
+
+    Attributes:
+        collectives: how many reductions this exchange has issued (for tests and benchmarks).
+
+    """
+
+    def __init__(self) -> None:
+        self._batch = -1
+        self._pending = Packed()
+        self._results: dict[str, list[float]] = {}
+        self._providers: dict[str, Callable[[], Tensor]] = {}
+        self.collectives = 0
+
+    def provide(self, name: str, values: Callable[[], Tensor]) -> None:
+        """Register ``values``, called at every batch's exchange for ``name``'s 0-dim or 1-dim tensor."""
+        self._providers[name] = values
+
+    def withdraw(self, name: str) -> None:
+        """Stop exchanging ``name`` (a callback's teardown)."""
+        self._providers.pop(name, None)
+
+    def _enter(self, trainer: Any) -> None:
+        batch = _batch_key(trainer)
+        if batch != self._batch:
+            self._batch, self._pending, self._results = batch, Packed(), {}
+
+    def put(self, trainer: Any, name: str, values: Tensor) -> None:
+        """Add a 0-dim or 1-dim tensor to this batch's exchange, to be summed over every rank."""
+        self._enter(trainer)
+        if name in self._results:
+            raise RuntimeError(f"step exchange: {name!r} was put after this batch's values were exchanged")
+        self._pending.add(name, values)
+
+    def flush(self, trainer: Any, device: torch.device, local: Packed | None = None) -> dict[str, list[float]]:
+        """Sum everything put so far over every rank (one collective), and read it and ``local`` on the host.
+
+        ``local`` rides along unreduced (values this rank already holds globally), so the caller pays one
+        host read for both. Returns the exchanged values put so far in this batch and ``local``'s, by name.
+        """
+        self._enter(trainer)
+        for name, provider in self._providers.items():
+            if name not in self._results and name not in self._pending:
+                self._pending.add(name, provider())
+        reduced = self._pending.tensor(device)
+        if reduced.numel():
+            if trainer.world_size > 1:
+                reduced = trainer.strategy.reduce(reduced, reduce_op="sum")
+            self.collectives += 1
+        riders = local.tensor(device) if local is not None else torch.zeros(0, device=device)
+        values = torch.cat([reduced.to(device), riders]).tolist()  # the one host read
+        self._results.update(self._pending.unpack(values[: reduced.numel()]))
+        self._pending = Packed()
+        if local is not None:
+            return {**self._results, **local.unpack(values[reduced.numel() :])}
+        return dict(self._results)
+
+    def read(self, trainer: Any, name: str, device: torch.device) -> list[float]:
+        """The summed values of ``name`` in this batch, exchanging what is pending if they are not there yet."""
+        self._enter(trainer)
+        if name not in self._results:
+            self.flush(trainer, device)
+        return self._results[name]

@@ -1,0 +1,48 @@
+"""The per-batch exchange: providers asked at the exchange, one collective per batch, a new batch forgets."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_mlopt.distributed.packed import Packed
+from lightning_mlopt.distributed.step_exchange import StepExchange
+
+
+class _Trainer(SimpleNamespace):
+    """What the exchange reads of a Trainer: the batch counter, the world size and the strategy's reduce."""
+
+    def __init__(self) -> None:
+        progress = SimpleNamespace(total=SimpleNamespace(ready=0))
+        super().__init__(
+            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+            world_size=2,
+            strategy=SimpleNamespace(reduce=lambda tensor, reduce_op: tensor * 2),  # two equal ranks
+        )
+        self.progress = progress
+
+
+def test_one_collective_carries_puts_providers_and_unreduced_riders():
+    trainer, exchange, cpu = _Trainer(), StepExchange(), torch.device("cpu")
+    seen = {"flag": 0.0}
+    exchange.provide("vote", lambda: torch.tensor([seen["flag"]]))
+    seen["flag"] = 1.0  # a provider is asked at the exchange, not when registered
+    exchange.put(trainer, "loss", torch.tensor(1.5))
+    local = Packed()
+    local.add("norm", torch.tensor(3.0))
+    assert exchange.flush(trainer, cpu, local) == {"vote": [2.0], "loss": [3.0], "norm": [3.0]}
+    assert exchange.read(trainer, "vote", cpu) == [2.0]  # already there: no second collective
+    assert exchange.collectives == 1
+    with pytest.raises(RuntimeError, match="put after this batch's values were exchanged"):
+        exchange.put(trainer, "loss", torch.tensor(0.0))
+
+    trainer.progress.total.ready += 1  # the next batch: nothing put yet, the provider asked again
+    seen["flag"] = 0.0
+    assert exchange.read(trainer, "vote", cpu) == [0.0]
+    assert exchange.collectives == 2
+    exchange.withdraw("vote")
+    trainer.progress.total.ready += 1
+    assert exchange.flush(trainer, cpu) == {}
+    assert exchange.collectives == 2  # nothing to exchange: no collective
