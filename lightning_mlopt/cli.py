@@ -461,7 +461,8 @@ def main(args: Sequence[str] | None = None) -> None:
         raise
     finally:
         startup_guard.disarm()
-    _shut_down_process_group()
+    if _shut_down_process_group():
+        _leave_without_destructors(exit_codes.SUCCESS)
 
 
 def _exit_after_launcher(code: int | str | None) -> NoReturn:
@@ -481,14 +482,23 @@ def _exit_after_launcher(code: int | str | None) -> NoReturn:
         while os.getppid() == parent and time.monotonic() < deadline:
             time.sleep(0.05)
     if with_peers:
-        # Even with the group destroyed, a communication thread can still be joinable when the interpreter's
-        # C++ destructors run, and abort the process (1 of 12 FSDP full-disk torture trials ended -6 so).
-        # Run the exit handlers (W&B's flush, the journal) ourselves, then leave without those destructors.
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 1)
+        _leave_without_destructors(code if isinstance(code, int) else exit_codes.FAILURE)
     raise SystemExit(code) from None
+
+
+def _leave_without_destructors(code: int) -> NoReturn:
+    """Exit a multi-process run's rank with ``code`` after its process group is destroyed.
+
+    Even with the group destroyed, a communication thread can still be joinable when the interpreter's C++
+    destructors run, and abort the process ("terminate called without an active exception", -6 instead of
+    ``code``): 1 of 12 FSDP full-disk torture trials after an agreed exit, 1 of 20 ZeRO-3 relaunches after a
+    run that had finished. Run the exit handlers (W&B's flush, the journal) ourselves, then leave without
+    those destructors.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _started_by_lightning_launcher() -> bool:
