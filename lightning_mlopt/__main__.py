@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 import sys
 
-_TRAINER_RUNS = ("fit", "validate", "test", "predict")
+from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, run_tool
 
 
 def run() -> None:
     """Guard the process, then import and run the CLI (``lightning-mlopt`` and ``python -m lightning_mlopt``)."""
     subcommand = sys.argv[1] if len(sys.argv) > 1 else ""
-    if subcommand in _TRAINER_RUNS:
+    if subcommand in TOOLS:
+        raise SystemExit(run_tool(subcommand, sys.argv[2:]))
+    if subcommand in TRAINER_RUNS:
         from lightning_mlopt.checkpoint.preemption import preemption
         from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, startup_guard
 

@@ -4,14 +4,13 @@ A LightningCLI subclass that adds to Lightning's: our strategies by short name (
 and a planner-backed ``strategy: auto``; a run directory that is stable across relaunches of the same
 command (the resolved config is written there); FaultTolerantCheckpoint on by default (``checkpoint:``), so
 a relaunch resumes; and bad input that ends in a short message and exit status 2 instead of a page of usage
-text, before anything is written. The tool subcommands in ``TOOLS`` (``plan``, ``checkpoint``, ``sweep``,
-``slurm``) are dispatched before the LightningCLI is built.
+text, before anything is written. The tool subcommands (``plan``, ``checkpoint``, ``sweep``, ``slurm``) never
+reach it: the entry point dispatches them (``commands.py``).
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib
 import json
 import os
 import sys
@@ -30,15 +29,14 @@ from typing_extensions import override
 from lightning_mlopt import exit_codes, strategies
 from lightning_mlopt._bad_input import check_config_files, config_paths, explain_parser_error
 from lightning_mlopt._quiet import silence_known_noise
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck, ThroughputProgressBar
+from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError
 from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
-from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, resolve_run_dir
-from lightning_mlopt.tracking import ThroughputProgressBar
+from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, METRICS_NAME, resolve_run_dir
 
 DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
-METRICS_NAME = "metrics.json"  # final metrics of a fit, written by rank zero; sweeps read it
 RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 
 
@@ -171,7 +169,7 @@ class MLOptCLI(LightningCLI):
             return
         assert self.run_dir is not None
         checkpoint = config.get("checkpoint") or {}
-        own = Path(checkpoint.get("dirpath") or self.run_dir / "checkpoints")
+        own = Path(checkpoint.get("dirpath") or self.run_dir / CHECKPOINTS_DIR)
         path, described = resolve_checkpoint_path(str(value), own, mode=checkpoint.get("mode") or "min")
         # Every pickle in it (our step folder whole, RNG files included) is checked before Lightning loads it.
         target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
@@ -230,7 +228,7 @@ class MLOptCLI(LightningCLI):
     @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
         assert self.run_dir is not None
-        name = "config.yaml" if self.subcommand in (None, "fit") else f"config.{self.subcommand}.yaml"
+        name = CONFIG_NAME if self.subcommand in (None, "fit") else f"config.{self.subcommand}.yaml"
         section = self.config.get(str(self.subcommand), self.config)
         callbacks = [
             *callbacks,
@@ -412,40 +410,20 @@ def _rank_zero_print(text: str) -> None:
         print(text, flush=True)
 
 
-# Subcommands that are tools, not Trainer runs: dispatched before the LightningCLI is built (module, summary).
-TOOLS = {
-    "plan": ("lightning_mlopt.planning.tool", "memory per rank for each strategy, from numbers or a config"),
-    "checkpoint": ("lightning_mlopt.checkpoint.tool", "list, verify, consolidate or export (safetensors) checkpoints"),
-    "sweep": ("lightning_mlopt.launch.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
-    "slurm": ("lightning_mlopt.launch.slurm", "write an sbatch script that requeues and resumes the run"),
-}
-_TRAINER_RUNS = ("fit", "validate", "test", "predict")
-_TRAINER_SUBCOMMANDS = ", ".join(_TRAINER_RUNS)
-
-
-def _tools_help(below: bool = False) -> str:
-    lines = [f"Trainer runs: {_TRAINER_SUBCOMMANDS}{' (below)' if below else ''}. Tools, each with its own --help:"]
-    lines += [f"  {name:<11} {summary}" for name, (_, summary) in TOOLS.items()]
-    return "\n".join(lines) + "\n"
-
-
 def main(args: Sequence[str] | None = None) -> None:
-    """Run the CLI; bad input exits with status 2 and a short message on stderr."""
+    """Run a Trainer subcommand (``fit``, ...; tools go through ``commands.py``); bad input exits with status 2."""
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] and argv[0] in TOOLS:
-        tool = importlib.import_module(TOOLS[argv[0]][0])
-        raise SystemExit(tool.main(argv[1:]))
     if not argv:
-        sys.stderr.write(f"error: name a subcommand: {_TRAINER_SUBCOMMANDS}, {', '.join(TOOLS)}\n")
-        sys.stderr.write(_tools_help())
+        sys.stderr.write(f"error: name a subcommand: {', '.join((*TRAINER_RUNS, *TOOLS))}\n")
+        sys.stderr.write(tools_help())
         raise SystemExit(exit_codes.BAD_INPUT)
     if argv in (["-h"], ["--help"]):
-        print(_tools_help(below=True))
+        print(tools_help(below=True))
     silence_known_noise()
     try:
         check_config_files(config_paths(argv))
         _Parser.argv = argv
-        if argv[0] in _TRAINER_RUNS and any(arg.split("=")[0] == "--print_config" for arg in argv):
+        if argv[0] in TRAINER_RUNS and any(arg.split("=")[0] == "--print_config" for arg in argv):
             print(print_config(argv[1:], argv[0]), end="")
             raise SystemExit(0)
         MLOptCLI(argv)

@@ -1,4 +1,14 @@
-"""The run directory: one folder per distinct configuration, the same on every relaunch of a command."""
+"""The run directory: one folder per distinct configuration, the same on every relaunch of a command.
+
+What it holds is named here and nowhere else::
+
+    <run_dir>/
+        config.yaml      the resolved configuration of the fit (config.<subcommand>.yaml for the others)
+        checkpoints/     FaultTolerantCheckpoint's committed checkpoints (step-<N>/ folders)
+        health/          NCCLHealthCheck's hang dumps (one file per rank)
+        metrics.json     the final metrics of each fit, written by rank zero; sweeps read it
+        job.sbatch       the SLURM script, where ``slurm`` wrote it
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,11 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_RUNS_ROOT = "runs"
+CONFIG_NAME = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+HEALTH_DIR = "health"
+METRICS_NAME = "metrics.json"
+SBATCH_NAME = "job.sbatch"
 # Keys that say where or how to run, not what to train: they must not move the run directory.
 _VOLATILE_KEYS = frozenset({"config", "run_dir", "ckpt_path", "weights_only", "print_config", "__path__"})
 

@@ -11,14 +11,14 @@ import torch
 import yaml
 
 import lightning_mlopt
+from lightning_mlopt.callbacks.throughput_progress_bar import ThroughputMeter, count_items, format_rate
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.cli import main
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint
+from lightning_mlopt.redaction import REDACTED, is_secret_name, redact, secret_values
 from lightning_mlopt.tracking import WandbTracker
-from lightning_mlopt.tracking.progress import ThroughputMeter, count_items, format_rate
 from lightning_mlopt.tracking.provenance import git_state
-from lightning_mlopt.tracking.secrets import REDACTED, is_secret_name, redact, secret_values
 from tests.conftest import CONFIGS, SMOKE, run_cli
 from tests.wandb_records import summary_of
 

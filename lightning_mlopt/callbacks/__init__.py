@@ -3,6 +3,7 @@
 from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_mlopt.callbacks.nccl_health_check import NCCLHealthCheck
+from lightning_mlopt.callbacks.throughput_progress_bar import ThroughputProgressBar
 from lightning_mlopt.exceptions import CheckpointWriteError, HealthCheckError, NonFiniteGradientError
 
 __all__ = [
@@ -12,4 +13,5 @@ __all__ = [
     "HealthCheckError",
     "NCCLHealthCheck",
     "NonFiniteGradientError",
+    "ThroughputProgressBar",
 ]

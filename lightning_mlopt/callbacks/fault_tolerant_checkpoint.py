@@ -28,6 +28,7 @@ from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
+from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 
 log = logging.getLogger(__name__)
 _VOTE = "checkpoint.vote"  # this callback's flags in the step exchange: signal, timer due, write failed
@@ -184,7 +185,7 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     def checkpoint_dir(self, trainer: pl.Trainer) -> Path:
         """Where checkpoints go: ``dirpath``, or ``<trainer.default_root_dir>/checkpoints``."""
-        return Path(self.dirpath or os.path.join(trainer.default_root_dir, "checkpoints"))
+        return Path(self.dirpath or os.path.join(trainer.default_root_dir, CHECKPOINTS_DIR))
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -25,6 +25,7 @@ from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
 from lightning_mlopt.distributed.watchdog import HangWatchdog
 from lightning_mlopt.exceptions import HealthCheckError
+from lightning_mlopt.run_dir import HEALTH_DIR
 
 log = logging.getLogger(__name__)
 OnProblem = Literal["warn", "error"]
@@ -133,7 +134,7 @@ class NCCLHealthCheck(Callback):
 
     def dump_folder(self, trainer: pl.Trainer) -> Path:
         """Where hang dumps go: ``dump_dir``, or ``<trainer.default_root_dir>/health``."""
-        return Path(self.dump_dir or os.path.join(trainer.default_root_dir, "health"))
+        return Path(self.dump_dir or os.path.join(trainer.default_root_dir, HEALTH_DIR))
 
     # ------------------------------------------------------------------ pre-flight
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointEntry, CheckpointStore
 from lightning_mlopt.exceptions import BadInputError, CheckpointInvalidError
+from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 
 
 def resolve_checkpoint_path(value: str, own_dir: Path | None, mode: str = "min") -> tuple[str, str | None]:
@@ -49,7 +50,7 @@ def resolve_checkpoint_path(value: str, own_dir: Path | None, mode: str = "min")
         return value, None
     if (path / MANIFEST_NAME).is_file():
         return _state(_verified(path))
-    for folder in (path, path / "checkpoints"):
+    for folder in (path, path / CHECKPOINTS_DIR):
         store = CheckpointStore(folder)
         if store.committed():
             return _state(_newest(store, folder))

@@ -23,6 +23,7 @@ from lightning_mlopt.checkpoint.serialization import load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.checkpoint.trust import check_trusted
 from lightning_mlopt.exceptions import CheckpointInvalidError, UntrustedCheckpointError
+from lightning_mlopt.run_dir import CONFIG_NAME
 
 
 def _size(path: Path) -> int:
@@ -119,7 +120,7 @@ def export(checkpoint: Path, out_dir: Path, max_shard_bytes: int, trust_pickles:
         return 2
     full = load_full_checkpoint(state, trust_pickles)
     files = write_safetensors(full["state_dict"], out_dir, max_shard_bytes)
-    run_config = state.parent.parent.parent / "config.yaml" if state.name == STATE_NAME else None
+    run_config = state.parent.parent.parent / CONFIG_NAME if state.name == STATE_NAME else None
     files.append(write_model_config(full, run_config, out_dir))
     size = sum(path.stat().st_size for path in files)
     names = ", ".join(p.name for p in files) if len(files) <= 3 else f"{len(files) - 2} shards, an index, the config"

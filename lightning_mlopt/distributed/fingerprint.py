@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_mlopt.tracking.secrets import redact
+from lightning_mlopt.redaction import redact
 
 # Differ between ranks by design; everything else should be identical across a job.
 PER_RANK_KEYS = frozenset({"host"})

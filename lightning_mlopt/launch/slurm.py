@@ -23,7 +23,7 @@ from lightning_mlopt import exit_codes
 from lightning_mlopt._bad_input import ToolArgumentParser, config_paths
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.launch._argv import without_options
-from lightning_mlopt.run_dir import resolve_run_dir
+from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 _NAME = re.compile(r"^[\w.+-]+$")
@@ -141,7 +141,7 @@ def sbatch_script(
         *job.extra_directives,
     ]
     quoted = " ".join(arg if "$SLURM_ARRAY_TASK_ID" in arg else shlex.quote(arg) for arg in command)
-    where = script_path or log_dir / "job.sbatch"
+    where = script_path or log_dir / SBATCH_NAME
     lines = [
         "#!/bin/bash",
         "# Written by lightning_mlopt; submit with: sbatch " + shlex.quote(str(where)),
@@ -297,7 +297,7 @@ def main(argv: Sequence[str]) -> int:
         f"--trainer.devices={job.gpus_per_node}",
         f"--run_dir={run_dir}",
     ]
-    target = Path(options.output) if options.output else run_dir / "job.sbatch"
+    target = Path(options.output) if options.output else run_dir / SBATCH_NAME
     run_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens the --output file there before the job starts
     script = sbatch_script(command, run_dir, job, requeue_exit_code=requeue_exit_code(config), script_path=target)
     write_script(target, script)

@@ -47,6 +47,7 @@ from lightning_mlopt._bad_input import ToolArgumentParser
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.launch._argv import without_options
 from lightning_mlopt.launch.slurm import add_slurm_arguments
+from lightning_mlopt.run_dir import METRICS_NAME
 
 _LOCAL_DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "normal", "categorical")
 Trial = dict[str, Any]
@@ -362,7 +363,7 @@ def _lookup(config: dict[str, Any], dotted: str) -> Any:
 
 
 def _read_metric(folder: Path, name: str) -> float | None:
-    path = folder / "metrics.json"
+    path = folder / METRICS_NAME
     if not path.is_file():
         return None
     try:

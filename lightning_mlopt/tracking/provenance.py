@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt.tracking.secrets import redact
+from lightning_mlopt.redaction import redact
 
 
 def _git(args: list[str], cwd: Path) -> str | None:

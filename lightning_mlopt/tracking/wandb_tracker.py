@@ -17,9 +17,10 @@ from typing_extensions import override
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.redaction import redact
+from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 from lightning_mlopt.tracking.journal import Journal
 from lightning_mlopt.tracking.provenance import run_provenance
-from lightning_mlopt.tracking.secrets import redact
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
@@ -194,7 +195,7 @@ class WandbTracker(WandbLogger):
             return self._id
         if os.environ.get("WANDB_RUN_ID"):
             return None  # a W&B sweep agent (or the user) chose it; wandb.init reads it
-        root = Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.save_dir or ".") / "checkpoints"
+        root = Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.save_dir or ".") / CHECKPOINTS_DIR
         return CheckpointStore(root).recorded_run_id("wandb")
 
 

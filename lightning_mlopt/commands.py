@@ -1,0 +1,36 @@
+"""The subcommands of ``python -m lightning_mlopt``: Trainer runs, and tools dispatched before any Trainer.
+
+Standard library only: the entry point reads it before importing torch.
+
+Example::
+
+    python -m lightning_mlopt fit --config configs/quickstart.yaml   # a Trainer run (cli.py)
+    python -m lightning_mlopt checkpoint verify runs/quickstart-1a2b3c4d    # a tool (its module's main)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+TRAINER_RUNS = ("fit", "validate", "test", "predict")
+
+# Subcommands that are tools, not Trainer runs: name -> (module with a ``main(argv) -> int``, summary).
+TOOLS = {
+    "plan": ("lightning_mlopt.planning.tool", "memory per rank for each strategy, from numbers or a config"),
+    "checkpoint": ("lightning_mlopt.checkpoint.tool", "list, verify, consolidate or export (safetensors) checkpoints"),
+    "sweep": ("lightning_mlopt.launch.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
+    "slurm": ("lightning_mlopt.launch.slurm", "write an sbatch script that requeues and resumes the run"),
+}
+
+
+def tools_help(below: bool = False) -> str:
+    """The list of subcommands, for ``--help`` and for a command line that names none."""
+    lines = [f"Trainer runs: {', '.join(TRAINER_RUNS)}{' (below)' if below else ''}. Tools, each with its own --help:"]
+    lines += [f"  {name:<11} {summary}" for name, (_, summary) in TOOLS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_tool(name: str, argv: Sequence[str]) -> int:
+    """Run tool ``name`` with its arguments; its exit status."""
+    return int(importlib.import_module(TOOLS[name][0]).main(list(argv)))
