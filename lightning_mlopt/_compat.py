@@ -1,15 +1,32 @@
-"""Reaches into private names of Lightning, torch and DeepSpeed that have no public alternative.
+"""Reaches into private names of Lightning, torch, DeepSpeed, argparse and the interpreter with no public alternative.
 
 Each function names the private attribute it depends on and fails loudly (``CompatError``, naming the reach)
 when an upgrade removes it, rather than silently doing nothing; ``tests/test_compat.py`` has a test per reach.
+Nothing outside this module reaches a private name of another package.
+
+The reaches:
+
+- Lightning: ``Trainer._signal_connector`` (keeping our signal handlers), ``Trainer._checkpoint_connector``
+  (``dump_checkpoint``: the state a save writes; ``resume_start``, ``_ckpt_path``, ``_loaded_checkpoint``:
+  resuming from a checkpoint we loaded or checked ourselves), ``fit_loop._data_fetcher`` and
+  ``fit_loop._combined_loader`` (repositioning a resumed epoch), checkpoint migration.
+- DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU.
+- torch: the fused ``torch._foreach_*`` kernels (norms of many tensors in one call), the default store of
+  ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint.
+- argparse: a parser's ``_actions`` and subcommand parsers (every known key, for "did you mean").
+- the interpreter: ``sys._current_frames`` (the hang dump's stacks), ``atexit._run_exitfuncs`` (exit
+  handlers before leaving without C++ destructors).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import signal
+import sys
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType, ModuleType
 from typing import Any
 
 from lightning_mlopt.exceptions import CompatError
@@ -19,8 +36,9 @@ def _require(owner: Any, name: str, what: str) -> Any:
     try:
         return getattr(owner, name)
     except AttributeError:
+        owner_name = owner.__name__ if isinstance(owner, ModuleType) else type(owner).__name__
         raise CompatError(
-            f"{what}: {type(owner).__name__}.{name} is gone in this version; lightning_mlopt needs an update"
+            f"{what}: {owner_name}.{name} is gone in this version; lightning_mlopt needs an update"
         ) from None
 
 
@@ -90,3 +108,119 @@ def preload_checkpoint(trainer: Any, path: Any, checkpoint: dict[str, Any]) -> N
     _require(connector, "_ckpt_path", "preloading a checkpoint")
     connector._ckpt_path = path
     connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, path)
+
+
+def dump_checkpoint(trainer: Any, weights_only: bool = False) -> dict[str, Any]:
+    """The state ``trainer.save_checkpoint`` would write, as a dict (no public way to get it without writing).
+
+    Reach: ``trainer._checkpoint_connector.dump_checkpoint``.
+    """
+    connector = _require(trainer, "_checkpoint_connector", "saving a checkpoint")
+    dump: Callable[..., dict[str, Any]] = _require(connector, "dump_checkpoint", "saving a checkpoint")
+    return dump(weights_only=weights_only)
+
+
+def resume_start(trainer: Any, path: Any, weights_only: bool) -> None:
+    """Load ``path`` through the strategy as Lightning's ``fit(ckpt_path=...)`` would, before the fit starts.
+
+    Reach: ``trainer._checkpoint_connector.resume_start``.
+    """
+    connector = _require(trainer, "_checkpoint_connector", "resuming from a checkpoint")
+    _require(connector, "resume_start", "resuming from a checkpoint")(path, weights_only=weights_only)
+
+
+def epoch_loaders(trainer: Any) -> tuple[Any, Any]:
+    """The fit loop's data fetcher and combined loader of the current epoch (None before they exist).
+
+    Reach: ``trainer.fit_loop._data_fetcher`` and ``._combined_loader``: the loop's own record of where the
+    epoch is, which a resumed run repositions.
+    """
+    loop = trainer.fit_loop
+    what = "resuming in the middle of an epoch"
+    return _require(loop, "_data_fetcher", what), _require(loop, "_combined_loader", what)
+
+
+def default_store() -> Any | None:
+    """The default process group's key-value store, or None without one.
+
+    Reach: ``torch.distributed.distributed_c10d._get_default_store``.
+    """
+    import torch.distributed as dist
+
+    get_store = _require(dist.distributed_c10d, "_get_default_store", "the hang watchdog's liveness check")
+    try:
+        return get_store()
+    except (RuntimeError, ValueError):  # no default group
+        return None
+
+
+def current_frames() -> dict[int, FrameType]:
+    """Every thread's current frame, by thread id. Reach: ``sys._current_frames`` (documented, underscored)."""
+    frames: Callable[[], dict[int, FrameType]] = _require(sys, "_current_frames", "dumping stacks")
+    return frames()
+
+
+def run_exit_handlers() -> None:
+    """Run the ``atexit`` handlers now (before ``os._exit``). Reach: ``atexit._run_exitfuncs``."""
+    _require(atexit, "_run_exitfuncs", "running the exit handlers")()
+
+
+def foreach_norm(tensors: list[Any], dtype: Any) -> list[Any]:
+    """The L2 norm of each tensor, in one fused kernel per device and dtype. Reach: ``torch._foreach_norm``."""
+    import torch
+
+    return list(_require(torch, "_foreach_norm", "computing norms")(tensors, 2.0, dtype=dtype))
+
+
+def foreach_sub(tensors: list[Any], others: list[Any]) -> list[Any]:
+    """``tensors[i] - others[i]`` for every i, fused. Reach: ``torch._foreach_sub``."""
+    import torch
+
+    return list(_require(torch, "_foreach_sub", "computing update ratios")(tensors, others))
+
+
+def foreach_mul_(tensors: list[Any], factor: Any) -> None:
+    """Multiply every tensor in place by ``factor`` (a tensor), fused. Reach: ``torch._foreach_mul_``."""
+    import torch
+
+    _require(torch, "_foreach_mul_", "clipping gradients")(tensors, factor)
+
+
+def composable_checkpoint() -> Callable[..., Any]:
+    """The activation checkpoint of torch, applied to a module in place, keeping parameter names unchanged.
+
+    Reach: ``torch.distributed._composable.checkpoint`` (the wrapper form adds a name prefix).
+    """
+    import torch.distributed._composable as composable
+
+    return _require(composable, "checkpoint", "activation checkpointing")
+
+
+def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's argument actions. Reach: ``ArgumentParser._actions``."""
+    return list(_require(parser, "_actions", "listing the known configuration keys"))
+
+
+def subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of a jsonargparse parser's subcommands (none without subcommands).
+
+    Reach: jsonargparse's ``_subcommands_action`` and argparse's ``_name_parser_map``.
+    """
+    action = getattr(parser, "_subcommands_action", None)  # absent: a parser without subcommands
+    if action is None:
+        return []
+    return list(_require(action, "_name_parser_map", "listing the subcommands' keys").values())
+
+
+# Private methods of Lightning that our subclasses override, extending them where no public hook exists. An
+# upgrade that renames one would silently stop calling ours; tests/test_compat.py checks that each still
+# exists on its base class and that no other private override exists.
+PRIVATE_OVERRIDES = {
+    # MLOptCLI: adds its default callbacks (startup, progress bar) to the ones the config names.
+    ("lightning.pytorch.cli", "LightningCLI", "_instantiate_trainer"),
+    # DDPStrategy: none (comm hooks go through the public configure_ddp).
+    # DeepSpeedStrategy: engine set-up on CPU, inference set-up on CPU, the preset-built config.
+    ("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy", "_setup_model_and_optimizer"),
+    ("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy", "_initialize_deepspeed_inference"),
+    ("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy", "_format_config"),
+}

@@ -10,7 +10,6 @@ reach it: the entry point dispatches them (``commands.py``).
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from typing_extensions import override
 
 from lightning_mlopt import exit_codes, strategies
 from lightning_mlopt._bad_input import check_config_files, config_paths, explain_parser_error
+from lightning_mlopt._compat import parser_actions, run_exit_handlers, subcommand_parsers
 from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck, ThroughputProgressBar
 from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
@@ -52,10 +52,9 @@ class _Parser(LightningArgumentParser):
 
 def _known_keys(parser: LightningArgumentParser) -> set[str]:
     """Every dotted key a parser and its subcommand parsers accept (for "did you mean")."""
-    keys = {action.dest for action in parser._actions}
-    subcommands = getattr(parser, "_subcommands_action", None)
-    for subparser in getattr(subcommands, "_name_parser_map", {}).values():
-        keys |= _known_keys(subparser)
+    keys = {action.dest for action in parser_actions(parser)}
+    for subparser in subcommand_parsers(parser):
+        keys |= _known_keys(subparser)  # type: ignore[arg-type]
     return keys
 
 
@@ -106,7 +105,7 @@ class MLOptCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        for action in parser._actions:  # the Trainer's own help for `strategy` knows only Lightning's names
+        for action in parser_actions(parser):  # the Trainer's own help for `strategy` knows only Lightning's names
             if action.dest == "trainer.strategy":
                 ours = ", ".join(strategies.STRATEGIES)
                 action.help = f"{action.help or ''} With lightning_mlopt: {ours}, or auto (the memory planner)."
@@ -473,7 +472,7 @@ def _leave_without_destructors(code: int) -> NoReturn:
     run that had finished. Run the exit handlers (W&B's flush, the journal) ourselves, then leave without
     those destructors.
     """
-    atexit._run_exitfuncs()
+    run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -65,3 +65,93 @@ def test_a_preloaded_checkpoint_is_what_lightning_restores_from():
     _compat.preload_checkpoint(trainer, "/ckpt/state.ckpt", checkpoint)
     assert trainer._checkpoint_connector._ckpt_path == "/ckpt/state.ckpt"
     assert trainer._checkpoint_connector._loaded_checkpoint["global_step"] == 7
+
+
+def _fitted_trainer():
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    return trainer
+
+
+def test_the_checkpoint_connector_dumps_and_resumes(tmp_path):
+    trainer = _fitted_trainer()
+    state = _compat.dump_checkpoint(trainer)
+    assert state["global_step"] == 1 and "layer.weight" in state["state_dict"]
+    path = tmp_path / "state.ckpt"
+    trainer.save_checkpoint(path)
+    _compat.resume_start(trainer, path, weights_only=False)
+    assert trainer._checkpoint_connector._loaded_checkpoint["global_step"] == 1
+    assert _compat.epoch_loaders(trainer)[1] is not None  # the fit created its combined loader
+
+
+def test_torch_and_interpreter_reaches_resolve():
+    import threading
+
+    import torch
+
+    a, b = [torch.tensor([3.0, 4.0]), torch.ones(1)], [torch.ones(2), torch.ones(1)]
+    assert [n.item() for n in _compat.foreach_norm(a, dtype=torch.float32)] == [5.0, 1.0]
+    assert _compat.foreach_sub(a, b)[0].tolist() == [2.0, 3.0]
+    _compat.foreach_mul_(b, torch.tensor(2.0))
+    assert b[0].tolist() == [2.0, 2.0]
+    assert callable(_compat.composable_checkpoint())
+    assert _compat.default_store() is None  # no process group here
+    assert threading.main_thread().ident in _compat.current_frames()
+    import atexit
+
+    assert callable(atexit._run_exitfuncs)  # run_exit_handlers' reach (calling it here would end pytest's)
+
+
+def test_argparse_reaches_list_every_key_of_the_cli():
+    from jsonargparse import ArgumentParser
+
+    from lightning_mlopt.cli import _known_keys
+
+    parser = ArgumentParser()
+    parser.add_argument("--top")
+    subcommands = parser.add_subcommands()
+    fit = ArgumentParser()
+    fit.add_argument("--trainer.max_steps")
+    subcommands.add_subcommand("fit", fit)
+    assert {"top", "trainer.max_steps"} <= _known_keys(parser)
+    assert [action.dest for action in _compat.parser_actions(fit)][-1] == "trainer.max_steps"
+    assert _compat.subcommand_parsers(fit) == []
+
+
+def test_private_overrides_are_listed_and_still_exist():
+    import importlib
+
+    from lightning_mlopt import cli, strategies
+    from lightning_mlopt.callbacks import (
+        FaultTolerantCheckpoint,
+        GradNormMonitor,
+        NCCLHealthCheck,
+        ThroughputProgressBar,
+    )
+    from lightning_mlopt.tracking import WandbTracker
+
+    for module, owner, name in _compat.PRIVATE_OVERRIDES:
+        assert callable(getattr(getattr(importlib.import_module(module), owner), name, None)), f"{owner}.{name}"
+    found = set()
+    ours = [cli.MLOptCLI, strategies.DDPStrategy, strategies.FSDPStrategy, strategies.DeepSpeedStrategy]
+    ours += [FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck, ThroughputProgressBar, WandbTracker]
+    for cls in ours:
+        for name in vars(cls):
+            if not name.startswith("_") or name.startswith("__") or name == "_abc_impl":
+                continue
+            for base in cls.__mro__[1:]:
+                if name in vars(base) and not base.__module__.startswith("lightning_mlopt"):
+                    found.add((base.__module__, base.__name__, name))
+                    break
+    assert found == set(_compat.PRIVATE_OVERRIDES)

@@ -28,15 +28,15 @@ def test_knobs_reach_distributed_data_parallel():
     [("none", None), ("fp16", default_hooks.fp16_compress_hook), ("bf16", bf16_compress_hook)],
 )
 def test_comm_hook_by_name(name, hook):
-    assert DDPStrategy(comm_hook=name)._ddp_comm_hook is hook
+    assert DDPStrategy(comm_hook=name)._comm_hook_fn is hook
 
 
 def test_powersgd_defaults_and_knobs():
     strategy = DDPStrategy(comm_hook="powersgd", powersgd_rank=4, powersgd_start_iter=10)
-    assert strategy._ddp_comm_hook is powerSGD_hook.powerSGD_hook
-    assert strategy._ddp_comm_state.matrix_approximation_rank == 4
-    assert strategy._ddp_comm_state.start_powerSGD_iter == 10
-    assert DDPStrategy(comm_hook="powersgd")._ddp_comm_state.matrix_approximation_rank == 1
+    assert strategy._comm_hook_fn is powerSGD_hook.powerSGD_hook
+    assert strategy._comm_state.matrix_approximation_rank == 4
+    assert strategy._comm_state.start_powerSGD_iter == 10
+    assert DDPStrategy(comm_hook="powersgd")._comm_state.matrix_approximation_rank == 1
 
 
 @pytest.mark.parametrize(
@@ -108,5 +108,5 @@ def test_powersgd_says_when_it_starts_and_warns_when_a_run_ends_before(caplog):
     strategy = DDPStrategy(comm_hook="powersgd", powersgd_start_iter=1000)
     strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(max_steps=50))  # type: ignore[assignment]
     with caplog.at_level("INFO"), pytest.warns(UserWarning, match="PowerSGD never compresses in this run"):
-        strategy._say_when_powersgd_starts(strategy._ddp_comm_state)
+        strategy._say_when_powersgd_starts(strategy._comm_state)
     assert "compresses gradients from iteration 1000" in caplog.text

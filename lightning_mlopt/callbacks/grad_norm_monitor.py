@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mlopt._compat import foreach_sub
 from lightning_mlopt.diagnosis.module_names import module_group
 from lightning_mlopt.diagnosis.module_norms import ModuleNorms
 from lightning_mlopt.diagnosis.nonfinite import first_nonfinite_output, nonfinite_report
@@ -227,7 +228,7 @@ class GradNormMonitor(Callback):
         before, self._before_update = self._before_update, None
         after = self._norms.parameter_pieces()
         device = before[0].device if before else pl_module.device
-        deltas = torch._foreach_sub([piece.tensor.detach() for piece in after], before)
+        deltas = foreach_sub([piece.tensor.detach() for piece in after], before)
         delta_pieces = [
             Piece(piece.param, delta, piece.replication) for piece, delta in zip(after, deltas, strict=True)
         ]

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt import exit_codes
+from lightning_mlopt._compat import default_store
 from lightning_mlopt.distributed import phase
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
@@ -310,10 +311,7 @@ class NCCLHealthCheck(Callback):
 
 
 def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError):
-        return None
+    return default_store()
 
 
 def _host_of(store: Any, rank: int) -> str:

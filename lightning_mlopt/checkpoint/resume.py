@@ -20,7 +20,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_mlopt._compat import preload_checkpoint
+from lightning_mlopt._compat import epoch_loaders, preload_checkpoint, resume_start
 from lightning_mlopt.checkpoint.layout import can_resume, checkpoint_layout, layout_of_manifest
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.checkpoint.rng import restore_rng_state
@@ -107,7 +107,7 @@ def preload(trainer: Any, folder: Path, trust_pickles: bool) -> str:
         # Every pickle in it was checked against the allowlist when it was chosen; torch's own loader checks
         # again where Lightning calls it (DCP's meta.pt).
         with allowlisted_loading():
-            trainer._checkpoint_connector.resume_start(state, weights_only=not trust_pickles)
+            resume_start(trainer, state, weights_only=not trust_pickles)
     return str(state)
 
 
@@ -134,9 +134,8 @@ def position_in_epoch(trainer: Any, rng_state: dict[str, Any] | None) -> dict[st
     # `processed`, not `completed`: a save inside on_train_batch_end precedes that batch's completion,
     # which Lightning itself counts again on restart.
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    fetcher = trainer.fit_loop._data_fetcher  # Lightning created this epoch's iterator before this hook
+    fetcher, combined = epoch_loaders(trainer)  # Lightning created this epoch's iterator before this hook
     if 0 < done < trainer.num_training_batches:
-        combined = trainer.fit_loop._combined_loader
         skip_first_batches(combined.flattened if combined is not None else [], done)
         rank_zero_info(f"Resuming mid-epoch: skipping the {done} batches epoch {trainer.current_epoch} used")
         if fetcher is not None:

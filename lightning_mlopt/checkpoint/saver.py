@@ -24,6 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
+from lightning_mlopt._compat import dump_checkpoint
 from lightning_mlopt.checkpoint.async_writer import AsyncWriter
 from lightning_mlopt.checkpoint.errors import (
     agree_and_gather,
@@ -113,7 +114,7 @@ class CheckpointSaver:
         try:
             self._writer.wait()
             staging = self.store.stage(trainer.global_step)
-            entry = save_file(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), staging / STATE_NAME)
+            entry = save_file(dump_checkpoint(trainer), staging / STATE_NAME)
             self._write_rng(staging, trainer.global_rank)
             manifest = self._describe(trainer, reason="exception", final=False, world_size=trainer.world_size)
             self._commit_prepared(staging, manifest, self._known_entries(trainer, entry))
@@ -229,7 +230,7 @@ class CheckpointSaver:
         the checksum (no in-memory pickle, no second pass). ``copy_first``: stage it in CPU memory first, so
         training may change the live tensors while the write runs.
         """
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(trainer)
         if not trainer.is_global_zero:
             return
         staged = self._staging.stage(checkpoint) if copy_first else checkpoint  # the last write has finished
@@ -256,7 +257,7 @@ class CheckpointSaver:
         checkpoint group (not training's): only if every rank's write completed (and was fsynced) does rank
         zero commit. A failure anywhere fails the save on every rank, reported at the next step boundary.
         """
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(trainer)
         problem = None
         pending: Any = None
         try:

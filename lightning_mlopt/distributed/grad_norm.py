@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mlopt._compat import foreach_mul_, foreach_norm
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding, world_size
 
 
@@ -51,7 +52,7 @@ def sums_of_squares(
     groups = torch.zeros(num_groups, device=device)
     if not tensors:
         return torch.zeros((), device=device), groups
-    squares = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).to(device).pow_(2)
+    squares = torch.stack(foreach_norm(tensors, dtype=torch.float32)).to(device).pow_(2)
     if weights is not None:
         squares.mul_(weights)
     if group_index is not None:
@@ -95,7 +96,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     grads = [piece.tensor for piece in TensorSharding().gradient_pieces(params)]
     for device_grads in _by_device(grads).values():
-        torch._foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
+        foreach_mul_(device_grads, coefficient.to(device_grads[0].device))
     return norm
 
 

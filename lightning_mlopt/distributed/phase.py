@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from lightning_mlopt._compat import current_frames
 
 
 class _State:
@@ -32,7 +33,7 @@ def current() -> tuple[str, int, float]:
 
 def main_thread_stack(frames: int = 8) -> str:
     """The main thread's innermost ``frames`` Python frames, read from any thread: where a stuck process waits."""
-    main = sys._current_frames().get(threading.main_thread().ident or -1)
+    main = current_frames().get(threading.main_thread().ident or -1)
     return "".join(traceback.format_stack(main)[-frames:]) if main is not None else ""
 
 

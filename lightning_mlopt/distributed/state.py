@@ -94,7 +94,9 @@ class StateBytes:
 
 def local_state_bytes(module: nn.Module, optimizer: Any) -> StateBytes:
     """Measure the parameter, gradient and optimizer bytes this rank holds (not collective)."""
-    inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer  # unwrap Lightning's
     masters = [
         *getattr(inner, "single_partition_of_fp32_groups", []),  # ZeRO-1/2
         *getattr(inner, "fp32_partitioned_groups_flat", []),  # ZeRO-3

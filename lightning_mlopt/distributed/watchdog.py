@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from lightning_mlopt._compat import current_frames
 from lightning_mlopt.distributed import phase
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,6 @@ class HangWatchdog:
 def _format_stacks() -> str:
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     parts = []
-    for ident, frame in sys._current_frames().items():
+    for ident, frame in current_frames().items():
         parts.append(f'Thread "{names.get(ident, ident)}":\n' + "".join(traceback.format_stack(frame)))
     return "\n".join(parts)

@@ -89,23 +89,24 @@ class DDPStrategy(_LightningDDPStrategy):
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timedelta(minutes=timeout_minutes),
-            ddp_comm_state=state,
-            ddp_comm_hook=hook,
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
         )
         self.comm_hook = comm_hook
+        # Registered by us in configure_ddp, not handed to Lightning, which registers hooks on CUDA only.
+        self._comm_state, self._comm_hook_fn = state, hook
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        if self._ddp_comm_hook is None:
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if self._comm_hook_fn is None:
             return
         assert isinstance(self.model, DistributedDataParallel)
-        self.model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
-        if isinstance(self._ddp_comm_state, powerSGD_hook.PowerSGDState):
-            self._say_when_powersgd_starts(self._ddp_comm_state)
+        self.model.register_comm_hook(state=self._comm_state, hook=self._comm_hook_fn)
+        if isinstance(self._comm_state, powerSGD_hook.PowerSGDState):
+            self._say_when_powersgd_starts(self._comm_state)
 
     def _say_when_powersgd_starts(self, state: powerSGD_hook.PowerSGDState) -> None:
         """PowerSGD all-reduces uncompressed for its first iterations: say from when, and if never in this run."""

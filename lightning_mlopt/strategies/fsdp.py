@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mlopt._compat import composable_checkpoint
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME
 from lightning_mlopt.checkpoint.manifest import FileEntry
@@ -126,7 +127,7 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
 
         Example::
 
-            pending = strategy.save_checkpoint_async(trainer._checkpoint_connector.dump_checkpoint(), path)
+            pending = strategy.save_checkpoint_async(dump_checkpoint(trainer), path)
             ...  # training goes on
             pending.result()  # raises if any rank's write failed
         """
@@ -198,8 +199,7 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
         """Apply activation checkpointing, then ``fully_shard`` to units, then to the root children."""
         self.check_model(module)
         if self.checkpoint_classes:
-            from torch.distributed._composable import checkpoint
-
+            checkpoint = composable_checkpoint()
             # The composable form keeps parameter names unchanged (a wrapper would add a prefix that
             # breaks checkpoints saved without it).
             for sub in module.modules():
