@@ -131,7 +131,8 @@ def gpt_step_gaps(
         strategy=strategy,  # type: ignore[arg-type]
         max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        # Only a checkpoint callback the caller passes (Lightning's default one would add saves).
+        enable_checkpointing=any(isinstance(callback, pl.callbacks.Checkpoint) for callback in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         gradient_clip_val=1.0,

@@ -12,14 +12,13 @@ from lightning_mlopt.distributed.step_exchange import StepExchange
 
 
 class _Trainer(SimpleNamespace):
-    """What the exchange reads of a Trainer: the batch counter, the world size and the strategy's reduce."""
+    """What the exchange reads of a Trainer: the batch counter and the world size (no process group here)."""
 
     def __init__(self) -> None:
         progress = SimpleNamespace(total=SimpleNamespace(ready=0))
         super().__init__(
             fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
-            world_size=2,
-            strategy=SimpleNamespace(reduce=lambda tensor, reduce_op: tensor * 2),  # two equal ranks
+            world_size=1,
         )
         self.progress = progress
 
@@ -32,8 +31,8 @@ def test_one_collective_carries_puts_providers_and_unreduced_riders():
     exchange.put(trainer, "loss", torch.tensor(1.5))
     local = Packed()
     local.add("norm", torch.tensor(3.0))
-    assert exchange.flush(trainer, cpu, local) == {"vote": [2.0], "loss": [3.0], "norm": [3.0]}
-    assert exchange.read(trainer, "vote", cpu) == [2.0]  # already there: no second collective
+    assert exchange.flush(trainer, cpu, local) == {"vote": [1.0], "loss": [1.5], "norm": [3.0]}
+    assert exchange.read(trainer, "vote", cpu) == [1.0]  # already there: no second collective
     assert exchange.collectives == 1
     with pytest.raises(RuntimeError, match="put after this batch's values were exchanged"):
         exchange.put(trainer, "loss", torch.tensor(0.0))

@@ -2,11 +2,10 @@
 
 Callbacks that must agree on something each step (a preemption signal seen on any rank, a timer run out, a
 loss mean, a sharded norm) used to pay one collective and one host read each. Here the first callback that
-needs results in a batch (:meth:`StepExchange.flush` or :meth:`StepExchange.read`) sums, over every rank and
-through the strategy's own ``reduce``, in one collective and one host read: the values put so far in the
-batch (:meth:`StepExchange.put`) and the current values of every registered provider
-(:meth:`StepExchange.provide`, a function asked at that moment, so its values are as fresh as they can be
-whichever callback exchanges first). The others find their values already there.
+needs results in a batch (:meth:`StepExchange.flush` or :meth:`StepExchange.read`) sums, over every rank,
+in one all-reduce and one host read: the values put so far in the batch (:meth:`StepExchange.put`) and the
+current values of every registered provider (:meth:`StepExchange.provide`, a function asked at that moment,
+so its values are as fresh as they can be whichever callback exchanges first). The others find their values already there.
 
 Every rank must put the same names with the same sizes and register the same providers; values are summed.
 A batch's values are forgotten when the next batch starts.
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mlopt.distributed.packed import Packed
@@ -93,8 +93,10 @@ class StepExchange:
                 self._pending.add(name, provider())
         reduced = self._pending.tensor(device)
         if reduced.numel():
-            if trainer.world_size > 1:
-                reduced = trainer.strategy.reduce(reduced, reduce_op="sum")
+            if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+                # One all-reduce over the world, which every strategy trains in. Not Strategy.reduce: Lightning's
+                # precedes its all-reduce with a barrier, a second collective per call.
+                dist.all_reduce(reduced)
             self.collectives += 1
         riders = local.tensor(device) if local is not None else torch.zeros(0, device=device)
         values = torch.cat([reduced.to(device), riders]).tolist()  # the one host read
