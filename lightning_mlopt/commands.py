@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Sequence
 
 TRAINER_RUNS = ("fit", "validate", "test", "predict")
@@ -34,3 +35,14 @@ def tools_help(below: bool = False) -> str:
 def run_tool(name: str, argv: Sequence[str]) -> int:
     """Run tool ``name`` with its arguments; its exit status."""
     return int(importlib.import_module(TOOLS[name][0]).main(list(argv)))
+
+
+def command_line(subcommand: str, *args: str) -> list[str]:
+    """``python -m lightning_mlopt SUBCOMMAND ARGS...`` with this interpreter: what scripts and sweeps launch.
+
+    Example::
+
+        >>> command_line("fit", "--config", "gpt.yaml")[1:]
+        ['-m', 'lightning_mlopt', 'fit', '--config', 'gpt.yaml']
+    """
+    return [sys.executable, "-m", "lightning_mlopt", subcommand, *args]

@@ -8,6 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from lightning_mlopt.strategies import DDPStrategy
 from lightning_mlopt.strategies.ddp import bf16_compress_hook
+from tests.cli_args import fit_args
 from tests.conftest import CONFIGS, SMOKE, run_cli
 from tests.helpers import read_records
 
@@ -60,18 +61,14 @@ def test_fp16_hook_is_registered_on_cpu_and_ranks_stay_in_sync(tmp_path):
     """Lightning skips comm hooks off CUDA; ours registers them, and replicas stay identical."""
     out = tmp_path / "records"
     result = run_cli(
-        [
-            "fit",
-            "--config",
-            str(CONFIGS / "gpt.yaml"),
-            "--trainer.strategy=ddp_fp16",
-            "--trainer.accelerator=cpu",
-            "--trainer.devices=2",
+        fit_args(
             *SMOKE,
             "--trainer.max_steps=3",
             "--trainer.callbacks+=tests.helpers.RecordTraining",
             f"--trainer.callbacks.out_dir={out}",
-        ],
+            strategy="ddp_fp16",
+            quiet=False,
+        ),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -17,20 +17,14 @@ import torch
 from lightning_mlopt.callbacks import CheckpointWriteError, FaultTolerantCheckpoint
 from lightning_mlopt.checkpoint import CheckpointStore, verify
 from lightning_mlopt.cli import main
+from tests.cli_args import fit_args
 from tests.conftest import CONFIGS, REPO
 
 # 160 sequences / (16 per rank x 2 ranks) = 5 steps per epoch: 12 steps cross two epoch boundaries and
 # leave checkpoints in the middle of epochs. Dropout makes the RNG state matter.
 GPT_ARGS = [
-    "--config",
-    str(CONFIGS / "gpt.yaml"),
-    "--trainer.accelerator=cpu",
-    "--trainer.max_steps=12",
     "--trainer.limit_val_batches=0",
     "--trainer.num_sanity_val_steps=0",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-    "--trainer.logger=false",
     "--model.init_args.dropout=0.1",
     "--data.init_args.num_sequences=160",
     "--checkpoint.every_n_steps=2",
@@ -38,24 +32,17 @@ GPT_ARGS = [
 
 
 def _command(run_dir: Path, strategy: str, devices: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
-    strategy_args = (
-        ["--config", str(CONFIGS / "strategies" / f"{strategy}.yaml")]
-        if (CONFIGS / "strategies" / f"{strategy}.yaml").is_file()
-        else [f"--trainer.strategy={strategy}"]
-    )
-    return [
-        sys.executable,
-        "-m",
-        "lightning_mlopt",
-        "fit",
+    args = fit_args(
         *GPT_ARGS,
-        *strategy_args,
-        f"--trainer.devices={devices}",
-        f"--run_dir={run_dir}",
         "--trainer.callbacks+=tests.helpers.RecordEverything",
         f"--trainer.callbacks.out_dir={run_dir / 'record'}",
         *extra,
-    ]
+        strategy=strategy,
+        devices=devices,
+        steps=12,
+        run_dir=run_dir,
+    )
+    return [sys.executable, "-m", "lightning_mlopt", *args]
 
 
 def _env() -> dict[str, str]:

@@ -67,22 +67,13 @@ def test_global_norm_equals_the_unsharded_reference(tmp_path, strategy):
 
 
 def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):
-    from tests.conftest import CONFIGS, run_cli
+    from tests.cli_args import fit_args
+    from tests.conftest import run_cli
 
     out = tmp_path / "monitor"
     return run_cli(
-        [
-            "fit",
-            "--config",
-            str(CONFIGS / "gpt.yaml"),
-            "--trainer.strategy=ddp",
-            "--trainer.accelerator=cpu",
-            "--trainer.devices=2",
-            "--trainer.max_steps=6",
+        fit_args(
             "--trainer.limit_val_batches=0",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.logger=false",
-            f"--run_dir={tmp_path / 'run'}",
             "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
             f"--trainer.callbacks.on_nonfinite={action}",
             "--trainer.callbacks+=tests.helpers.InjectNonFinite",
@@ -93,7 +84,10 @@ def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):
             "--trainer.callbacks+=tests.helpers.RecordEverything",
             f"--trainer.callbacks.out_dir={tmp_path / 'record'}",
             *extra,
-        ],
+            strategy="ddp",
+            steps=6,
+            run_dir=tmp_path / "run",
+        ),
         cwd=tmp_path,
     )
 

@@ -5,7 +5,8 @@ loss mean, a sharded norm) used to pay one collective and one host read each. He
 needs results in a batch (:meth:`StepExchange.flush` or :meth:`StepExchange.read`) sums, over every rank,
 in one all-reduce and one host read: the values put so far in the batch (:meth:`StepExchange.put`) and the
 current values of every registered provider (:meth:`StepExchange.provide`, a function asked at that moment,
-so its values are as fresh as they can be whichever callback exchanges first). The others find their values already there.
+so its values are as fresh as they can be whichever callback exchanges first). The others find their values
+already there.
 
 Every rank must put the same names with the same sizes and register the same providers; values are summed.
 A batch's values are forgotten when the next batch starts.

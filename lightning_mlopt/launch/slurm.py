@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_mlopt import exit_codes
 from lightning_mlopt._bad_input import ToolArgumentParser, config_paths
+from lightning_mlopt.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.launch._argv import without_options
 from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
@@ -106,6 +107,10 @@ class SlurmJob:
     def tasks(self) -> int:
         """One task per device over all nodes."""
         return self.nodes * self.gpus_per_node
+
+    def trainer_arguments(self) -> list[str]:
+        """The Trainer's placement for this allocation, appended to every command the script runs."""
+        return [f"--trainer.num_nodes={self.nodes}", f"--trainer.devices={self.gpus_per_node}"]
 
 
 def sbatch_script(
@@ -287,16 +292,12 @@ def main(argv: Sequence[str]) -> int:
     trainer = config.get("trainer") or {}
     resolved = {**config, "trainer": {**trainer, "num_nodes": job.nodes, "devices": job.gpus_per_node}}
     run_dir = resolve_run_dir(resolved, config_paths(fit_args)).resolve()
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_mlopt",
+    command = command_line(
         "fit",
         *without_options(fit_args, ["--run_dir"]),  # the script names it explicitly
-        f"--trainer.num_nodes={job.nodes}",
-        f"--trainer.devices={job.gpus_per_node}",
+        *job.trainer_arguments(),
         f"--run_dir={run_dir}",
-    ]
+    )
     target = Path(options.output) if options.output else run_dir / SBATCH_NAME
     run_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens the --output file there before the job starts
     script = sbatch_script(command, run_dir, job, requeue_exit_code=requeue_exit_code(config), script_path=target)

@@ -1,0 +1,69 @@
+"""``python -m lightning_mlopt sweep --config BASE --sweep SWEEP.yaml``: hyperparameter sweeps over our CLI.
+
+The sweep file is a W&B sweep configuration whose parameter names are the CLI's dotted keys::
+
+    method: grid                     # grid | random (here or on W&B) | bayes (W&B only)
+    metric: {name: val/acc, goal: maximize}
+
+Parameters
+----------
+      model.init_args.lr: {values: [0.01, 0.05, 0.1]}
+      model.init_args.weight_decay: {distribution: log_uniform_values, min: 1.0e-5, max: 1.0e-3}
+
+Every trial's arguments are checked against the CLI's parser before the first trial starts, so a typo in a
+key or a value of the wrong type fails at once, naming it. ``--mode local`` (the default) needs no W&B
+server: trials run one after another as ``python -m lightning_mlopt fit ... --key=value`` (each launches its
+own ranks, so every rank gets the same values), each in ``<sweep_dir>/trial-NNN``, and the sweep ends with a
+results table, best first (also ``results.csv``). Running the same sweep again skips finished trials and
+resumes interrupted ones. ``--mode wandb`` creates the sweep on the W&B server and runs a W&B agent whose
+command is our CLI with W&B's ``${args}`` (``--key=value``).
+
+The package: ``spec.py`` (the sweep file and its trials), ``runner.py`` (local runs), ``results.py`` (what
+each trial left, the table), ``wandb_agent.py`` (the W&B server), ``tool.py`` (the command line and the SLURM
+job array).
+
+"""
+
+from lightning_mlopt.launch.sweep.results import (
+    TrialResult,
+    collect_results,
+    collect_run_dirs,
+    ranked,
+    results_table,
+    trial_name,
+    write_results,
+)
+from lightning_mlopt.launch.sweep.runner import run_local
+from lightning_mlopt.launch.sweep.spec import (
+    SweepSpec,
+    Trial,
+    check_trials,
+    grid_trials,
+    load_sweep,
+    random_trials,
+    trial_arguments,
+)
+from lightning_mlopt.launch.sweep.tool import main, write_slurm_array
+from lightning_mlopt.launch.sweep.wandb_agent import run_wandb, wandb_sweep_config
+
+__all__ = [
+    "SweepSpec",
+    "Trial",
+    "TrialResult",
+    "check_trials",
+    "collect_results",
+    "collect_run_dirs",
+    "grid_trials",
+    "load_sweep",
+    "main",
+    "random_trials",
+    "ranked",
+    "results_table",
+    "run_local",
+    "run_wandb",
+    "trial_arguments",
+    "trial_name",
+    "wandb_sweep_config",
+    "write_results",
+    "write_slurm_array",
+]

@@ -1,0 +1,62 @@
+"""What every callback of ours promises, checked the same way for each.
+
+Constructible from YAML (the CLI's parser accepts it with its defaults), picklable (Lightning's spawn
+launchers and checkpointing of hyperparameters pickle callbacks), usable for two fits in a row, a
+``state_dict`` that survives a JSON round trip into a fresh instance, and no threads left running after fit.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck, ThroughputProgressBar
+from lightning_mlopt.cli import check_arguments
+from tests.conftest import CONFIGS
+
+CALLBACKS = [FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck, ThroughputProgressBar]
+
+
+@pytest.mark.parametrize("callback_class", CALLBACKS, ids=lambda cls: cls.__name__)
+def test_constructible_from_yaml(callback_class):
+    path = f"{callback_class.__module__.rsplit('.', 1)[0]}.{callback_class.__name__}"
+    config = check_arguments(["--config", str(CONFIGS / "quickstart.yaml"), f"--trainer.callbacks+={path}"])
+    assert config.trainer.callbacks[-1].class_path == path
+
+
+@pytest.mark.parametrize("callback_class", CALLBACKS, ids=lambda cls: cls.__name__)
+def test_picklable_and_state_survives_a_round_trip(callback_class):
+    callback = pickle.loads(pickle.dumps(callback_class()))
+    state = json.loads(json.dumps(callback.state_dict()))
+    fresh = callback_class()
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    fresh.load_state_dict({})  # a checkpoint from before the callback existed still loads
+
+
+@pytest.mark.parametrize("callback_class", CALLBACKS, ids=lambda cls: cls.__name__)
+def test_two_fits_in_a_row_and_no_threads_left(tmp_path, callback_class):
+    kwargs = {"dirpath": str(tmp_path / "checkpoints")} if callback_class is FaultTolerantCheckpoint else {}
+    callback = callback_class(**kwargs)
+    before = {thread.ident for thread in threading.enumerate()}
+    for max_steps in (2, 4):  # the second fit continues (or, for the checkpoint callback, resumes)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=max_steps,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=callback_class is FaultTolerantCheckpoint,
+            enable_progress_bar=callback_class is ThroughputProgressBar,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            callbacks=[callback],
+        )
+        trainer.fit(BoringModel())
+        assert trainer.global_step == max_steps
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert not left, f"threads still running after fit: {left}"
