@@ -9,7 +9,7 @@ import pytest
 
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from tests.conftest import failure_report, run_cli
-from tests.strategy_runs import QUIET
+from tests.cli_args import QUIET
 
 
 def _run(tmp_path, subcommand: str, strategy: str, *extra: str):  # type: ignore[no-untyped-def]
