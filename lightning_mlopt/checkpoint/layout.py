@@ -7,14 +7,21 @@ its FSDP and model-parallel strategies DCP shards, and a strategy that keeps Lig
 FaultTolerantCheckpoint saves synchronously through the strategy and resumes only with the same strategy
 class.
 
+Each layout's strategy also says how to consolidate such a checkpoint into one full state dict (its
+``consolidate_checkpoint``); :func:`consolidator` finds it, :func:`layout_of_folder` recognises a checkpoint
+without a manifest by its files.
+
 Example::
 
     checkpoint_layout(trainer.strategy)               # "one file", "DCP shards", "ZeRO partitions", ...
     can_resume(saved="one file", current="DCP shards")  # True: DCP reads a full state dict and shards it
+    full = consolidator(layout_of_folder(state))(state)   # any layout, as one Lightning dict on CPU
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 ONE_FILE = "one file"
@@ -58,3 +65,37 @@ def layout_of_manifest(layout: str | None, strategy_name: str) -> str:
 def can_resume(saved: str, current: str) -> bool:
     """Whether a checkpoint in layout ``saved`` loads into a strategy that writes ``current``."""
     return saved == current or (saved, current) in _CROSS_LAYOUT_RESUMES
+
+
+def layout_of_folder(state: Path) -> str:
+    """The layout of a saved ``state`` by its files (for checkpoints without a manifest that records it).
+
+    Raises:
+        FileNotFoundError: nothing there that any layout writes.
+
+    """
+    if state.is_file():
+        return ONE_FILE
+    if any(state.glob("*.distcp")):  # torch.distributed.checkpoint
+        return DCP_SHARDS
+    if (state / "checkpoint").is_dir() or (state / "latest").is_file():  # DeepSpeed's tag folder
+        return ZERO_PARTITIONS
+    raise FileNotFoundError(f"{state}: not a checkpoint file, a DCP folder or a DeepSpeed folder")
+
+
+def consolidator(layout: str) -> Callable[..., dict[str, Any]]:
+    """How to read a checkpoint of ``layout`` as one full state dict.
+
+    The ``consolidate_checkpoint`` of our strategy that writes it, called as
+    ``consolidator(layout)(state, trust_pickles)``.
+    """
+    from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+    readers: dict[str, Callable[..., dict[str, Any]]] = {
+        ONE_FILE: DDPStrategy.consolidate_checkpoint,
+        DCP_SHARDS: FSDPStrategy.consolidate_checkpoint,
+        ZERO_PARTITIONS: DeepSpeedStrategy.consolidate_checkpoint,
+    }
+    if layout not in readers:
+        raise ValueError(f"no strategy of ours reads {layout!r}; resume it with the strategy that wrote it")
+    return readers[layout]

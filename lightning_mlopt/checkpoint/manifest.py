@@ -36,7 +36,7 @@ class Manifest:
         world_size: processes that wrote it.
         strategy: the strategy class name.
         layout: how the strategy laid the state out (``one file``, ``DCP shards``, ``ZeRO partitions``; see
-            ``strategies/layout.py``); None in manifests written before it was recorded.
+            ``checkpoint/layout.py``); None in manifests written before it was recorded.
         reason: the trigger that saved it (``every_n_steps``, ``signal``, ``final``, ...).
         final: saved at the end of training; a run resumed from it does not train again.
         metric: the monitored metric's name and value when one is configured, else None.

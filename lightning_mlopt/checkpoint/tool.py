@@ -10,16 +10,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_mlopt.checkpoint.layout import DCP_META_NAME
-from lightning_mlopt.checkpoint.manifest import verify
-from lightning_mlopt.checkpoint.serialization import load_file
+from lightning_mlopt.checkpoint.layout import consolidator, layout_of_folder
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.checkpoint.trust import check_trusted
 from lightning_mlopt.exceptions import CheckpointInvalidError, UntrustedCheckpointError
@@ -132,30 +130,16 @@ def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, 
     """Any strategy's ``state.ckpt`` (a file, a DCP folder, a DeepSpeed folder) as one full Lightning dict, on CPU.
 
     Every pickle in it is checked against the allowlist first (raises UntrustedCheckpointError), unless
-    ``trust_pickles``.
+    ``trust_pickles``; then the strategy that writes its layout consolidates it.
     """
     check_trusted(state, trust_pickles)
-    if state.is_file():
-        return load_file(state, trust_pickles)
-    if any(state.glob("*.distcp")):  # torch.distributed.checkpoint (FSDP)
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as scratch:
-            flat = Path(scratch) / "flat.pt"
-            dcp_to_torch_save(state, flat)
-            loaded = load_file(flat, trust_pickles)
-        meta = state / DCP_META_NAME
-        result = load_file(meta, trust_pickles) if meta.is_file() else {}
-        result["state_dict"] = loaded["state_dict"]
-        return result
-    if (state / "checkpoint").is_dir() or (state / "latest").is_file():  # DeepSpeed
-        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
-
-        with tempfile.TemporaryDirectory() as scratch:
-            flat = Path(scratch) / "flat.ckpt"
-            convert_zero_checkpoint_to_fp32_state_dict(str(state), str(flat), tag="checkpoint")
-            return load_file(flat, trust_pickles)
-    raise CheckpointInvalidError(f"{state}: not a checkpoint file, a DCP folder or a DeepSpeed folder")
+    manifest = state.parent / MANIFEST_NAME
+    recorded = Manifest.from_json(manifest.read_text()).layout if manifest.is_file() else None
+    try:
+        layout = recorded or layout_of_folder(state)
+    except FileNotFoundError as error:
+        raise CheckpointInvalidError(str(error)) from None
+    return consolidator(layout)(state, trust_pickles)
 
 
 def _byte_size(text: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -97,6 +98,13 @@ class DDPStrategy(_LightningDDPStrategy):
         self.comm_hook = comm_hook
         # Registered by us in configure_ddp, not handed to Lightning, which registers hooks on CUDA only.
         self._comm_state, self._comm_hook_fn = state, hook
+
+    @staticmethod
+    def consolidate_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
+        """A one-file checkpoint is already whole: loaded on CPU, under the pickle allowlist."""
+        from lightning_mlopt.checkpoint.serialization import load_file
+
+        return load_file(state, trust_pickles)
 
     @override
     def configure_ddp(self) -> None:

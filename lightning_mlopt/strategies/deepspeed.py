@@ -211,16 +211,31 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
             self.deepspeed_engine.checkpoint_engine = original
         return background.write_in_background(Path(self.broadcast(filepath)))
 
+    @staticmethod
+    def consolidate_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
+        """A ZeRO checkpoint folder as one full Lightning dict on CPU, partitions gathered in fp32."""
+        import tempfile
+
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+        from lightning_mlopt.checkpoint.serialization import load_file
+
+        with tempfile.TemporaryDirectory() as scratch:
+            flat = Path(scratch) / "flat.ckpt"
+            convert_zero_checkpoint_to_fp32_state_dict(str(state), str(flat), tag="checkpoint")
+            return load_file(flat, trust_pickles)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self._evaluating() and self.zero_stage_3 and Path(checkpoint_path).is_dir():
             # DeepSpeed cannot load a ZeRO-3 checkpoint into the engine validate/test/predict build (it calls
             # the optimizer's _restore_from_bit16_weights, which that engine's ZeRO-3 offload object lacks).
             # Gather the partitions into one full state dict, as `checkpoint consolidate` does, and load that.
-            from lightning_mlopt.checkpoint.tool import load_full_checkpoint
+            from lightning_mlopt.checkpoint.trust import check_trusted
 
             self._load_full_weights_once = True
-            return load_full_checkpoint(Path(checkpoint_path))
+            check_trusted(Path(checkpoint_path), trust_pickles=False)
+            return self.consolidate_checkpoint(Path(checkpoint_path))
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override

@@ -24,7 +24,7 @@ from lightning_mlopt._compat import composable_checkpoint
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME
 from lightning_mlopt.checkpoint.manifest import FileEntry
-from lightning_mlopt.checkpoint.serialization import save_file
+from lightning_mlopt.checkpoint.serialization import load_file, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.sharding import TensorSharding
 from lightning_mlopt.exceptions import BadInputError
@@ -262,6 +262,22 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
                         f"{key}: {cls.__module__}.{cls.__qualname__} is not in the model. "
                         f"The model's module classes: {', '.join(names)}"
                     )
+
+    @staticmethod
+    def consolidate_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
+        """A DCP folder as one full Lightning dict on CPU: the shards gathered, the non-tensor state beside."""
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            flat = Path(scratch) / "flat.pt"
+            dcp_to_torch_save(state, flat)
+            loaded = load_file(flat, trust_pickles)
+        meta = state / DCP_META_NAME
+        result = load_file(meta, trust_pickles) if meta.is_file() else {}
+        result["state_dict"] = loaded["state_dict"]
+        return result
 
     @override
     def setup_precision_plugin(self) -> None:
