@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
-from tests.conftest import failure_report, run_cli
 from tests.cli_args import QUIET
+from tests.conftest import failure_report, run_cli
 
 
 def _run(tmp_path, subcommand: str, strategy: str, *extra: str):  # type: ignore[no-untyped-def]
