@@ -212,6 +212,29 @@ def subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.Argumen
     return list(_require(action, "_name_parser_map", "listing the subcommands' keys").values())
 
 
+@contextlib.contextmanager
+def declare_configure_model(module: Any) -> Iterator[None]:
+    """Within the block, Lightning sees ``module`` as overriding ``configure_model``.
+
+    Reach: ``ModelParallelStrategy.setup`` refuses a module whose ``configure_model`` is not overridden
+    (``is_overridden`` compares the code of the instance's attribute with LightningModule's); our FSDP
+    strategy has already sharded the module and runs Lightning's set-up after that. An instance attribute
+    that does nothing stands in, and is removed after.
+    """
+    if module is None or "configure_model" in vars(module):
+        yield
+        return
+
+    def configure_model() -> None:  # the module was sharded by the strategy before Lightning's set-up
+        return None
+
+    module.configure_model = configure_model
+    try:
+        yield
+    finally:
+        del module.configure_model
+
+
 # Private methods of Lightning that our subclasses override, extending them where no public hook exists. An
 # upgrade that renames one would silently stop calling ours; tests/test_compat.py checks that each still
 # exists on its base class and that no other private override exists.

@@ -9,10 +9,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -20,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mlopt._compat import composable_checkpoint
+from lightning_mlopt._compat import composable_checkpoint, declare_configure_model
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME
 from lightning_mlopt.checkpoint.manifest import FileEntry
@@ -181,19 +179,19 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        """Shard an unmodified LightningModule, then Lightning's own set-up (extended, not copied).
+
+        Lightning's ModelParallelStrategy requires the module to shard itself in ``configure_model``; ours
+        shards it here first (a module that does shard itself, Lightning's FSDP2 recipe, is left as it is),
+        and tells Lightning's check so.
+        """
         assert self.model is not None
         assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        # A module that shards itself in `configure_model` (Lightning's FSDP2 recipe) is left as it is.
+        self.accelerator.setup(trainer)  # the device first (sharding places shards on it); idempotent
         if not _is_sharded(self.model):
             self._shard(self.model)
-        _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
+        with declare_configure_model(self.lightning_module):
+            super().setup(trainer)
 
     def _shard(self, module: nn.Module) -> None:
         """Apply activation checkpointing, then ``fully_shard`` to units, then to the root children."""
