@@ -155,3 +155,14 @@ def test_private_overrides_are_listed_and_still_exist():
                     found.add((base.__module__, base.__name__, name))
                     break
     assert found == set(_compat.PRIVATE_OVERRIDES)
+
+
+def test_lightning_sees_configure_model_only_inside_the_block():
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    model = BoringModel()
+    assert not is_overridden("configure_model", model)
+    with _compat.declare_configure_model(model):
+        assert is_overridden("configure_model", model)  # what ModelParallelStrategy.setup checks
+    assert not is_overridden("configure_model", model) and "configure_model" not in vars(model)
