@@ -40,6 +40,7 @@ from lightning_mlopt.launch.sweep.spec import (
     check_trials,
     grid_trials,
     load_sweep,
+    local_trials,
     random_trials,
     trial_arguments,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "collect_run_dirs",
     "grid_trials",
     "load_sweep",
+    "local_trials",
     "main",
     "random_trials",
     "ranked",

@@ -137,6 +137,25 @@ def _draw(key: str, parameter: dict[str, Any], generator: random.Random) -> Any:
     return value
 
 
+def local_trials(spec: SweepSpec, count: int | None, seed: int) -> list[Trial]:
+    """The trials a local sweep runs: the grid (its first ``count``), or ``count`` random draws.
+
+    ``count`` None takes the file's ``run_cap``.
+
+    Raises:
+        BadInputError: a method only the W&B server runs (bayes), or random search without a count.
+
+    """
+    count = count or spec.run_cap
+    if spec.method == "bayes":
+        raise BadInputError("method: bayes needs the W&B server (--mode wandb); use grid or random here")
+    if spec.method == "grid":
+        return grid_trials(spec)[:count] if count else grid_trials(spec)
+    if count is None:
+        raise BadInputError("random search needs a number of trials: --count N, or run_cap in the file")
+    return random_trials(spec, count, seed)
+
+
 def trial_arguments(trial: Trial) -> list[str]:
     """``--key=value`` arguments, the form W&B's ``${args}`` passes to an agent's command.
 

@@ -21,9 +21,8 @@ from lightning_mlopt.launch.sweep.spec import (
     SweepSpec,
     Trial,
     check_trials,
-    grid_trials,
     load_sweep,
-    random_trials,
+    local_trials,
 )
 from lightning_mlopt.launch.sweep.wandb_agent import run_wandb, wandb_sweep_config
 
@@ -120,18 +119,8 @@ def main(argv: Sequence[str]) -> int:
         spec = load_sweep(options.sweep)
         if options.count is not None and options.count < 1:
             raise BadInputError(f"--count must be >= 1, got {options.count}")
-        count = options.count or spec.run_cap
-        if options.mode == "local":
-            if spec.method == "bayes":
-                raise BadInputError("method: bayes needs the W&B server (--mode wandb); use grid or random here")
-            if spec.method == "grid":
-                trials = grid_trials(spec)[:count] if count else grid_trials(spec)
-            elif count is None:
-                raise BadInputError("random search needs a number of trials: --count N, or run_cap in the file")
-            else:
-                trials = random_trials(spec, count, options.seed)
-        else:
-            trials = []  # W&B draws them; the keys and their bounds are still checked below
+        # W&B draws its own trials; the keys and their bounds are still checked below.
+        trials = local_trials(spec, options.count, options.seed) if options.mode == "local" else []
         if options.trial is not None and not 0 <= options.trial < len(trials):
             raise BadInputError(f"--trial {options.trial}: this sweep has trials 0..{len(trials) - 1}")
         if (options.slurm or options.trial is not None) and options.mode != "local":
