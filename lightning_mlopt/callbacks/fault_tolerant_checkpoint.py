@@ -16,7 +16,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt import exit_codes
-from lightning_mlopt._compat import keep_lightning_off_signals
 from lightning_mlopt.checkpoint import (
     CheckpointStore,
     RetentionPolicy,
@@ -196,7 +195,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         # Every rank must write to and resume from the same place: rank zero's path decides.
         store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
         self.saver = CheckpointSaver(store, self.retention, self.async_save, self.monitor)
-        self._own_signals(trainer)
+        # Own the signals for the run (flag-only handlers), with Lightning's own kept off them.
+        preemption.own_for_run(trainer, self.signals, self.signal_deadline_s, self.exit_code)
         self.saver.check_writable(trainer)
         if self._votes():  # each batch's exchange carries what this rank saw (read in on_train_batch_end)
             step_exchange(trainer).provide(_VOTE, lambda: self._local_flags(trainer))
@@ -395,22 +395,3 @@ class FaultTolerantCheckpoint(Checkpoint):
                 upload = getattr(logger, "log_checkpoint_artifact", None)
                 if upload is not None:
                     upload(path, manifest)
-
-    # ------------------------------------------------------------------ signals
-
-    def _own_signals(self, trainer: pl.Trainer) -> None:
-        """Own ``signals`` for the run (flag-only handlers, see checkpoint/preemption.py); keep Lightning's off.
-
-        A signal that came before this (the entry point owns them from its first second) stays recorded and
-        is acted on at the first step boundary.
-        """
-        if not self.signals or not _in_main_thread():
-            return
-        owned = preemption.install(self.signals, deadline_s=self.signal_deadline_s, exit_code=self.exit_code)
-        keep_lightning_off_signals(trainer, owned)
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()

@@ -14,13 +14,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mlopt._compat import foreach_sub
 from lightning_mlopt.diagnosis.module_names import module_group
 from lightning_mlopt.diagnosis.module_norms import ModuleNorms
 from lightning_mlopt.diagnosis.nonfinite import first_nonfinite_output, nonfinite_report
 from lightning_mlopt.diagnosis.spikes import SpikeDetector
 from lightning_mlopt.distributed.packed import Packed
-from lightning_mlopt.distributed.sharding import Piece, Sharding, TensorSharding
+from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import NonFiniteGradientError
 from lightning_mlopt.strategies.sharding import sharding_of
@@ -218,7 +217,7 @@ class GradNormMonitor(Callback):
         values = {name.removeprefix(_SLOT): value for name, value in exchanged.items() if name.startswith(_SLOT)}
         if logging_step and self.update_ratios:
             # Snapshot this rank's parameter pieces; compared after the optimizer step in on_train_batch_end.
-            self._before_update = [piece.tensor.detach().clone() for piece in self._norms.parameter_pieces()]
+            self._before_update = self._norms.snapshot_parameters()
         self._act(trainer, pl_module, optimizer, values, logging_step, step)
 
     @override
@@ -226,28 +225,7 @@ class GradNormMonitor(Callback):
         if self._before_update is None:
             return
         before, self._before_update = self._before_update, None
-        after = self._norms.parameter_pieces()
-        device = before[0].device if before else pl_module.device
-        deltas = foreach_sub([piece.tensor.detach() for piece in after], before)
-        delta_pieces = [
-            Piece(piece.param, delta, piece.replication) for piece, delta in zip(after, deltas, strict=True)
-        ]
-        packed = Packed()  # logging steps only, after the optimizer step: its own small collective
-        for name, pieces in (("delta", delta_pieces), ("param", after)):
-            total, groups = self._norms.sums_of_pieces(pieces, True, device)
-            packed.add(f"{name}_sq", total)
-            packed.add(f"{name}_groups", groups)
-        vector = packed.tensor(device)
-        if not self._norms.replicated and trainer.world_size > 1:
-            dist.all_reduce(vector)  # every rank, on logging steps only
-        values = packed.unpack(vector.tolist())
-
-        def ratio(delta: float, param: float) -> float:
-            return math.sqrt(max(delta, 0.0)) / math.sqrt(param) if param > 0 else 0.0
-
-        metrics = {"update_ratio/total": ratio(values["delta_sq"][0], values["param_sq"][0])}
-        for index, group in enumerate(self._norms.groups):
-            metrics[f"update_ratio/{group}"] = ratio(values["delta_groups"][index], values["param_groups"][index])
+        metrics = self._norms.update_ratios(before, trainer.world_size, pl_module.device)  # logging steps only
         self.last_metrics = {**self.last_metrics, **metrics}
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -327,21 +305,12 @@ class GradNormMonitor(Callback):
         param_total: float | None,
         param_groups: list[float],
     ) -> None:
-        metrics = {"grad_norm/total": total}
+        metrics = self._norms.metrics("grad_norm", total, groups)
         clip = trainer.gradient_clip_val
         if clip and (trainer.gradient_clip_algorithm or "norm") == "norm":
             metrics["grad_norm/total_clipped"] = total * min(1.0, float(clip) / (total + 1e-6))
-        metrics.update(
-            {f"grad_norm/{g}": math.sqrt(max(v, 0.0)) for g, v in zip(self._norms.groups, groups, strict=False)}
-        )
         if param_total is not None:
-            metrics["param_norm/total"] = param_total
-            metrics.update(
-                {
-                    f"param_norm/{g}": math.sqrt(max(v, 0.0))
-                    for g, v in zip(self._norms.groups, param_groups, strict=False)
-                }
-            )
+            metrics.update(self._norms.metrics("param_norm", param_total, param_groups))
         self.last_metrics = metrics
         if trainer.is_global_zero:
             for logger in trainer.loggers:

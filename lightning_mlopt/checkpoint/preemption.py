@@ -104,6 +104,22 @@ class PreemptionSignals:
             self._start_watcher()
         return sorted(self._previous)
 
+    def own_for_run(self, trainer: Any, names: Iterable[str], deadline_s: float | None, exit_code: int) -> list[int]:
+        """:meth:`install` ``names`` for a Trainer's run, and keep Lightning's own handlers off them.
+
+        Lightning registers its SIGTERM (and, under SLURM, SIGUSR1) handlers in ``Trainer._run`` after the
+        callbacks' ``setup``; they run collectives inside the handler. A signal that came before this (the
+        entry point owns them from its first second) stays recorded and is acted on at the first step boundary.
+        """
+        names = list(names)
+        if not names or threading.current_thread() is not threading.main_thread():
+            return []
+        from lightning_mlopt._compat import keep_lightning_off_signals
+
+        owned = self.install(names, deadline_s=deadline_s, exit_code=exit_code)
+        keep_lightning_off_signals(trainer, owned)
+        return owned
+
     def received(self) -> int | None:
         """The first owned signal this process received, or None."""
         return self._received

@@ -9,14 +9,18 @@ collective. The arithmetic is the package's one algorithm,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_mlopt._compat import foreach_sub
 from lightning_mlopt.diagnosis.module_names import common_root, module_group
 from lightning_mlopt.diagnosis.nonfinite import nonfinite_gradient_modules
 from lightning_mlopt.distributed.grad_norm import sums_of_squares
+from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.sharding import Piece, Sharding
 
 
@@ -73,6 +77,44 @@ class ModuleNorms:
     def parameter_sums(self, per_group: bool, device: torch.device) -> tuple[Tensor, Tensor]:
         """The parameters' sums of squares on this rank (total, per group)."""
         return self.sums_of_pieces(self.parameter_pieces(), per_group, device)
+
+    def snapshot_parameters(self) -> list[Tensor]:
+        """Copies of this rank's parameter pieces, to compare with after the optimizer step."""
+        return [piece.tensor.detach().clone() for piece in self.parameter_pieces()]
+
+    def update_ratios(self, before: list[Tensor], world_size: int, default: torch.device) -> dict[str, float]:
+        """``update_ratio/<group>`` and ``/total``: the norm of the change since ``before`` over the norm now.
+
+        Collective unless replicated: every rank calls it with its own snapshot (its own small all-reduce).
+        """
+        after = self.parameter_pieces()
+        device = before[0].device if before else default
+        deltas = foreach_sub([piece.tensor.detach() for piece in after], before)
+        delta_pieces = [Piece(p.param, delta, p.replication) for p, delta in zip(after, deltas, strict=True)]
+        packed = Packed()
+        for name, pieces in (("delta", delta_pieces), ("param", after)):
+            total, groups = self.sums_of_pieces(pieces, True, device)
+            packed.add(f"{name}_sq", total)
+            packed.add(f"{name}_groups", groups)
+        vector = packed.tensor(device)
+        if not self.replicated and world_size > 1:
+            dist.all_reduce(vector)
+        values = packed.unpack(vector.tolist())
+
+        def ratio(delta: float, param: float) -> float:
+            return math.sqrt(max(delta, 0.0)) / math.sqrt(param) if param > 0 else 0.0
+
+        metrics = {"update_ratio/total": ratio(values["delta_sq"][0], values["param_sq"][0])}
+        for index, group in enumerate(self.groups):
+            metrics[f"update_ratio/{group}"] = ratio(values["delta_groups"][index], values["param_groups"][index])
+        return metrics
+
+    def metrics(self, prefix: str, total: float, group_squares: list[float]) -> dict[str, float]:
+        """``<prefix>/total`` and ``<prefix>/<group>`` from a total norm and the groups' sums of squares."""
+        metrics = {f"{prefix}/total": total}
+        for group, squares in zip(self.groups, group_squares, strict=False):
+            metrics[f"{prefix}/{group}"] = math.sqrt(max(squares, 0.0))
+        return metrics
 
     def nonfinite_gradient_modules(self) -> list[str]:
         """The module groups whose gradient pieces on this rank hold a non-finite value."""
