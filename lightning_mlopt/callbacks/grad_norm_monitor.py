@@ -107,9 +107,6 @@ class GradNormMonitor(Callback):
         self.on_nonfinite = on_nonfinite
         self.locate_nonfinite = locate_nonfinite
         self.on_spike = on_spike
-        self.spike_window = spike_window
-        self.spike_threshold = spike_threshold
-        self.spike_min_history = spike_min_history
         # State that survives resume (with the spike history).
         self.nonfinite_events = 0
         self.skipped_steps = 0
@@ -125,6 +122,21 @@ class GradNormMonitor(Callback):
     @override
     def state_key(self) -> str:
         return self._generate_state_key(depth=self.depth, on_nonfinite=self.on_nonfinite)
+
+    @property
+    def spike_window(self) -> int:
+        """Steps of history the spike detector keeps."""
+        return self.spikes.window
+
+    @property
+    def spike_threshold(self) -> float:
+        """Standard deviations above the mean that count as a spike."""
+        return self.spikes.threshold
+
+    @property
+    def spike_min_history(self) -> int:
+        """Steps of history before spikes are judged."""
+        return self.spikes.min_history
 
     @property
     def loss_history(self) -> deque[float]:
