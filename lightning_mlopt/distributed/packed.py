@@ -31,7 +31,7 @@ class Packed:
 
     def add(self, name: str, values: Tensor) -> None:
         """Add a slot: a 0-dim or 1-dim tensor (any float dtype, any device; packed as fp32)."""
-        if any(existing == name for existing, _ in self._parts):
+        if name in self:
             raise ValueError(f"slot {name!r} was added twice")
         self._parts.append((name, values.reshape(-1)))
 
