@@ -196,6 +196,40 @@ def composable_checkpoint() -> Callable[..., Any]:
     return _require(composable, "checkpoint", "activation checkpointing")
 
 
+def cpu_attention_ops() -> tuple[Any, Any]:
+    """The forward and backward aten ops of ``scaled_dot_product_attention`` on CPU (for FLOP formulas).
+
+    Reach: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``.
+    """
+    import torch
+
+    return (
+        _require(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", "counting attention FLOPs"),
+        _require(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", "counting attention FLOPs"),
+    )
+
+
+def record_memory_history(max_entries: int) -> None:
+    """Record CUDA allocations (with stacks), keeping the newest ``max_entries``; 0 stops recording.
+
+    Reach: ``torch.cuda.memory._record_memory_history`` (the documented way to take memory snapshots).
+    """
+    import torch
+
+    record = _require(torch.cuda.memory, "_record_memory_history", "recording CUDA memory history")
+    record(enabled="all" if max_entries > 0 else None, max_entries=max(max_entries, 1))
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the recorded CUDA memory history to ``path`` (a pickle for pytorch.org/memory_viz).
+
+    Reach: ``torch.cuda.memory._dump_snapshot``.
+    """
+    import torch
+
+    _require(torch.cuda.memory, "_dump_snapshot", "writing a CUDA memory snapshot")(path)
+
+
 def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """The parser's argument actions. Reach: ``ArgumentParser._actions``."""
     return list(_require(parser, "_actions", "listing the known configuration keys"))

@@ -29,7 +29,12 @@ from lightning_mlopt import exit_codes, strategies
 from lightning_mlopt._bad_input import check_config_files, config_paths, explain_parser_error
 from lightning_mlopt._compat import parser_actions, run_exit_handlers, subcommand_parsers
 from lightning_mlopt._quiet import silence_known_noise
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck, ThroughputProgressBar
+from lightning_mlopt.callbacks import (
+    FaultTolerantCheckpoint,
+    NCCLHealthCheck,
+    PerformanceMonitor,
+    ThroughputProgressBar,
+)
 from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError
 from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
@@ -112,6 +117,9 @@ class MLOptCLI(LightningCLI):
         # On by default: every `fit` gets crash-safe, auto-resuming checkpoints in <run_dir>/checkpoints,
         # configured under the top-level `checkpoint:` key.
         parser.add_lightning_class_args(FaultTolerantCheckpoint, "checkpoint")
+        # On by default too: per-rank step-time breakdown, throughput, input stalls, MFU and memory under
+        # `perf/*`, configured under the top-level `performance:` key.
+        parser.add_lightning_class_args(PerformanceMonitor, "performance")
         parser.add_argument(
             "--startup_timeout",
             type=float | None,

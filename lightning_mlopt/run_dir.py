@@ -6,6 +6,9 @@ What it holds is named here and nowhere else::
         config.yaml      the resolved configuration of the fit (config.<subcommand>.yaml for the others)
         checkpoints/     FaultTolerantCheckpoint's committed checkpoints (step-<N>/ folders)
         health/          NCCLHealthCheck's hang dumps (one file per rank)
+        perf/            PerformanceMonitor's summary.json, profiler traces, out-of-memory snapshots
+        profile.md       the report of ``python -m lightning_mlopt profile`` (and profile.png, its chart)
+        profile/         the short runs that ``profile`` measured (each its own run directory)
         metrics.json     the final metrics of each fit, written by rank zero; sweeps read it
         job.sbatch       the SLURM script, where ``slurm`` wrote it
 """
@@ -22,10 +25,18 @@ DEFAULT_RUNS_ROOT = "runs"
 CONFIG_NAME = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"
 HEALTH_DIR = "health"
+PERF_DIR = "perf"
+PERF_SUMMARY_NAME = "summary.json"
+PROFILE_REPORT_NAME = "profile.md"
+PROFILE_CHART_NAME = "profile.png"
+PROFILE_RUNS_DIR = "profile"
 METRICS_NAME = "metrics.json"
 SBATCH_NAME = "job.sbatch"
 # Keys that say where or how to run, not what to train: they must not move the run directory.
-_VOLATILE_KEYS = frozenset({"config", "run_dir", "ckpt_path", "weights_only", "print_config", "__path__"})
+# `performance` (PerformanceMonitor) measures the run and changes nothing it computes.
+_VOLATILE_KEYS = frozenset(
+    {"config", "run_dir", "ckpt_path", "weights_only", "print_config", "__path__", "performance"}
+)
 
 
 def config_fingerprint(config: Mapping[str, Any]) -> str:

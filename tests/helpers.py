@@ -14,7 +14,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 from typing_extensions import override
+
+from lightning_mlopt.demos import TokenDataModule
 
 
 class RecordTraining(pl.Callback):
@@ -422,3 +425,33 @@ class InterfereWithBackgroundWrite(pl.Callback):
             return held
 
         strategy.save_checkpoint_async = interfering  # type: ignore[attr-defined]
+
+
+class _SleepingCollate:
+    """The default collate, sleeping first on the chosen ranks (picklable, for DataLoader workers)."""
+
+    def __init__(self, seconds: float, ranks: list[int] | None) -> None:
+        self.seconds, self.ranks = seconds, ranks
+
+    def __call__(self, samples):  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+        from torch.utils.data import default_collate
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if self.ranks is None or rank in self.ranks:
+            time.sleep(self.seconds)
+        return default_collate(samples)
+
+
+class SlowCollateTokens(TokenDataModule):
+    """The GPT demo's token data with a collate that sleeps ``collate_sleep_s`` on ``slow_ranks`` (None: all)."""
+
+    def __init__(self, collate_sleep_s: float = 0.05, slow_ranks: list[int] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.collate = _SleepingCollate(collate_sleep_s, slow_ranks)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=self.collate
+        )

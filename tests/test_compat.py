@@ -111,6 +111,10 @@ def test_torch_and_interpreter_reaches_resolve():
     import atexit
 
     assert callable(atexit._run_exitfuncs)  # run_exit_handlers' reach (calling it here would end pytest's)
+    forward, backward = _compat.cpu_attention_ops()
+    assert "flash_attention_for_cpu" in str(forward) and "backward" in str(backward)
+    # The CUDA memory reaches are exercised on a GPU (tests/test_gpu.py); here: they still exist.
+    assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
 
 
 def test_argparse_reaches_list_every_key_of_the_cli():

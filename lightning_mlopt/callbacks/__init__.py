@@ -3,6 +3,8 @@
 from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_mlopt.callbacks.nccl_health_check import NCCLHealthCheck
+from lightning_mlopt.callbacks.performance_monitor import PerformanceMonitor
+from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import ThroughputProgressBar
 from lightning_mlopt.exceptions import CheckpointWriteError, HealthCheckError, NonFiniteGradientError
 
@@ -13,5 +15,7 @@ __all__ = [
     "HealthCheckError",
     "NCCLHealthCheck",
     "NonFiniteGradientError",
+    "PerformanceMonitor",
+    "PhaseMarkers",
     "ThroughputProgressBar",
 ]

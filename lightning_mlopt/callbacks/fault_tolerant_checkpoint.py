@@ -25,6 +25,7 @@ from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
+from lightning_mlopt.distributed.phase import phase
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
@@ -272,6 +273,11 @@ class FaultTolerantCheckpoint(Checkpoint):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # All of it, the per-step vote included, is what fault tolerance costs: a step's checkpoint time.
+        with phase("checkpoint"):
+            self._at_step_boundary(trainer)
+
+    def _at_step_boundary(self, trainer: pl.Trainer) -> None:
         self._tell_loggers(trainer)
         step = trainer.global_step
         if step == self._last_save_step:  # gradient accumulation: no optimizer step happened

@@ -14,12 +14,12 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt import exit_codes
 from lightning_mlopt._compat import default_store
+from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.distributed import phase
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 OnProblem = Literal["warn", "error"]
 
 
-class NCCLHealthCheck(Callback):
+class NCCLHealthCheck(PhaseMarkers):
     """Checks the collective layer before training, watches for hangs during it, and names stragglers.
 
     Targets NCCL on GPUs and works the same with gloo on CPU.
@@ -245,7 +245,7 @@ class NCCLHealthCheck(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        phase.set_phase("forward", trainer.global_step)
+        super().on_train_batch_start(trainer, pl_module, *args)
         self._batch_started = time.perf_counter()
 
     @override
@@ -253,11 +253,7 @@ class NCCLHealthCheck(Callback):
         # Forward compute only: DDP's all-reduce overlaps backward and makes it equally long on every rank.
         # (On CUDA the host clock measures launch, not kernels, unless the step syncs; the loss usually does.)
         self._forward_times.append(time.perf_counter() - self._batch_started)
-        phase.set_phase("backward")
-
-    @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        phase.set_phase("optimizer")
+        super().on_before_backward(trainer, pl_module, loss)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -270,7 +266,7 @@ class NCCLHealthCheck(Callback):
         every = self.straggler_every_n_steps
         if every is not None and trainer.global_step % every == 0 and self._forward_times:
             self._check_stragglers(trainer)
-        phase.set_phase("data", trainer.global_step)
+        super().on_train_batch_end(trainer, pl_module, *args)  # the data wait starts after the check above
 
     def _check_stragglers(self, trainer: pl.Trainer) -> None:
         world = trainer.world_size

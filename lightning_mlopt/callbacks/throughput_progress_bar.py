@@ -33,6 +33,18 @@ def count_items(batch: Any) -> tuple[int, str]:
     return (first.shape[0] if first.dim() else 1), "samples"
 
 
+def count_samples(batch: Any) -> int:
+    """How many samples a batch holds: the first tensor's leading dimension (1 when it has none).
+
+    Example::
+
+        >>> count_samples({"input_ids": torch.zeros(8, 128, dtype=torch.long)})
+        8
+    """
+    first = _first_tensor(batch)
+    return first.shape[0] if first is not None and first.dim() else 1
+
+
 def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):
         return batch

@@ -135,6 +135,7 @@ class GPTLanguageModel(pl.LightningModule):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.save_hyperparameters()
+        self.tokens_per_sample = block_size  # read by PerformanceMonitor for perf/tokens_per_sec
         self.model = GPT(vocab_size, block_size, n_layer, n_head, d_model, dropout)
 
     @override

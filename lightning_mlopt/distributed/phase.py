@@ -1,4 +1,16 @@
-"""Which phase of a training step each process is in, for the hang watchdog's report."""
+"""Where each process is in a training step: the one place that knows a step's phases.
+
+The phases are marked from the Trainer's hooks by ``callbacks/phase_markers.py`` (a callback base that
+NCCLHealthCheck and PerformanceMonitor share) and by :func:`phase` around blocks such as a checkpoint save.
+Two readers use them: the hang watchdog reports the phase a stuck process is in (:func:`current`), and
+listeners such as ``perf/phase_clock.py`` add up the time spent in each phase (PerformanceMonitor's step-time
+breakdown).
+
+A step's phases, in order: ``data`` (blocked on the dataloader, from the end of one batch to the start of the
+next), ``forward``, ``backward``, ``optimizer`` (the step, zeroing, the hooks around it), and ``checkpoint``
+wherever a save runs. Outside a step's phases: ``setup``, ``validation`` (inside fit), and ``monitor``
+(PerformanceMonitor's own work), which step-time figures leave out.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +19,18 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from lightning_mlopt._compat import current_frames
+
+PHASES = ("data", "forward", "backward", "optimizer", "checkpoint")
+
+
+class PhaseListener(Protocol):
+    """Told when a phase ends (e.g. a clock that adds up the time per phase)."""
+
+    def switch(self, ended: str) -> None:
+        """Phase ``ended`` ends now."""
 
 
 class _State:
@@ -16,14 +38,23 @@ class _State:
     phase = "setup"
     step = 0
     since = time.monotonic()
+    listeners: tuple[PhaseListener, ...] = ()
 
 
 def set_phase(phase: str, step: int | None = None) -> None:
-    """Record that this process entered ``phase`` (``data``, ``forward``, ``backward``, ...)."""
-    _State.phase = phase
-    _State.since = time.monotonic()
+    """Record that this process entered ``phase`` (``data``, ``forward``, ``backward``, ...).
+
+    Marking the phase the process is already in changes nothing but the step: several callbacks mark the
+    same hook, and the time in a phase runs from its first mark.
+    """
     if step is not None:
         _State.step = step
+    if phase == _State.phase:
+        return
+    for listener in _State.listeners:
+        listener.switch(_State.phase)
+    _State.phase = phase
+    _State.since = time.monotonic()
 
 
 def current() -> tuple[str, int, float]:
@@ -52,3 +83,19 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         set_phase(previous)
+
+
+def add_listener(listener: PhaseListener) -> None:
+    """Tell ``listener`` about every phase change of this process from now on."""
+    if listener not in _State.listeners:
+        _State.listeners = (*_State.listeners, listener)
+
+
+def remove_listener(listener: PhaseListener) -> None:
+    """Stop telling ``listener``."""
+    _State.listeners = tuple(known for known in _State.listeners if known is not listener)
+
+
+def current_phase() -> str:
+    """The phase this process is in now."""
+    return _State.phase

@@ -1,0 +1,86 @@
+"""FLOPs of a training step, counted by torch's FLOP counter, and the transformer formula they should match.
+
+Example::
+
+    with TrainingFlopCounter() as counter:
+        loss = model(batch).sum()
+        loss.backward()
+    counter.total  # forward + backward FLOPs of that batch
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from lightning_mlopt._compat import cpu_attention_ops
+
+
+def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query, key, value))
+
+
+def _cpu_sdpa_backward_flops(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any
+) -> int:
+    return int(sdpa_backward_flop_count(grad_out, query, key, value))
+
+
+# torch counts the CUDA attention kernels (flash, memory-efficient, cuDNN) but not the CPU one, which
+# scaled_dot_product_attention uses on CPU: without these, a CPU run would miss every attention FLOP.
+def _extra_formulas() -> dict[Any, Any]:
+    forward, backward = cpu_attention_ops()
+    return {forward: _cpu_sdpa_flops, backward: _cpu_sdpa_backward_flops}
+
+
+class TrainingFlopCounter:
+    """Counts the FLOPs of everything run inside it (forward and backward), with CPU attention included.
+
+    torch's ``FlopCounterMode`` counts matmuls, convolutions and attention (full, without a causal discount,
+    as the usual MFU formulas do); elementwise work, norms and embeddings lookups count zero. Its attention
+    backward includes the recomputation of the scores that flash attention does (``2·B·T²·d`` per layer more
+    than :func:`transformer_training_flops`, about 1% of a small GPT's total). Under activation
+    checkpointing the recomputed forward is counted too (hardware FLOPs); give the model FLOPs by hand
+    (``PerformanceMonitor(flops_per_sample=...)``) where that matters.
+
+    Attributes:
+        total: the FLOPs counted, once the block has exited.
+
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._mode = FlopCounterMode(display=False, custom_mapping=_extra_formulas())
+
+    def __enter__(self) -> TrainingFlopCounter:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._mode.__exit__(kind, error, traceback)
+        self.total = int(self._mode.get_total_flops())
+
+
+def transformer_training_flops(
+    n_layer: int, d_model: int, vocab_size: int, batch_size: int, seq_len: int, ffn_mult: int = 4
+) -> int:
+    """FLOPs of one forward and backward pass of a GPT-style decoder: ``6·N·tokens`` plus attention.
+
+    ``N`` counts the matmul weights: per layer the QKV and output projections (``4·d²``) and the MLP
+    (``2·ffn_mult·d²``), plus the LM head (``d·V``); embedding lookups cost no FLOPs. Attention adds
+    ``4·B·T²·d`` per layer forward (scores and weighted sum) and twice that backward, counted over the full
+    ``T x T`` square (no causal discount), as PaLM's and Megatron's MFU formulas do.
+
+    Example::
+
+        >>> transformer_training_flops(n_layer=2, d_model=128, vocab_size=256, batch_size=4, seq_len=64)
+        704643072
+    """
+    params = n_layer * (4 + 2 * ffn_mult) * d_model**2 + d_model * vocab_size
+    tokens = batch_size * seq_len
+    attention = 12 * n_layer * batch_size * seq_len**2 * d_model
+    return 6 * params * tokens + attention
