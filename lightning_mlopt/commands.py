@@ -22,6 +22,10 @@ TOOLS = {
     "checkpoint": ("lightning_mlopt.checkpoint.tool", "list, verify, consolidate or export (safetensors) checkpoints"),
     "sweep": ("lightning_mlopt.launch.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
     "slurm": ("lightning_mlopt.launch.slurm", "write an sbatch script that requeues and resumes the run"),
+    "profile": (
+        "lightning_mlopt.perf.tool",
+        "why is my run slow: step time per rank, input ceiling, MFU, scaling",
+    ),
 }
 
 

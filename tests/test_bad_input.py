@@ -151,3 +151,13 @@ def test_a_model_with_its_own_dataloaders_needs_no_data_section(tmp_path, monkey
     )
     assert (tmp_path / "run" / "config.yaml").is_file()
     assert (tmp_path / "run" / "checkpoints" / "step-000000002").is_dir()
+
+
+def test_reversed_profile_window_names_the_key(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--performance.profile_steps=[8,4]")
+    assert "profile_steps must be [start, stop] with 0 <= start < stop, got [8, 4]" in message
+
+
+def test_unknown_performance_key_suggests_the_right_one(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--performance.stall_treshold=0.2")
+    assert "performance.stall_threshold" in message

@@ -201,7 +201,11 @@ class PerformanceMonitor(PhaseMarkers):
     # ------------------------------------------------------------------ every logging step
 
     def _exchange(self, trainer: pl.Trainer, name: str) -> JobWindow | None:
-        """Close this rank's window, sum every rank's into one vector (the batch's exchange), act on it."""
+        """Close this rank's window, sum every rank's into one vector (the batch's exchange), act on it.
+
+        The last, partial window of a run (``name == "final"``) goes into the run's summary only: a few
+        batches are too few to warn or log about.
+        """
         assert self._clock is not None
         if not self._window.batches:
             return None
@@ -217,7 +221,8 @@ class PerformanceMonitor(PhaseMarkers):
         exchange.put(trainer, _SLOT + name, torch.tensor(pack(window, trainer.global_rank, world), dtype=torch.float64))
         job = JobWindow(unpack(exchange.read(trainer, _SLOT + name, device), world))
         self._accumulate(job)
-        self._report(trainer, job)
+        if name != "final":
+            self._report(trainer, job)
         return job
 
     def _accumulate(self, job: JobWindow) -> None:

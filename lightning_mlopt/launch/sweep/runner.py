@@ -46,7 +46,7 @@ def run_local(
         command = command_line("fit", *base_args, *trial_arguments(trial), f"--run_dir={folder}")
         started = time.monotonic()
         with open(folder / "output.log", "ab") as log:
-            code, signalled = _run_forwarding_signals(command, log, env)
+            code, signalled = run_forwarding_signals(command, log, env)
         seconds = time.monotonic() - started
         durations.append(seconds)
         metric = read_metric(folder, spec.metric)
@@ -68,7 +68,7 @@ def run_local(
 _FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def _run_forwarding_signals(command: Sequence[str], log: IO[bytes], env: dict[str, str]) -> tuple[int, bool]:
+def run_forwarding_signals(command: Sequence[str], log: IO[bytes], env: dict[str, str]) -> tuple[int, bool]:
     """Run a trial, forwarding SIGTERM/SIGUSR1 sent to the sweep (preemption, a SLURM time limit) to it.
 
     The trial's FaultTolerantCheckpoint saves and exits 75, instead of the signal killing the sweep and
