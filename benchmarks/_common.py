@@ -102,9 +102,12 @@ def gpt_step_time(
 
 
 def gpt_step_gaps(
-    strategy: object, callbacks: Sequence[object] = (), steps: int = 60
+    strategy: object, callbacks: Sequence[object] = (), steps: int = 60, timer_last: bool = False
 ) -> list[tuple[int, float]] | None:
-    """Like ``gpt_step_time``, but every step's wall time (end to end), with the global step it started at."""
+    """Like ``gpt_step_time``, but every step's wall time (end to end), with the global step it started at.
+
+    ``timer_last``: the step ends after the callbacks' ``on_train_batch_end`` (theirs counts in its step).
+    """
     import time
 
     import lightning.pytorch as pl
@@ -136,7 +139,7 @@ def gpt_step_gaps(
         enable_progress_bar=False,
         enable_model_summary=False,
         gradient_clip_val=1.0,
-        callbacks=[timer, *callbacks],  # type: ignore[list-item]
+        callbacks=[*callbacks, timer] if timer_last else [timer, *callbacks],  # type: ignore[list-item]
     )
     model = GPTLanguageModel(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
     trainer.fit(model, TokenDataModule(num_sequences=steps * 32, batch_size=16))

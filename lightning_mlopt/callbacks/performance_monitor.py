@@ -14,8 +14,8 @@ from typing_extensions import override
 
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
+from lightning_mlopt.distributed.background_sum import BackgroundSum
 from lightning_mlopt.distributed.phase import phase
-from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.perf.breakdown import FIELDS, JobWindow, RankWindow, pack, unpack
 from lightning_mlopt.perf.flops import TrainingFlopCounter
 from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
@@ -24,17 +24,16 @@ from lightning_mlopt.perf.phase_clock import PhaseClock
 from lightning_mlopt.perf.trace import ProfilerWindow, check_window
 from lightning_mlopt.run_dir import PERF_DIR, PERF_SUMMARY_NAME
 
-_SLOT = "perf."  # this monitor's names in the step exchange
-
 
 class PerformanceMonitor(PhaseMarkers):
     """Measures every rank's step: time per phase, throughput, input stalls, MFU and peak memory.
 
     Every rank times its own batches by phase (``distributed/phase.py``: data wait, forward, backward,
     optimizer, checkpoint); on CUDA with CUDA events, read only on logging steps, so no other step waits for
-    the GPU. On logging steps (every ``log_every_n_steps`` optimizer steps) the window since the last one goes
-    into the batch's step exchange, one small all-reduce that gives every rank every rank's numbers, and rank
-    zero logs, through the trainer's loggers:
+    the GPU. On logging steps (every ``log_every_n_steps`` optimizer steps) the window since the last one is
+    summed over every rank, in the background on a gloo group of its own (``distributed/background_sum.py``),
+    so every rank gets every rank's numbers without waiting; at the next step boundary rank zero logs them,
+    labelled with the logging step, through the trainer's loggers:
 
     - ``perf/samples_per_sec`` (the job's) and ``perf/samples_per_sec_rank_min|median|max``; the same for
       ``tokens`` when ``tokens_per_sample`` is given or the LightningModule has a ``tokens_per_sample``
@@ -50,8 +49,10 @@ class PerformanceMonitor(PhaseMarkers):
     - ``perf/peak_memory_gb`` (max over ranks), ``perf/peak_memory_gb_min``, ``perf/peak_memory_rank``, and
       ``perf/peak_reserved_gb`` on CUDA. On CPU the peak is the process's resident set.
 
-    When a rank waits for data more than ``stall_threshold`` of a window, a warning names the rank(s), the
-    fraction and the dataloader settings to change; it is repeated only when the stalled ranks change. The
+    When a rank waits for data more than ``stall_threshold`` of the step over a window of at least
+    ``stall_window`` batches (the logging windows, pooled until they are that long), a warning names the
+    rank(s), the fraction and the dataloader settings to change; it is repeated only when the stalled ranks
+    change. The
     first batch (start-up, FLOP counting), validation, and the monitor's own work (its exchange on logging
     steps, writing a trace) are left out of every figure. At the end of training rank zero writes
     the whole run's figures to ``<run_dir>/perf/summary.json`` (what ``python -m lightning_mlopt profile``
@@ -65,6 +66,7 @@ class PerformanceMonitor(PhaseMarkers):
     Args:
         log_every_n_steps: measure and log every N optimizer steps; None: ``trainer.log_every_n_steps``.
         stall_threshold: fraction of a step spent waiting for data above which a rank is input-stalled.
+        stall_window: fewest batches an input-stall verdict is drawn from (fewer are too noisy).
         tokens_per_sample: tokens in one sample, for ``perf/tokens_per_sec``; None: the module's attribute.
         flops_per_sample: model FLOPs of one sample's forward and backward; None: counted on the first batch.
         count_flops: count FLOPs on the first batch when ``flops_per_sample`` is None (False: no MFU).
@@ -82,6 +84,7 @@ class PerformanceMonitor(PhaseMarkers):
         self,
         log_every_n_steps: int | None = None,
         stall_threshold: float = 0.1,
+        stall_window: int = 10,
         tokens_per_sample: int | None = None,
         flops_per_sample: float | None = None,
         count_flops: bool = True,
@@ -93,6 +96,8 @@ class PerformanceMonitor(PhaseMarkers):
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
         if not 0.0 < stall_threshold < 1.0:
             raise ValueError(f"stall_threshold must be in (0, 1), got {stall_threshold}")
+        if stall_window < 1:
+            raise ValueError(f"stall_window must be >= 1, got {stall_window}")
         if tokens_per_sample is not None and tokens_per_sample < 1:
             raise ValueError(f"tokens_per_sample must be >= 1, got {tokens_per_sample}")
         if flops_per_sample is not None and flops_per_sample <= 0:
@@ -105,6 +110,7 @@ class PerformanceMonitor(PhaseMarkers):
             raise ValueError(f"oom_snapshot_entries must be >= 0, got {oom_snapshot_entries}")
         self.log_every_n_steps = log_every_n_steps
         self.stall_threshold = stall_threshold
+        self.stall_window = stall_window
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_sample = flops_per_sample
         self.count_flops = count_flops
@@ -113,8 +119,11 @@ class PerformanceMonitor(PhaseMarkers):
         self.oom_snapshot_entries = oom_snapshot_entries
         self.last_metrics: dict[str, float] = {}
         self.stalled: list[int] = []
+        self._stall_pool: JobWindow | None = None
         self.run_window: JobWindow | None = None  # the whole run so far, every rank (after each exchange)
         self._clock: PhaseClock | None = None
+        self._summer: BackgroundSum | None = None
+        self._summed_step = 0
         self._window = RankWindow()
         self._batches = 0
         self._counter: TrainingFlopCounter | None = None
@@ -156,6 +165,7 @@ class PerformanceMonitor(PhaseMarkers):
             self._measured_peak = measure_peak_flops(device, self._precision)
         self._tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         self._clock = PhaseClock(device).attach()
+        self._summer = BackgroundSum()
         self._batches = 0
 
     # ------------------------------------------------------------------ every batch
@@ -186,6 +196,8 @@ class PerformanceMonitor(PhaseMarkers):
             self._report_trace(trainer, self._profiler.batch_ended(trainer.global_step))
         if self._clock is None:
             return
+        if self._summer is not None and self._summer.pending:
+            self._collect(trainer)
         if self._batches == 1:
             self._clock.reset()  # the first batch (start-up, FLOP counting) is in no figure
             return
@@ -196,40 +208,33 @@ class PerformanceMonitor(PhaseMarkers):
         window.flops += samples * (self._flops_per_sample or 0.0)
         every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
         if (self._batches - 1) % (every * trainer.accumulate_grad_batches) == 0:
-            self._exchange(trainer, "window")
+            self._close_window(trainer)
 
     # ------------------------------------------------------------------ every logging step
 
-    def _exchange(self, trainer: pl.Trainer, name: str) -> JobWindow | None:
-        """Close this rank's window, sum every rank's into one vector (the batch's exchange), act on it.
-
-        The last, partial window of a run (``name == "final"``) goes into the run's summary only: a few
-        batches are too few to warn or log about.
-        """
-        assert self._clock is not None
-        if not self._window.batches:
-            return None
+    def _close_window(self, trainer: pl.Trainer) -> None:
+        """End this rank's window and start summing every rank's into one vector, in the background."""
+        assert self._clock is not None and self._summer is not None
         window, self._window = self._window, RankWindow()
-        for name, seconds in self._clock.take().items():
+        for name, seconds in self._clock.take().items():  # on CUDA: the one wait for the GPU, here
             if name in FIELDS:
                 setattr(window, name, seconds)
         window.seconds = window.data + window.forward + window.backward + window.optimizer + window.checkpoint
         window.measured_peak_flops = self._measured_peak
         window.peak_allocated, window.peak_reserved = map(float, peak_memory_bytes(trainer.strategy.root_device))
-        world, device = trainer.world_size, trainer.strategy.root_device
-        exchange = step_exchange(trainer)
-        exchange.put(trainer, _SLOT + name, torch.tensor(pack(window, trainer.global_rank, world), dtype=torch.float64))
-        job = JobWindow(unpack(exchange.read(trainer, _SLOT + name, device), world))
+        self._summer.start(pack(window, trainer.global_rank, trainer.world_size))
+        self._summed_step = trainer.global_step
+
+    def _collect(self, trainer: pl.Trainer, report: bool = True) -> None:
+        """Read the sum started at the last logging step (done while this step trained) and act on it."""
+        assert self._summer is not None
+        job = JobWindow(unpack(self._summer.result(), trainer.world_size))
         self._accumulate(job)
-        if name != "final":
-            self._report(trainer, job)
-        return job
+        if report:
+            self._report(trainer, job, self._summed_step)
 
     def _accumulate(self, job: JobWindow) -> None:
-        if self.run_window is None:
-            self.run_window = JobWindow([RankWindow() for _ in job.ranks])
-        for total, window in zip(self.run_window.ranks, job.ranks, strict=True):
-            total.add(window)
+        self.run_window = _pooled(self.run_window, job)
 
     def metrics_of(self, job: JobWindow) -> dict[str, float]:
         """A window's ``perf/*`` metrics, MFU included where it is a possible value."""
@@ -252,8 +257,17 @@ class PerformanceMonitor(PhaseMarkers):
                 "batch, or activation recomputation counted); not logged"
             )
 
-    def _report(self, trainer: pl.Trainer, job: JobWindow) -> None:
+    def _report(self, trainer: pl.Trainer, job: JobWindow, step: int) -> None:
         self.last_metrics = self.metrics_of(job)
+        self._stall_pool = _pooled(self._stall_pool, job)
+        if self._stall_pool.ranks[0].batches >= self.stall_window:
+            self._check_stalls(self._stall_pool)
+            self._stall_pool = None
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.last_metrics, step=step)
+
+    def _check_stalls(self, job: JobWindow) -> None:
         stalled = job.stalled_ranks(self.stall_threshold)
         if stalled and stalled != self.stalled:
             waits = ", ".join(f"rank {rank} {100 * job.ranks[rank].fraction('data'):.0f}%" for rank in stalled)
@@ -265,9 +279,6 @@ class PerformanceMonitor(PhaseMarkers):
                 "__getitem__ and collate cheaper"
             )
         self.stalled = stalled
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(self.last_metrics, step=trainer.global_step)
 
     def _report_trace(self, trainer: pl.Trainer, path: Path | None) -> None:
         if path is None or self._profiler is None:
@@ -287,7 +298,11 @@ class PerformanceMonitor(PhaseMarkers):
         if self._clock is None:
             return
         with phase("monitor"):
-            self._exchange(trainer, "final")  # the batches after the last logging step
+            if self._summer is not None and self._summer.pending:
+                self._collect(trainer)
+            if self._window.batches:  # the batches after the last logging step: into the summary only
+                self._close_window(trainer)
+                self._collect(trainer, report=False)
         self._clock.detach()
         if trainer.is_global_zero and self.run_window is not None:
             self.write_summary(trainer, self.folder(trainer) / PERF_SUMMARY_NAME)
@@ -326,3 +341,12 @@ class PerformanceMonitor(PhaseMarkers):
             self._clock.detach()
         if self._oom is not None:
             self._oom.stop()
+
+
+def _pooled(pool: JobWindow | None, job: JobWindow) -> JobWindow:
+    """``pool`` extended by ``job``, rank by rank (a new pool when there is none)."""
+    if pool is None:
+        pool = JobWindow([RankWindow() for _ in job.ranks])
+    for total, window in zip(pool.ranks, job.ranks, strict=True):
+        total.add(window)
+    return pool

@@ -1,0 +1,56 @@
+"""BackgroundSum: a small vector summed over every rank without blocking the training step.
+
+A monitor that reports every rank's numbers needs one collective per report. Issued in the step and waited
+for at once, it blocks every rank until the slowest arrives, and on a GPU reading its result syncs the host
+with the device. Here the sum runs asynchronously on a gloo group of its own, on CPU tensors: started at one
+step boundary, read at a later one (by then long done), it never waits for the GPU and never shares a
+communicator with training or with checkpoint coordination (which run their own collectives, possibly from
+other threads).
+
+Example::
+
+    summer = BackgroundSum()      # in setup, on every rank (creating the group is itself collective)
+    summer.start([1.0, 2.0])      # at a logging step: returns at once
+    ...                           # the next step trains meanwhile
+    values = summer.result()      # [2.0, 4.0] on 2 ranks; waits only if the sum is not done yet
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class BackgroundSum:
+    """Sums one float vector at a time over every rank, in the background; see the module docstring."""
+
+    def __init__(self) -> None:
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self._group: Any = dist.new_group(backend="gloo") if several else None
+        self._work: Any = None
+        self._values: torch.Tensor | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a sum was started and not yet read."""
+        return self._values is not None
+
+    def start(self, values: list[float]) -> None:
+        """Start summing ``values`` (the same length on every rank); returns at once."""
+        if self._values is not None:
+            raise RuntimeError("BackgroundSum.start: the previous sum has not been read")
+        self._values = torch.tensor(values, dtype=torch.float64)
+        if self._group is not None:
+            self._work = dist.all_reduce(self._values, group=self._group, async_op=True)
+
+    def result(self) -> list[float]:
+        """The sum started last, waiting for it if it is not done."""
+        if self._values is None:
+            raise RuntimeError("BackgroundSum.result: no sum was started")
+        if self._work is not None:
+            self._work.wait()
+        values = self._values.tolist()
+        self._work, self._values = None, None
+        return values
