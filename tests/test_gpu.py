@@ -29,3 +29,79 @@ def test_strategy_trains_on_gpus_in_bf16(tmp_path, overlay):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _gpt_trainer(tmp_path, callbacks, steps=12):  # type: ignore[no-untyped-def]
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
+
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        log_every_n_steps=5,
+        callbacks=callbacks,
+    )
+    return trainer, GPTLanguageModel(), TokenDataModule(num_sequences=512, batch_size=16)
+
+
+@pytest.mark.requires_cuda
+def test_performance_monitor_waits_for_the_gpu_only_on_logging_steps(tmp_path):
+    """Under torch.cuda.set_sync_debug_mode("error"), any host sync in the monitor's hooks off logging steps raises."""
+    from lightning_mlopt.callbacks import PerformanceMonitor
+
+    class Strict(PerformanceMonitor):
+        def _strict(self, trainer, hook, *args):  # type: ignore[no-untyped-def]
+            logging_step = self._batches >= 1 and self._batches % 5 == 0  # the batch that ends a window
+            torch.cuda.set_sync_debug_mode("default" if logging_step else "error")
+            try:
+                return hook(trainer, *args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def, override]
+            return self._strict(trainer, super().on_train_batch_start, *args)
+
+        def on_before_backward(self, trainer, *args):  # type: ignore[no-untyped-def, override]
+            return self._strict(trainer, super().on_before_backward, *args)
+
+        def on_before_optimizer_step(self, trainer, *args):  # type: ignore[no-untyped-def, override]
+            return self._strict(trainer, super().on_before_optimizer_step, *args)
+
+        def on_train_batch_end(self, trainer, *args):  # type: ignore[no-untyped-def, override]
+            return self._strict(trainer, super().on_train_batch_end, *args)
+
+    monitor = Strict()
+    trainer, model, data = _gpt_trainer(tmp_path, [monitor])
+    trainer.fit(model, data)
+    metrics = monitor.last_metrics
+    assert metrics["perf/samples_per_sec"] > 0
+    assert 0.0 < metrics["perf/mfu_measured"] <= 1.0
+    name = torch.cuda.get_device_name()
+    if any(board in name for board in ("H100", "H200", "A100", "B200")):
+        assert 0.0 < metrics["perf/mfu"] <= 1.0
+
+
+@pytest.mark.requires_cuda
+def test_out_of_memory_writes_a_snapshot_named_in_the_error(tmp_path):
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.callbacks import PerformanceMonitor
+
+    class Hog(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if batch_idx == 3:
+                torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # a petabyte
+
+    trainer, model, data = _gpt_trainer(tmp_path, [PerformanceMonitor(oom_snapshot_entries=10_000), Hog()])
+    with pytest.raises(torch.cuda.OutOfMemoryError) as error:
+        trainer.fit(model, data)
+    snapshot = tmp_path / "perf" / "oom-rank0.pickle"
+    assert snapshot.is_file() and snapshot.stat().st_size > 0
+    assert str(snapshot) in "\n".join(getattr(error.value, "__notes__", []))

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck, PerformanceMonitor
 from lightning_mlopt.demos import (
     CIFAR10DataModule,
     DigitsDataModule,
@@ -31,6 +31,8 @@ PINNED = {
     "spike_window spike_threshold spike_min_history",
     NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "
     "hang_timeout adaptive_multiple hang_exit_code dump_dir straggler_every_n_steps straggler_factor",
+    PerformanceMonitor: "log_every_n_steps stall_threshold stall_window tokens_per_sample flops_per_sample count_flops "
+    "measure_peak profile_steps oom_snapshot_entries",
     WandbTracker: "project name save_dir id mode entity group tags checkpoint_dir upload_checkpoints log_provenance",
     ThroughputProgressBar: "refresh_rate window leave log_every_n_steps",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",
