@@ -402,6 +402,9 @@ def describe_outputs(trainer: Trainer, run_dir: Path | None) -> str:
             lines.append(f"  checkpoints  {callback.checkpoint_dir(trainer)} ({resume})")
         if isinstance(callback, NCCLHealthCheck):
             lines.append(f"  hang dumps   {callback.dump_folder(trainer)}")
+        if isinstance(callback, PerformanceMonitor):
+            traces = f", traces of steps {callback.profile_steps}" if callback.profile_steps else ""
+            lines.append(f"  performance  {callback.folder(trainer)} (summary.json at the end{traces}; perf/* logged)")
     for logger in trainer.loggers:
         describe = getattr(logger, "describe_location", None)
         location = describe() if describe else getattr(logger, "log_dir", None) or logger.save_dir

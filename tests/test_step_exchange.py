@@ -22,6 +22,8 @@ class _Trainer(SimpleNamespace):
         )
         self.progress = progress
 
+    __hash__ = object.__hash__  # a key of the per-Trainer exchange table, as a Trainer is
+
 
 def test_one_collective_carries_puts_providers_and_unreduced_riders():
     trainer, exchange, cpu = _Trainer(), StepExchange(), torch.device("cpu")
@@ -45,3 +47,28 @@ def test_one_collective_carries_puts_providers_and_unreduced_riders():
     trainer.progress.total.ready += 1
     assert exchange.flush(trainer, cpu) == {}
     assert exchange.collectives == 2  # nothing to exchange: no collective
+
+
+def test_a_window_rides_another_callbacks_exchange_or_else_goes_to_the_background():
+    from lightning_mlopt.distributed.step_exchange import step_exchange
+    from lightning_mlopt.perf.window_sum import WindowSum
+
+    trainer, cpu = _Trainer(), torch.device("cpu")
+    exchange = step_exchange(trainer)
+    exchange.provide("vote", lambda: torch.tensor([0.0]))  # another callback's per-batch value
+    sums = WindowSum(trainer)
+    assert sums.arrived() == []  # batch end 1
+    sums.submit([1.0, 2.0], step=7)
+    exchange.read(trainer, "vote", cpu)  # the other callback exchanges after us in the same batch end
+    assert exchange.collectives == 1
+    trainer.progress.total.ready += 1
+    assert sums.arrived() == [([1.0, 2.0], 7)]  # rode along: no collective of its own
+    sums.submit([3.0], step=8)
+    trainer.progress.total.ready += 1  # a batch in which nobody exchanges
+    assert sums.arrived() == []  # taken to the background now...
+    trainer.progress.total.ready += 1
+    assert sums.arrived() == [([3.0], 8)]  # ...and read a batch later
+    sums.submit([4.0], step=9)
+    assert sums.drain() == [([4.0], 9)]  # the end of training waits for what is due
+    assert exchange.collectives == 1
+    sums.close()

@@ -14,7 +14,6 @@ from typing_extensions import override
 
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
-from lightning_mlopt.distributed.background_sum import BackgroundSum
 from lightning_mlopt.distributed.phase import phase
 from lightning_mlopt.perf.breakdown import FIELDS, JobWindow, RankWindow, pack, unpack
 from lightning_mlopt.perf.flops import TrainingFlopCounter
@@ -22,6 +21,7 @@ from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
 from lightning_mlopt.perf.peaks import matmul_precision, measure_peak_flops, published_peak_flops
 from lightning_mlopt.perf.phase_clock import PhaseClock
 from lightning_mlopt.perf.trace import ProfilerWindow, check_window
+from lightning_mlopt.perf.window_sum import WindowSum
 from lightning_mlopt.run_dir import PERF_DIR, PERF_SUMMARY_NAME
 
 
@@ -31,9 +31,10 @@ class PerformanceMonitor(PhaseMarkers):
     Every rank times its own batches by phase (``distributed/phase.py``: data wait, forward, backward,
     optimizer, checkpoint); on CUDA with CUDA events, read only on logging steps, so no other step waits for
     the GPU. On logging steps (every ``log_every_n_steps`` optimizer steps) the window since the last one is
-    summed over every rank, in the background on a gloo group of its own (``distributed/background_sum.py``),
-    so every rank gets every rank's numbers without waiting; at the next step boundary rank zero logs them,
-    labelled with the logging step, through the trainer's loggers:
+    summed over every rank without a collective of its own: it rides in the step exchange another callback
+    makes anyway (FaultTolerantCheckpoint's vote in every CLI run), or else is summed in the background on a
+    gloo group of its own (``perf/window_sum.py``); no rank waits for it. A batch or two later rank zero logs
+    the window, labelled with its own step, through the trainer's loggers:
 
     - ``perf/samples_per_sec`` (the job's) and ``perf/samples_per_sec_rank_min|median|max``; the same for
       ``tokens`` when ``tokens_per_sample`` is given or the LightningModule has a ``tokens_per_sample``
@@ -122,8 +123,7 @@ class PerformanceMonitor(PhaseMarkers):
         self._stall_pool: JobWindow | None = None
         self.run_window: JobWindow | None = None  # the whole run so far, every rank (after each exchange)
         self._clock: PhaseClock | None = None
-        self._summer: BackgroundSum | None = None
-        self._summed_step = 0
+        self._sums: WindowSum | None = None
         self._window = RankWindow()
         self._batches = 0
         self._counter: TrainingFlopCounter | None = None
@@ -165,7 +165,7 @@ class PerformanceMonitor(PhaseMarkers):
             self._measured_peak = measure_peak_flops(device, self._precision)
         self._tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
         self._clock = PhaseClock(device).attach()
-        self._summer = BackgroundSum()
+        self._sums = WindowSum(trainer)
         self._batches = 0
 
     # ------------------------------------------------------------------ every batch
@@ -196,8 +196,9 @@ class PerformanceMonitor(PhaseMarkers):
             self._report_trace(trainer, self._profiler.batch_ended(trainer.global_step))
         if self._clock is None:
             return
-        if self._summer is not None and self._summer.pending:
-            self._collect(trainer)
+        assert self._sums is not None
+        for values, step in self._sums.arrived():
+            self._take_in(trainer, values, step)
         if self._batches == 1:
             self._clock.reset()  # the first batch (start-up, FLOP counting) is in no figure
             return
@@ -213,8 +214,8 @@ class PerformanceMonitor(PhaseMarkers):
     # ------------------------------------------------------------------ every logging step
 
     def _close_window(self, trainer: pl.Trainer) -> None:
-        """End this rank's window and start summing every rank's into one vector, in the background."""
-        assert self._clock is not None and self._summer is not None
+        """End this rank's window and submit it to be summed with every rank's (``perf/window_sum.py``)."""
+        assert self._clock is not None and self._sums is not None
         window, self._window = self._window, RankWindow()
         for name, seconds in self._clock.take().items():  # on CUDA: the one wait for the GPU, here
             if name in FIELDS:
@@ -222,16 +223,14 @@ class PerformanceMonitor(PhaseMarkers):
         window.seconds = window.data + window.forward + window.backward + window.optimizer + window.checkpoint
         window.measured_peak_flops = self._measured_peak
         window.peak_allocated, window.peak_reserved = map(float, peak_memory_bytes(trainer.strategy.root_device))
-        self._summer.start(pack(window, trainer.global_rank, trainer.world_size))
-        self._summed_step = trainer.global_step
+        self._sums.submit(pack(window, trainer.global_rank, trainer.world_size), trainer.global_step)
 
-    def _collect(self, trainer: pl.Trainer, report: bool = True) -> None:
-        """Read the sum started at the last logging step (done while this step trained) and act on it."""
-        assert self._summer is not None
-        job = JobWindow(unpack(self._summer.result(), trainer.world_size))
+    def _take_in(self, trainer: pl.Trainer, values: list[float], step: int, report: bool = True) -> None:
+        """Every rank's window, summed: into the run's totals, and reported (logged with its own step)."""
+        job = JobWindow(unpack(values, trainer.world_size))
         self._accumulate(job)
         if report:
-            self._report(trainer, job, self._summed_step)
+            self._report(trainer, job, step)
 
     def _accumulate(self, job: JobWindow) -> None:
         self.run_window = _pooled(self.run_window, job)
@@ -297,12 +296,15 @@ class PerformanceMonitor(PhaseMarkers):
             self._report_trace(trainer, self._profiler.finish())
         if self._clock is None:
             return
+        assert self._sums is not None
         with phase("monitor"):
-            if self._summer is not None and self._summer.pending:
-                self._collect(trainer)
+            for values, step in self._sums.drain():
+                self._take_in(trainer, values, step)
             if self._window.batches:  # the batches after the last logging step: into the summary only
                 self._close_window(trainer)
-                self._collect(trainer, report=False)
+                for values, step in self._sums.drain():
+                    self._take_in(trainer, values, step, report=False)
+            self._sums.close()
         self._clock.detach()
         if trainer.is_global_zero and self.run_window is not None:
             self.write_summary(trainer, self.folder(trainer) / PERF_SUMMARY_NAME)

@@ -60,15 +60,26 @@ class StepExchange:
         self._pending = Packed()
         self._results: dict[str, list[float]] = {}
         self._providers: dict[str, Callable[[], Tensor]] = {}
+        self._receivers: dict[str, Callable[[list[float]], None]] = {}
         self.collectives = 0
 
-    def provide(self, name: str, values: Callable[[], Tensor]) -> None:
-        """Register ``values``, called at every batch's exchange for ``name``'s 0-dim or 1-dim tensor."""
+    def provide(
+        self, name: str, values: Callable[[], Tensor], receive: Callable[[list[float]], None] | None = None
+    ) -> None:
+        """Register ``values``, called at every batch's exchange for ``name``'s 0-dim or 1-dim tensor.
+
+        ``receive``, if given, is handed the summed values right after the exchange that carried them (when
+        the tensor was not empty): a provider that only has something to send now and then, and must not wait
+        for a collective of its own, learns the result whichever callback exchanged.
+        """
         self._providers[name] = values
+        if receive is not None:
+            self._receivers[name] = receive
 
     def withdraw(self, name: str) -> None:
         """Stop exchanging ``name`` (a callback's teardown)."""
         self._providers.pop(name, None)
+        self._receivers.pop(name, None)
 
     def _enter(self, trainer: Any) -> None:
         batch = _batch_key(trainer)
@@ -101,8 +112,12 @@ class StepExchange:
             self.collectives += 1
         riders = local.tensor(device) if local is not None else torch.zeros(0, device=device)
         values = torch.cat([reduced.to(device), riders]).tolist()  # the one host read
-        self._results.update(self._pending.unpack(values[: reduced.numel()]))
+        exchanged = self._pending.unpack(values[: reduced.numel()])
+        self._results.update(exchanged)
         self._pending = Packed()
+        for name, receive in self._receivers.items():
+            if exchanged.get(name):
+                receive(exchanged[name])
         if local is not None:
             return {**self._results, **local.unpack(values[reduced.numel() :])}
         return dict(self._results)
