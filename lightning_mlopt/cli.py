@@ -36,7 +36,7 @@ from lightning_mlopt.callbacks import (
     ThroughputProgressBar,
 )
 from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
-from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError
+from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, METRICS_NAME, resolve_run_dir
 
@@ -443,6 +443,9 @@ def main(args: Sequence[str] | None = None) -> None:
     except CheckpointWriteError as error:
         sys.stderr.write(f"error: {error}\n")
         _exit_after_launcher(CHECKPOINT_WRITE_EXIT_CODE)
+    except StoppedTogether as stop:  # a callback stopped every rank on purpose: its message is the diagnosis
+        sys.stderr.write(f"error: {type(stop).__name__}: {stop}\n")
+        _exit_after_launcher(exit_codes.FAILURE)
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             _exit_after_launcher(exit_.code)

@@ -42,6 +42,8 @@ class StoppedTogether(RuntimeError):
     """
 
     checkpoint_reason = "stopped"
+    #: The state at this point is not worth saving at all (a diverged replica): no save on the way out.
+    unsafe_to_save = False
 
     def __init__(self, message: str, checkpoint_first: bool = False) -> None:
         super().__init__(message)
@@ -56,6 +58,13 @@ class NonFiniteGradientError(StoppedTogether):
     """Training stopped on a non-finite gradient or a spike; the message holds the diagnosis."""
 
     checkpoint_reason = "nonfinite"
+
+
+class ReplicaMismatchError(StoppedTogether):
+    """Data-parallel replicas stopped being bit-identical; the message names the tensors, ranks and step."""
+
+    checkpoint_reason = "replica_mismatch"
+    unsafe_to_save = True
 
 
 class HealthCheckError(RuntimeError):

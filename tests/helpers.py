@@ -455,3 +455,25 @@ class SlowCollateTokens(TokenDataModule):
         return DataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=self.collate
         )
+
+
+class NaNSampleRegression(pl.LightningModule):
+    """A linear regression whose training data holds one sample with a NaN feature (a bad sample in the data)."""
+
+    def __init__(self, bad_index: int = 5, samples: int = 64) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        generator = torch.Generator().manual_seed(0)
+        features = torch.randn(samples, 8, generator=generator)
+        features[bad_index, 3] = float("nan")
+        self.data = torch.utils.data.TensorDataset(features, torch.randn(samples, 1, generator=generator))
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        features, targets = batch
+        return torch.nn.functional.mse_loss(self.layer(features), targets)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=4, shuffle=True)

@@ -6,7 +6,13 @@ import inspect
 
 import pytest
 
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck, PerformanceMonitor
+from lightning_mlopt.callbacks import (
+    FaultTolerantCheckpoint,
+    GradNormMonitor,
+    NCCLHealthCheck,
+    PerformanceMonitor,
+    ReplicaConsistencyCheck,
+)
 from lightning_mlopt.demos import (
     CIFAR10DataModule,
     DigitsDataModule,
@@ -28,11 +34,12 @@ PINNED = {
     "save_on_exception signals exit_code signal_deadline_s keep_last keep_every_n_steps monitor mode keep_best "
     "async_save auto_resume resume_final trust_pickles",
     GradNormMonitor: "log_every_n_steps depth param_norms update_ratios on_nonfinite locate_nonfinite on_spike "
-    "spike_window spike_threshold spike_min_history",
+    "spike_window spike_threshold spike_min_history rerun_on_anomaly",
     NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "
     "hang_timeout adaptive_multiple hang_exit_code dump_dir straggler_every_n_steps straggler_factor",
     PerformanceMonitor: "log_every_n_steps stall_threshold stall_window tokens_per_sample flops_per_sample count_flops "
     "measure_peak profile_steps oom_snapshot_entries",
+    ReplicaConsistencyCheck: "every_n_steps on_mismatch",
     WandbTracker: "project name save_dir id mode entity group tags checkpoint_dir upload_checkpoints log_provenance",
     ThroughputProgressBar: "refresh_rate window leave log_every_n_steps",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",

@@ -5,8 +5,14 @@ from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_mlopt.callbacks.nccl_health_check import NCCLHealthCheck
 from lightning_mlopt.callbacks.performance_monitor import PerformanceMonitor
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
+from lightning_mlopt.callbacks.replica_consistency_check import ReplicaConsistencyCheck
 from lightning_mlopt.callbacks.throughput_progress_bar import ThroughputProgressBar
-from lightning_mlopt.exceptions import CheckpointWriteError, HealthCheckError, NonFiniteGradientError
+from lightning_mlopt.exceptions import (
+    CheckpointWriteError,
+    HealthCheckError,
+    NonFiniteGradientError,
+    ReplicaMismatchError,
+)
 
 __all__ = [
     "CheckpointWriteError",
@@ -17,5 +23,7 @@ __all__ = [
     "NonFiniteGradientError",
     "PerformanceMonitor",
     "PhaseMarkers",
+    "ReplicaConsistencyCheck",
+    "ReplicaMismatchError",
     "ThroughputProgressBar",
 ]

@@ -315,6 +315,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         preemption.release()
         if self._exiting or isinstance(exception, (CheckpointWriteError, KeyboardInterrupt)):
             return
+        if getattr(exception, "unsafe_to_save", False):
+            return  # e.g. replicas that diverged: the newest clean checkpoint is the one to resume
         if isinstance(exception, StoppedTogether) and exception.checkpoint_first:
             self._save_for_stop(trainer, exception)
             return

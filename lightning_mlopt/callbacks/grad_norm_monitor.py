@@ -14,9 +14,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.module_names import module_group
 from lightning_mlopt.diagnosis.module_norms import ModuleNorms
 from lightning_mlopt.diagnosis.nonfinite import first_nonfinite_output, nonfinite_report
+from lightning_mlopt.diagnosis.rerun import Rerun, capture_torch_rng, classify, rerun_step, restore_torch_rng
 from lightning_mlopt.diagnosis.spikes import SpikeDetector
 from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
@@ -52,6 +54,14 @@ class GradNormMonitor(Callback):
     last ``spike_window`` steps triggers ``on_spike``. Statistics and counters are callback state, so a
     resumed run continues them.
 
+    Rerun attribution (``rerun_on_anomaly``): before acting on a non-finite step or a spike, every rank
+    re-runs its last micro-batch with the same inputs and the RNG state it started from (the backward too
+    where that needs no collective: one device, DDP) and the report says ``reproducible`` (the same result
+    again: the data or the model), ``transient`` (not reproduced: suspect the hardware of the named rank and
+    host) or ``unclassified``; ``grad_norm/rerun_transient`` is logged. Healthy steps pay a copy of the
+    torch RNG state at batch start. (Whether another replica reproduces it on its own hardware, which would
+    tell a persistent fault of one rank, is not tried.)
+
     Logged under ``grad_norm/total``, ``grad_norm/total_clipped`` (when clipping by norm),
     ``grad_norm/<module>``, and optionally ``param_norm/<module>``, every ``log_every_n_steps``.
 
@@ -69,6 +79,7 @@ class GradNormMonitor(Callback):
         spike_window: steps of history for the rolling mean and standard deviation.
         spike_threshold: how many standard deviations above the mean counts as a spike.
         spike_min_history: steps of history before spikes are judged at all.
+        rerun_on_anomaly: re-run a bad step's last micro-batch to classify it (see above); off costs nothing.
 
     Raises:
         ValueError: a bad value.
@@ -91,6 +102,7 @@ class GradNormMonitor(Callback):
         spike_window: int = 100,
         spike_threshold: float = 6.0,
         spike_min_history: int = 20,
+        rerun_on_anomaly: bool = True,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
@@ -107,6 +119,8 @@ class GradNormMonitor(Callback):
         self.on_nonfinite = on_nonfinite
         self.locate_nonfinite = locate_nonfinite
         self.on_spike = on_spike
+        self.rerun_on_anomaly = rerun_on_anomaly
+        self.last_rerun: str | None = None  # the classification of the last anomaly ("transient", ...)
         # State that survives resume (with the spike history).
         self.nonfinite_events = 0
         self.skipped_steps = 0
@@ -114,7 +128,10 @@ class GradNormMonitor(Callback):
         self._sharding: Sharding = TensorSharding()
         self._norms = ModuleNorms(nn.Module(), self._sharding, depth)  # the real one at on_fit_start
         self._last_batch: tuple[Any, int] | None = None
+        self._batch_rng: tuple[Tensor, Tensor | None] | None = None  # the RNG state the last batch started from
+        self._local_loss: Tensor | None = None  # this rank's own loss in the last micro-batch
         self._losses: list[Tensor] = []  # this rank's loss per micro-batch of the current step
+        self._injected: list[Any] = []  # hooks of LIGHTNING_MLOPT_INJECT nan faults (a testing aid)
         self._before_update: list[Tensor] | None = None
         self.last_metrics: dict[str, float] = {}
 
@@ -169,6 +186,10 @@ class GradNormMonitor(Callback):
                 "GradNormMonitor: 'skip' cannot drop a DeepSpeed step (the engine owns the update); "
                 "use on_nonfinite/on_spike: stop, checkpoint_and_stop or warn"
             )
+        self._injected = [
+            inject.install_nan(pl_module, injection, trainer.global_rank, lambda: trainer.global_step)
+            for injection in inject.from_environment("nan")
+        ]
         if "checkpoint_and_stop" in (self.on_nonfinite, self.on_spike) and not _has_checkpointer(trainer):
             rank_zero_warn(
                 "GradNormMonitor: checkpoint_and_stop without a FaultTolerantCheckpoint in the Trainer: "
@@ -192,10 +213,13 @@ class GradNormMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._last_batch = (batch, batch_idx)  # a reference, not a copy: for re-running a bad step only
+        if self.rerun_on_anomaly:
+            self._batch_rng = capture_torch_rng()  # a 5 kB copy: what a re-run of this batch starts from
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._losses.append(loss.detach().float().reshape(1))
+        self._local_loss = loss.detach().float().reshape(1)
+        self._losses.append(self._local_loss)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -259,36 +283,63 @@ class GradNormMonitor(Callback):
         loss = values["loss"][0]
         if not math.isfinite(total) or not math.isfinite(loss):
             self.nonfinite_events += 1
-            culprits = self._gather_culprits(trainer, pl_module)
+            culprits, rerun = self._diagnose(trainer, pl_module, "nonfinite")
             # Born in backward when no forward went non-finite: name the modules whose gradients are not.
             bad_gradients = [] if culprits else self._norms.nonfinite_gradient_modules()
             report = nonfinite_report(step, total, loss, culprits, trainer.global_rank, bad_gradients)
-            self._take(self.on_nonfinite, report, optimizer)
+            self._take(self.on_nonfinite, report + rerun, optimizer)
             return
         spike = self.spikes.observe(loss, total)
         if spike:
-            self._take(self.on_spike, f"step {step}: {spike}", optimizer)
+            _, rerun = self._diagnose(trainer, pl_module, "spike") if self.rerun_on_anomaly else ({}, "")
+            self._take(self.on_spike, f"step {step}: {spike}{rerun}", optimizer)
         if logging_step:
             param_total = math.sqrt(values["param_sq"][0]) if "param_sq" in values else None
             self._log(trainer, step, total, values.get("grad_groups", []), param_total, values.get("param_groups", []))
 
-    def _gather_culprits(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, str]:
-        """Each rank's first module with a non-finite output, in one all-reduce of per-rank slots.
+    def _diagnose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str) -> tuple[dict[int, str], str]:
+        """Each rank's first module with a non-finite output, and the re-run's verdict, in one all-reduce.
 
-        Every rank re-runs its forward; all ranks reach this, because the decision to call it was collective.
+        Every rank re-runs its last micro-batch; all ranks reach this, because the decision to call it was
+        collective (and a sharded forward needs every rank). Returns the culprits and a report line.
         """
-        world = trainer.world_size
-        slots = torch.zeros(world, device=pl_module.device)
+        world, rank = trainer.world_size, trainer.global_rank
+        slots = torch.zeros(4 * world, device=pl_module.device)  # per rank: culprit, loss, re-run loss, grads
         modules: list[str] = []
-        if self.locate_nonfinite and self._last_batch is not None:
-            index, modules = first_nonfinite_output(pl_module, *self._last_batch)
-            slots[trainer.global_rank] = float(index)
+        batch = self._last_batch
+        rerun: Rerun | None = None
+        if self.rerun_on_anomaly and batch is not None and self._batch_rng is not None:
+            rerun = rerun_step(pl_module, *batch, self._batch_rng, with_backward=self._norms.replicated)
+            slots[world + rank] = self._local_loss.sum() if self._local_loss is not None else float("nan")
+            slots[2 * world + rank] = rerun.loss
+            slots[3 * world + rank] = {None: -1.0, True: 1.0, False: 0.0}[rerun.gradients_finite]
+        if kind == "nonfinite" and self.locate_nonfinite and batch is not None:
+            current = capture_torch_rng()
+            if self._batch_rng is not None:
+                restore_torch_rng(self._batch_rng)  # the same dropout masks as the step
+            index, modules = first_nonfinite_output(pl_module, *batch)
+            restore_torch_rng(current)  # training goes on as if nothing was re-run
+            slots[rank] = float(index)
         if world > 1:
             dist.all_reduce(slots)
+        values = slots.tolist()
         if not modules:  # every rank holds the same model: the names are the same everywhere
             modules = [name for name, _ in pl_module.named_modules() if name]
         names = [name.removeprefix(self._norms.prefix) for name in modules]
-        return {rank: names[int(index) - 1] for rank, index in enumerate(slots.tolist()) if index > 0}
+        culprits = {r: names[int(index) - 1] for r, index in enumerate(values[:world]) if index > 0}
+        if rerun is None:
+            return culprits, ""
+        hosts = _hostnames(world)
+        finite = [{-1.0: None, 1.0: True, 0.0: False}.get(v) for v in values[3 * world :]]
+        self.last_rerun, explanation = classify(
+            kind, values[world : 2 * world], values[2 * world : 3 * world], finite, hosts
+        )
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(
+                    {"grad_norm/rerun_transient": float(self.last_rerun == "transient")}, step=trainer.global_step + 1
+                )
+        return culprits, f"\n  rerun (same micro-batch, same RNG state): {explanation}"
 
     def _take(self, action: Action, report: str, optimizer: Any) -> None:
         """Apply an action every rank agreed on (they all read the same reduced values)."""
@@ -328,6 +379,12 @@ class GradNormMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for handle in self._injected:
+            handle.remove()
+        self._injected = []
+
     # ------------------------------------------------------------------ state
 
     @override
@@ -346,6 +403,16 @@ class GradNormMonitor(Callback):
         self.spikes.load_state_dict({**state_dict, "events": state_dict.get("spike_events", 0)})
         self.nonfinite_events = state_dict.get("nonfinite_events", 0)
         self.skipped_steps = state_dict.get("skipped_steps", 0)
+
+
+def _hostnames(world: int) -> list[str]:
+    """Every rank's host name (an anomaly only: one small gather)."""
+    import socket
+
+    hosts: list[Any] = [socket.gethostname()] * world
+    if world > 1:
+        dist.all_gather_object(hosts, socket.gethostname())
+    return [str(host) for host in hosts]
 
 
 def _has_checkpointer(trainer: pl.Trainer) -> bool:

@@ -2,10 +2,11 @@
 
 A monitor that reports every rank's numbers needs one collective per report. Issued in the step and waited
 for at once, it blocks every rank until the slowest arrives, and on a GPU reading its result syncs the host
-with the device. Here the sum runs asynchronously on a gloo group of its own, on CPU tensors: started at one
-step boundary, read at a later one (by then long done), it never waits for the GPU and never shares a
-communicator with training or with checkpoint coordination (which run their own collectives, possibly from
-other threads).
+with the device. Here the sum runs asynchronously over gloo, on CPU tensors: started at one step boundary,
+read at a later one (by then long done), it never waits for the GPU. Under NCCL it has a gloo group of its
+own; where training itself runs on gloo (CPU) it uses training's group, whose collectives are issued from the
+same thread in the same order on every rank. It never shares the checkpoint coordination's group, whose
+collectives run from another thread.
 
 Example::
 
@@ -27,8 +28,12 @@ class BackgroundSum:
     """Sums one float vector at a time over every rank, in the background; see the module docstring."""
 
     def __init__(self) -> None:
-        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self._group: Any = dist.new_group(backend="gloo") if several else None
+        self._several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        # Where training itself runs on gloo (CPU), its group serves: its collectives are issued from this
+        # thread in the same order on every rank, and no second set of gloo threads competes for the cores.
+        # Elsewhere (NCCL), a gloo group of its own keeps the sum on the host.
+        on_gloo = self._several and dist.get_backend() == "gloo"
+        self._group: Any = None if on_gloo or not self._several else dist.new_group(backend="gloo")
         self._work: Any = None
         self._values: torch.Tensor | None = None
 
@@ -42,7 +47,7 @@ class BackgroundSum:
         if self._values is not None:
             raise RuntimeError("BackgroundSum.start: the previous sum has not been read")
         self._values = torch.tensor(values, dtype=torch.float64)
-        if self._group is not None:
+        if self._several:
             self._work = dist.all_reduce(self._values, group=self._group, async_op=True)
 
     def result(self) -> list[float]:

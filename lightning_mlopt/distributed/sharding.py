@@ -22,10 +22,11 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 
@@ -38,6 +39,22 @@ class Piece(NamedTuple):
     param: Tensor
     tensor: Tensor
     replication: int
+
+
+class Replica(NamedTuple):
+    """A tensor that every rank of its replica group must hold bit for bit identically."""
+
+    name: str
+    tensor: Tensor
+    group: int  # ranks reporting the same group hold copies of the same tensor (HSDP: one shard's replicas)
+
+
+@dataclass
+class ReplicaSet:
+    """What a strategy keeps replicated across data-parallel ranks, and a line saying so for the start-up log."""
+
+    replicas: list[Replica] = field(default_factory=list)
+    description: str = "nothing"
 
 
 @runtime_checkable
@@ -57,17 +74,36 @@ class Sharding(Protocol):
         ...
 
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
-        """Whether every rank holds the whole, identical gradient of every parameter after backward.
+        """Whether every rank holds the whole, identical gradient of every parameter after an optimizer step.
 
         Then a value computed from the local gradients is the global one, equal on every rank, and needs no
         collective.
         """
         ...
 
+    def replicas(self, module: nn.Module, optimizers: Sequence[Any]) -> ReplicaSet:
+        """The tensors that data-parallel replicas must hold identically after an optimizer step."""
+        ...
+
 
 def world_size() -> int:
     """Ranks in the default process group; 1 without one."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def synchronized_buffers(module: nn.Module) -> list[Replica]:
+    """Buffers every rank keeps identical: all but the running statistics of (non-synchronized) BatchNorm.
+
+    Those are updated from each rank's own batch in every forward, so replicas legitimately differ (DDP
+    re-broadcasts them only at the next forward); SyncBatchNorm keeps them equal.
+    """
+    local_statistics = {
+        id(buffer)
+        for submodule in module.modules()
+        if isinstance(submodule, nn.modules.batchnorm._NormBase) and not isinstance(submodule, nn.SyncBatchNorm)
+        for buffer in submodule.buffers(recurse=False)
+    }
+    return [Replica(name, buffer, 0) for name, buffer in module.named_buffers() if id(buffer) not in local_statistics]
 
 
 def dtensor_replication(tensor: DTensor) -> int:
@@ -111,3 +147,50 @@ class TensorSharding:
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
         """See :class:`Sharding`: no parameter is a DTensor."""
         return not any(isinstance(p, DTensor) for p in params)
+
+    def replicas(self, module: nn.Module, optimizers: Sequence[Any]) -> ReplicaSet:
+        """See :class:`Sharding`. Plain tensors (DDP): parameters, optimizer state and buffers, on every rank.
+
+        DTensors (FSDP, HSDP): each shard across the ranks that hold it (HSDP's replica groups; none under
+        full sharding), and the buffers.
+        """
+        buffers = synchronized_buffers(module)
+        named = list(module.named_parameters())
+        if not any(isinstance(param, DTensor) for _, param in named):
+            replicas = [Replica(name, param, 0) for name, param in named]
+            replicas += _optimizer_state(named, optimizers)
+            what = "parameters, optimizer state and buffers (every rank holds them whole)"
+            return ReplicaSet(replicas + buffers, f"{what}: {len(replicas) + len(buffers)} tensors")
+        shards = [(name, param) for name, param in named if isinstance(param, DTensor)]
+        replicas = [
+            Replica(name, param.to_local(), _shard_group(param))
+            for name, param in shards
+            if dtensor_replication(param) > 1
+        ]
+        if replicas:
+            what = f"each parameter shard across its {dtensor_replication(shards[0][1])} replicas, and buffers"
+        else:
+            what = "buffers only (parameters are fully sharded: no rank holds another's copy)"
+        return ReplicaSet(replicas + buffers, f"{what}: {len(replicas) + len(buffers)} tensors")
+
+
+def _shard_group(tensor: DTensor) -> int:
+    """Which shard this rank holds: its coordinates on the mesh dimensions that shard ``tensor``, as one int."""
+    coordinate: list[int] = list(tensor.device_mesh.get_coordinate() or [])
+    group = 0
+    for dim, placement in enumerate(tensor.placements):
+        if not placement.is_replicate():
+            group = group * tensor.device_mesh.size(dim) + coordinate[dim]
+    return group
+
+
+def _optimizer_state(named: Sequence[tuple[str, Tensor]], optimizers: Sequence[Any]) -> list[Replica]:
+    """Every tensor of the optimizers' per-parameter state (Adam's moments...), named after its parameter."""
+    replicas = []
+    for optimizer in optimizers:
+        state = getattr(optimizer, "state", {})
+        for name, param in named:
+            for key, value in sorted(state.get(param, {}).items()):
+                if isinstance(value, Tensor) and value.numel() > 1:  # not a scalar step count
+                    replicas.append(Replica(f"{name} ({key})", value, 0))
+    return replicas

@@ -21,9 +21,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_mlopt.distributed.sharding import Piece, Sharding, TensorSharding, world_size
+from lightning_mlopt.distributed.sharding import (
+    Piece,
+    Replica,
+    ReplicaSet,
+    Sharding,
+    TensorSharding,
+    synchronized_buffers,
+    world_size,
+)
 
 
 class ZeroSharding:
@@ -69,6 +77,22 @@ class ZeroSharding:
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
         """Never: each rank holds only its partition of the reduced gradients."""
         return False
+
+    def replicas(self, module: nn.Module, optimizers: Sequence[Any]) -> ReplicaSet:
+        """ZeRO-1/2: the parameters (re-gathered from their owners' partitions after every step) and buffers.
+
+        ZeRO-3: buffers only. The optimizer state and fp32 master weights are partitions: no replica holds
+        another's.
+        """
+        buffers = synchronized_buffers(module)
+        named = list(module.named_parameters())
+        if any(getattr(param, "ds_tensor", None) is not None for _, param in named):
+            return ReplicaSet(buffers, f"buffers only (ZeRO-3 partitions every parameter): {len(buffers)} tensors")
+        replicas = [Replica(name, param, 0) for name, param in named]
+        return ReplicaSet(
+            replicas + buffers,
+            f"parameters and buffers (optimizer state is partitioned): {len(replicas) + len(buffers)} tensors",
+        )
 
 
 def sharding_of(strategy: Any) -> Sharding:

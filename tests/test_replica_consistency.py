@@ -1,0 +1,107 @@
+"""ReplicaConsistencyCheck: bit-exact fingerprints, who disagrees, and a real bit flip found on 2 processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_mlopt.callbacks import ReplicaConsistencyCheck
+from lightning_mlopt.diagnosis import inject
+from lightning_mlopt.diagnosis.bit_hash import bit_hash
+from lightning_mlopt.diagnosis.replicas import describe, disagreements
+from lightning_mlopt.exceptions import BadInputError
+from tests.cli_args import fit_args
+from tests.conftest import failure_report, run_cli
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_one_flipped_bit_changes_the_fingerprint_of_any_float_type(dtype):
+    tensor = torch.randn(1000).to(dtype)
+    for bit in (0, 7, tensor.element_size() * 8 - 2):
+        flipped = tensor.clone()
+        inject.flip_bit(flipped, bit)
+        assert bit_hash(flipped) != bit_hash(tensor)
+    assert bit_hash(tensor.clone()) == bit_hash(tensor)
+    swapped = tensor.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert bit_hash(swapped) != bit_hash(tensor) or bool(tensor[0] == tensor[1])
+
+
+def test_the_minority_is_named_and_two_replicas_are_both_named():
+    rows = [[0, 0, 5, 7], [0, 0, 5, 7], [0, 0, 5, 8], [0, 0, 5, 7]]  # 4 ranks, 2 tensors; rank 2's "b" differs
+    (found,) = disagreements(["a", "b"], rows)
+    assert (found.name, found.ranks) == ("b", [2])
+    assert "b: rank 2 differs from ranks 0, 1, 3" in describe([found], step=10)
+    # HSDP: two replica groups (shard 0 on ranks 0 and 2, shard 1 on ranks 1 and 3), compared within each.
+    hsdp = [[0, 5], [1, 6], [0, 5], [1, 9]]
+    (found,) = disagreements(["w"], hsdp)
+    assert found.ranks == [1, 3] and found.replicas == [1, 3]
+    assert disagreements(["w"], [[0, 5], [1, 6]]) == []  # two different shards are not replicas
+
+
+def test_a_malformed_injection_is_bad_input():
+    with pytest.raises(BadInputError, match="needs step"):
+        inject.parse("bitflip:rank=1,param=w")
+    with pytest.raises(BadInputError, match="unknown fault 'bitflop'"):
+        inject.parse("bitflop:rank=1,step=2,param=w")
+    assert inject.parse("bitflip:rank=1,step=7,param=w,repeat=true")[0].due(1, 9)
+    with pytest.raises(ValueError, match="on_mismatch"):
+        ReplicaConsistencyCheck(on_mismatch="panic")  # type: ignore[arg-type]
+
+
+def _run(tmp_path, strategy: str, steps: int, injection: str | None, *extra: str):
+    return run_cli(
+        fit_args(
+            "--model.n_layer=1",
+            "--model.d_model=64",
+            "--trainer.limit_val_batches=0",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.callbacks+=lightning_mlopt.callbacks.ReplicaConsistencyCheck",
+            "--trainer.callbacks.every_n_steps=5",
+            "--checkpoint.every_n_steps=5",
+            *extra,
+            strategy=strategy,
+            steps=steps,
+            run_dir=tmp_path / "run",
+        ),
+        cwd=tmp_path,
+        env={inject.ENV: injection} if injection else None,
+    )
+
+
+@pytest.mark.multiprocess
+def test_a_bit_flipped_on_rank_1_under_ddp_stops_both_ranks_at_the_next_check(tmp_path):
+    result = _run(tmp_path, "ddp", 20, "bitflip:rank=1,step=7,param=layers.0.attn.qkv.weight")
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "replica mismatch at step 10: model.layers.0.attn.qkv.weight" in output, failure_report(result)
+    assert "ranks 0 and 1 disagree" in output
+    assert "the newest checkpoint saved before it: " in output and "step-000000005" in output
+    committed = sorted(path.name for path in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert committed == ["step-000000005"]  # the diverged state at step 10 was not saved
+
+
+@pytest.mark.multiprocess
+def test_a_bit_flipped_on_rank_1_under_zero2_is_reported_and_training_goes_on_under_warn(tmp_path):
+    flip = "bitflip:rank=1,step=7,param=layers.0.attn.qkv.weight,repeat=true"
+    result = _run(tmp_path, "zero2", 10, flip, "--trainer.callbacks.on_mismatch=warn")
+    assert result.returncode == 0, failure_report(result)
+    assert "replica mismatch at step 10: model.layers.0.attn.qkv.weight: ranks 0 and 1 disagree" in result.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [
+        ("ddp", ()),
+        ("zero1", ()),
+        ("zero2", ()),
+        ("fsdp", ("--trainer.strategy.init_args.replicate_group_size=2",)),
+    ],
+    ids=["ddp", "zero1", "zero2", "hsdp"],
+)
+def test_no_false_alarm_over_50_clean_steps(tmp_path, strategy, extra):
+    result = _run(tmp_path, strategy, 50, None, *extra)
+    assert result.returncode == 0, failure_report(result)
+    assert "replica mismatch" not in result.stdout + result.stderr
+    assert "ReplicaConsistencyCheck: every 5 steps, 2 ranks compare" in result.stdout + result.stderr
