@@ -163,3 +163,33 @@ def run_worker(script: str, mode: str, steps: int, warmup: int, extra: Sequence[
         [*command, "--out", str(out)], check=True, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
     )
     return json.loads(out.read_text())
+
+
+def interleaved_jobs(script: str, modes: Sequence[str], repeats: int, steps: int, warmup: int) -> dict[str, list[dict]]:
+    """Run ``script --worker MODE`` jobs, ``repeats`` per mode, the modes' order alternating between repeats.
+
+    Each job writes ``{"on_s": ..., "off_s": ...}`` (mean step time with and without the thing measured, in
+    the same job); progress is printed as the overhead of each job.
+    """
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for repeat in range(repeats):
+        for mode in modes if repeat % 2 == 0 else list(modes)[::-1]:  # interleaved, so drift hits both
+            result = run_worker(script, mode, steps, warmup)
+            runs[mode].append(result)
+            print(f"every {mode}, repeat {repeat}: {(result['on_s'] / result['off_s'] - 1) * 100:+.2f}%", flush=True)
+    return runs
+
+
+def overhead_table(runs: dict[str, list[dict]], goals: dict[str, float], labels: dict[str, str] | None = None) -> str:
+    """``| label | step without | step with | overhead | goal |`` rows (medians over jobs) and the per-job list."""
+    lines, details = [], []
+    for mode, goal in goals.items():
+        overheads = [r["on_s"] / r["off_s"] - 1 for r in runs[mode]]
+        overhead = median(overheads)
+        lines.append(
+            f"| {(labels or {}).get(mode, f'every {mode}')} | {median([r['off_s'] for r in runs[mode]]) * 1e3:.2f} | "
+            f"{median([r['on_s'] for r in runs[mode]]) * 1e3:.2f} | "
+            f"{overhead * 100:+.2f}% | <= {goal * 100:g}%: {'met' if overhead <= goal else 'NOT met'} |"
+        )
+        details.append(f"every {mode}: " + ", ".join(f"{o * 100:+.2f}%" for o in overheads))
+    return "\n".join(lines) + "\n\nPer job: " + "; ".join(details) + "."

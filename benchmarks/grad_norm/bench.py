@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import gpt_step_gaps, median, publish, run_worker, worker_parser
+from _common import gpt_step_gaps, interleaved_jobs, median, overhead_table, publish, run_worker, worker_parser
 
 
 def _part_a(repeats: int, d_model: int) -> str:
@@ -197,22 +197,8 @@ def _part_c(repeats: int, step_ms: float | None) -> str:
 def _part_b(repeats: int, steps: int, warmup: int) -> tuple[str, float]:
     """The report, and the step time without the monitor (ms, every-50 jobs)."""
     modes = {"1": 0.03, "50": 0.005}  # logging period -> goal
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
-    for repeat in range(repeats):
-        for mode in modes if repeat % 2 == 0 else list(modes)[::-1]:  # interleaved, so drift hits both
-            result = run_worker(__file__, mode, steps, warmup)
-            runs[mode].append(result)
-            print(f"every {mode}, repeat {repeat}: {(result['on_s'] / result['off_s'] - 1) * 100:+.2f}%", flush=True)
-    lines, details = [], []
-    for mode, goal in modes.items():
-        overheads = [r["on_s"] / r["off_s"] - 1 for r in runs[mode]]
-        overhead = median(overheads)
-        lines.append(
-            f"| every {mode} | {median([r['off_s'] for r in runs[mode]]) * 1e3:.2f} | "
-            f"{median([r['on_s'] for r in runs[mode]]) * 1e3:.2f} | "
-            f"{overhead * 100:+.2f}% | <= {goal * 100:g}%: {'met' if overhead <= goal else 'NOT met'} |"
-        )
-        details.append(f"every {mode}: " + ", ".join(f"{o * 100:+.2f}%" for o in overheads))
+    runs = interleaved_jobs(__file__, list(modes), repeats, steps, warmup)
+    table = overhead_table(runs, modes)
     step_ms = median([r["off_s"] for r in runs["50"]]) * 1e3
     return (
         f"## (b) Step-time overhead, GPT demo, 2 CPU processes (DDP, gloo)\n\n"
@@ -221,10 +207,8 @@ def _part_b(repeats: int, steps: int, warmup: int) -> tuple[str, float]:
         f"mean step time with and without it (logging steps included, amortised; steps over 3x the median "
         f"dropped as OS hiccups); median of {repeats} jobs.\n\n"
         "| monitor logging | step without (ms) | step with (ms) | overhead | goal |\n|---|---|---|---|---|\n"
-        + "\n".join(lines)
-        + "\n\nPer job: "
-        + "; ".join(details)
-        + ".\n\n"
+        + table
+        + "\n\n"
         "Every step the monitor runs one fused norm over the gradients and one host read (the non-finite "
         "check and the spike statistics need the value every step). Under DDP every rank holds the same "
         "averaged gradients, so the norm is computed locally and bitwise equal everywhere; only the loss mean "

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import gpt_step_gaps, median, publish, run_worker, worker_parser
+from _common import gpt_step_gaps, interleaved_jobs, overhead_table, publish, worker_parser
 
 # logging period (and "+ftc": FaultTolerantCheckpoint in both arms, as in every CLI run) -> goal
 MODES = {"1": 0.02, "50": 0.005, "1+ftc": 0.02, "50+ftc": 0.005}
@@ -91,23 +91,9 @@ def main() -> None:
     if args.worker:
         _worker(args.worker, args.steps, args.warmup, args.out)
         return
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
-    for repeat in range(args.repeats):
-        for mode in MODES if repeat % 2 == 0 else list(MODES)[::-1]:  # interleaved, so drift hits both
-            result = run_worker(__file__, mode, args.steps, args.warmup)
-            runs[mode].append(result)
-            print(f"every {mode}, repeat {repeat}: {(result['on_s'] / result['off_s'] - 1) * 100:+.2f}%", flush=True)
-    lines, details = [], []
-    for mode, goal in MODES.items():
-        overheads = [r["on_s"] / r["off_s"] - 1 for r in runs[mode]]
-        overhead = median(overheads)
-        label = mode.replace("+ftc", ", with FaultTolerantCheckpoint")
-        lines.append(
-            f"| every {label} | {median([r['off_s'] for r in runs[mode]]) * 1e3:.2f} | "
-            f"{median([r['on_s'] for r in runs[mode]]) * 1e3:.2f} | "
-            f"{overhead * 100:+.2f}% | <= {goal * 100:g}%: {'met' if overhead <= goal else 'NOT met'} |"
-        )
-        details.append(f"every {mode}: " + ", ".join(f"{o * 100:+.2f}%" for o in overheads))
+    runs = interleaved_jobs(__file__, list(MODES), args.repeats, args.steps, args.warmup)
+    labels = {mode: f"every {mode.replace('+ftc', ', with FaultTolerantCheckpoint')}" for mode in MODES}
+    table = overhead_table(runs, MODES, labels)
     body = (
         "## Step-time overhead of PerformanceMonitor, GPT demo, 2 CPU processes (DDP, gloo)\n\n"
         f"Each job trains {args.steps} steps with the monitor active on alternate steps, or, logging every step "
@@ -118,10 +104,8 @@ def main() -> None:
         f"3x the median dropped as OS hiccups); median of {args.repeats} jobs. No logger is attached: what is "
         "measured is the monitor's own work, not a logger's write.\n\n"
         "| monitor logging | step without (ms) | step with (ms) | overhead | goal |\n|---|---|---|---|---|\n"
-        + "\n".join(lines)
-        + "\n\nPer job: "
-        + "; ".join(details)
-        + ".\n\n"
+        + table
+        + "\n\n"
         "Every step the monitor marks four phase changes (a clock read each on CPU; a CUDA event each on a "
         "GPU, never waited for) and counts the batch's samples from its shape. A logging step reads the clock "
         "(on a GPU: the one synchronisation, on the newest event) and the peak memory, and submits its "
