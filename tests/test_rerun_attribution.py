@@ -42,7 +42,7 @@ def test_a_rerun_reproduces_dropout_and_leaves_the_rng_and_gradients_alone():
 
     step, batch = Step(), torch.ones(2, 4)
     rng = capture_torch_rng()
-    original = float(step.training_step(batch, 0))
+    original = float(step.training_step(batch, 0).detach())
     after_step = torch.get_rng_state()
     rerun = rerun_step(step, batch, 0, rng, with_backward=True)
     assert rerun.loss == original and rerun.gradients_finite is True

@@ -121,6 +121,7 @@ class GradNormMonitor(Callback):
         self.on_spike = on_spike
         self.rerun_on_anomaly = rerun_on_anomaly
         self.last_rerun: str | None = None  # the classification of the last anomaly ("transient", ...)
+        self._rerun_metrics: dict[str, float] = {}  # logged with the step's norms, or at once
         # State that survives resume (with the spike history).
         self.nonfinite_events = 0
         self.skipped_steps = 0
@@ -287,11 +288,14 @@ class GradNormMonitor(Callback):
             # Born in backward when no forward went non-finite: name the modules whose gradients are not.
             bad_gradients = [] if culprits else self._norms.nonfinite_gradient_modules()
             report = nonfinite_report(step, total, loss, culprits, trainer.global_rank, bad_gradients)
+            self._log_rerun(trainer, step)
             self._take(self.on_nonfinite, report + rerun, optimizer)
             return
         spike = self.spikes.observe(loss, total)
         if spike:
             _, rerun = self._diagnose(trainer, pl_module, "spike") if self.rerun_on_anomaly else ({}, "")
+            if not logging_step:  # on a logging step it goes out with the step's norms, in one row
+                self._log_rerun(trainer, step)
             self._take(self.on_spike, f"step {step}: {spike}{rerun}", optimizer)
         if logging_step:
             param_total = math.sqrt(values["param_sq"][0]) if "param_sq" in values else None
@@ -334,11 +338,7 @@ class GradNormMonitor(Callback):
         self.last_rerun, explanation = classify(
             kind, values[world : 2 * world], values[2 * world : 3 * world], finite, hosts
         )
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(
-                    {"grad_norm/rerun_transient": float(self.last_rerun == "transient")}, step=trainer.global_step + 1
-                )
+        self._rerun_metrics = {"grad_norm/rerun_transient": float(self.last_rerun == "transient")}
         return culprits, f"\n  rerun (same micro-batch, same RNG state): {explanation}"
 
     def _take(self, action: Action, report: str, optimizer: Any) -> None:
@@ -374,8 +374,17 @@ class GradNormMonitor(Callback):
             metrics["grad_norm/total_clipped"] = total * min(1.0, float(clip) / (total + 1e-6))
         if param_total is not None:
             metrics.update(self._norms.metrics("param_norm", param_total, param_groups))
+        metrics.update(self._rerun_metrics)
+        self._rerun_metrics = {}
         self.last_metrics = metrics
         if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _log_rerun(self, trainer: pl.Trainer, step: int) -> None:
+        """Log the last re-run's classification now (a step whose norms are not logged)."""
+        metrics, self._rerun_metrics = self._rerun_metrics, {}
+        if metrics and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 

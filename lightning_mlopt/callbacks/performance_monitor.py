@@ -71,7 +71,7 @@ class PerformanceMonitor(PhaseMarkers):
         tokens_per_sample: tokens in one sample, for ``perf/tokens_per_sec``; None: the module's attribute.
         flops_per_sample: model FLOPs of one sample's forward and backward; None: counted on the first batch.
         count_flops: count FLOPs on the first batch when ``flops_per_sample`` is None (False: no MFU).
-        measure_peak: run the matmul probe at the start of training (about 0.3 s) for ``perf/mfu_measured``.
+        measure_peak: run the matmul probe at the start of training (about 0.2 s) for ``perf/mfu_measured``.
         profile_steps: ``[start, stop]`` optimizer steps to record with torch.profiler; None: no trace.
         oom_snapshot_entries: CUDA allocations remembered for the out-of-memory snapshot; 0: none.
 

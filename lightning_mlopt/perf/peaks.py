@@ -76,7 +76,7 @@ def matmul_precision(trainer_precision: str) -> str:
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def measure_peak_flops(device: torch.device, precision: str = "fp32", seconds: float = 0.3) -> float:
+def measure_peak_flops(device: torch.device, precision: str = "fp32", seconds: float = 0.15) -> float:
     """FLOP/s of square matmuls on ``device`` at ``precision``, timed for about ``seconds``.
 
     The size is 4096 on a GPU (large enough to saturate it) and 512 on a CPU (a CPU reaches its peak on small
