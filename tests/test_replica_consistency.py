@@ -105,3 +105,14 @@ def test_no_false_alarm_over_50_clean_steps(tmp_path, strategy, extra):
     assert result.returncode == 0, failure_report(result)
     assert "replica mismatch" not in result.stdout + result.stderr
     assert "ReplicaConsistencyCheck: every 5 steps, 2 ranks compare" in result.stdout + result.stderr
+
+
+@pytest.mark.multiprocess
+def test_every_checkpoint_is_checked_first_and_a_diverged_state_is_not_saved(tmp_path):
+    # The check's own interval (100) never comes; the saves every 5 steps are each checked first.
+    flip = "bitflip:rank=1,step=7,param=layers.0.attn.qkv.weight"
+    result = _run(tmp_path, "ddp", 20, flip, "--trainer.callbacks.every_n_steps=100")
+    assert result.returncode != 0
+    assert "ReplicaMismatchError: replica mismatch at step 10" in result.stderr, failure_report(result)
+    committed = sorted(path.name for path in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert committed == ["step-000000005"]

@@ -290,6 +290,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         signalled, due_by_time = self._agree_at_step_boundary(trainer)
         if signalled:
             preemption.acknowledge()  # acted on: it must not end the process a second time
+            _before_checkpoint(trainer)
             self.save(trainer, reason="signal", wait=True)
             self._tell_loggers(trainer)
             rank_zero_warn(f"Preemption signal: saved step {step}; exiting with status {self.exit_code}.")
@@ -297,12 +298,14 @@ class FaultTolerantCheckpoint(Checkpoint):
             raise SystemExit(self.exit_code)
         if due_by_steps or due_by_time or epoch_ends:
             reason = "every_n_steps" if due_by_steps else "every_n_minutes" if due_by_time else "epoch_end"
+            _before_checkpoint(trainer)
             self.save(trainer, reason=reason)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         preemption.acknowledge()  # a signal after the last step boundary: the run finishes and is saved
         if self.save_on_train_end and not self._resume_final:
+            _before_checkpoint(trainer)
             self.save(trainer, reason="final", final=True, wait=True)
         assert self.saver is not None  # made at setup
         self.saver.wait(trainer)
@@ -403,3 +406,15 @@ class FaultTolerantCheckpoint(Checkpoint):
                 upload = getattr(logger, "log_checkpoint_artifact", None)
                 if upload is not None:
                     upload(path, manifest)
+
+
+def _before_checkpoint(trainer: pl.Trainer) -> None:
+    """Every rank, right before a save the ranks agreed on: callbacks that vet the state get their say.
+
+    A callback with a ``before_checkpoint(trainer)`` method (ReplicaConsistencyCheck) may raise to keep a
+    state it finds bad from being saved.
+    """
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        vet = getattr(callback, "before_checkpoint", None)
+        if vet is not None:
+            vet(trainer)

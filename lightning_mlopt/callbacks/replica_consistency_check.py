@@ -20,7 +20,7 @@ from lightning_mlopt.strategies.sharding import sharding_of
 
 
 class ReplicaConsistencyCheck(Callback):
-    """Every ``every_n_steps`` optimizer steps, checks that data-parallel replicas are bit-identical.
+    """Checks that data-parallel replicas are bit-identical, every N steps and before every checkpoint.
 
     Silent data corruption (a bad memory cell, a flaky link, a bug that lets one replica drift) rarely shows
     as a NaN; it shows as replicas that no longer agree. Each rank fingerprints, on its device and bit-exactly
@@ -30,12 +30,12 @@ class ReplicaConsistencyCheck(Callback):
     start-up line says), and one all-gather of two int64 per tensor compares them. A mismatch names the step,
     the tensors and the ranks that differ (the minority, or with two replicas both) and the newest checkpoint
     saved before the last clean check; ``on_mismatch: stop`` ends every rank together (the same verdict
-    everywhere) without saving the diverged state, ``warn`` goes on. The check also runs at the end of
-    training. For tests and set-up checks, ``LIGHTNING_MLOPT_INJECT`` flips a bit on purpose
-    (``diagnosis/inject.py``).
+    everywhere) without saving the diverged state, ``warn`` goes on. The check also runs right before
+    every FaultTolerantCheckpoint save (its ``before_checkpoint`` hook) and at the end of training. For
+    tests and set-up checks, ``LIGHTNING_MLOPT_INJECT`` flips a bit on purpose (``diagnosis/inject.py``).
 
     Args:
-        every_n_steps: check after every N optimizer steps (and at the end of training).
+        every_n_steps: check after every N optimizer steps (and before every save, and at the end of training).
         on_mismatch: ``stop`` (raise ReplicaMismatchError on every rank) or ``warn``.
 
     Example::
@@ -85,6 +85,11 @@ class ReplicaConsistencyCheck(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self._last_checked:
             self.check(trainer, pl_module)
+
+    def before_checkpoint(self, trainer: pl.Trainer) -> None:
+        """FaultTolerantCheckpoint is about to save, on every rank: check this step first (once)."""
+        if trainer.global_step != self._last_checked:
+            self.check(trainer, trainer.lightning_module)
 
     def check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Compare this step's replicas now (every rank must call it at the same step)."""
