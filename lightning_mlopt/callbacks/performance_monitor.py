@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
-from lightning_mlopt.distributed.phase import phase
+from lightning_mlopt.distributed.phase import PHASES, phase
 from lightning_mlopt.perf.breakdown import FIELDS, JobWindow, RankWindow, pack, unpack
 from lightning_mlopt.perf.flops import TrainingFlopCounter
 from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
@@ -220,7 +220,7 @@ class PerformanceMonitor(PhaseMarkers):
         for name, seconds in self._clock.take().items():  # on CUDA: the one wait for the GPU, here
             if name in FIELDS:
                 setattr(window, name, seconds)
-        window.seconds = window.data + window.forward + window.backward + window.optimizer + window.checkpoint
+        window.seconds = sum(getattr(window, name) for name in PHASES)  # the step's phases, nothing else
         window.measured_peak_flops = self._measured_peak
         window.peak_allocated, window.peak_reserved = map(float, peak_memory_bytes(trainer.strategy.root_device))
         self._sums.submit(pack(window, trainer.global_rank, trainer.world_size), trainer.global_step)

@@ -25,12 +25,17 @@ _INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.in
 _MIX = 1_000_003  # odd, so the weighted sum is not absorbed by the plain one
 
 
+def integer_view(tensor: Tensor) -> Tensor:
+    """``tensor`` flattened and read as integers of the same width (a view: writes go to ``tensor``)."""
+    flat = tensor.detach().view(-1)
+    if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
+        return flat.view(_INTEGER_OF_WIDTH[flat.element_size()])
+    return flat
+
+
 def bit_hash(tensor: Tensor) -> Tensor:
     """A 0-dim int64 on ``tensor``'s device that changes when any bit of ``tensor`` changes (see module)."""
-    flat = tensor.detach().contiguous().view(-1)
-    if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
-        flat = flat.view(_INTEGER_OF_WIDTH[flat.element_size()])
-    words = flat.to(torch.int64)
+    words = integer_view(tensor.contiguous()).to(torch.int64)
     # Even weights and an odd mix: a change of 2**bit in one word changes the result by 2**bit x (odd), which
     # never wraps around to 0 in int64 arithmetic, whatever the bit and the position.
     weights = torch.arange(2, 2 * words.numel() + 2, 2, device=words.device, dtype=torch.int64)

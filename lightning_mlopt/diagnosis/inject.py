@@ -23,12 +23,13 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from lightning_mlopt.diagnosis.bit_hash import integer_view
 from lightning_mlopt.exceptions import BadInputError
 
 ENV = "LIGHTNING_MLOPT_INJECT"
@@ -85,22 +86,23 @@ def from_environment(kind: str) -> list[Injection]:
 
 def find_parameter(module: nn.Module, suffix: str) -> tuple[str, nn.Parameter]:
     """The one parameter whose name ends with ``suffix`` (BadInputError when none or several do)."""
-    matches = [
-        (name, param) for name, param in module.named_parameters() if name == suffix or name.endswith(f".{suffix}")
-    ]
+    return _one_named(module.named_parameters(), suffix, "param", "parameter")
+
+
+def _one_named(named: Iterable[tuple[str, Any]], suffix: str, key: str, what: str) -> tuple[str, Any]:
+    """The one ``(name, item)`` whose dotted name ends with ``suffix``; BadInputError naming ``key`` otherwise."""
+    matches = [(name, item) for name, item in named if name == suffix or name.endswith(f".{suffix}")]
     if len(matches) != 1:
-        found = "no parameter" if not matches else f"{len(matches)} parameters ({', '.join(n for n, _ in matches)})"
-        raise BadInputError(f"{ENV}: param={suffix}: {found} match; give more of the name")
+        found = f"no {what}" if not matches else f"{len(matches)} {what}s ({', '.join(n for n, _ in matches)})"
+        raise BadInputError(f"{ENV}: {key}={suffix}: {found} match; give more of the name")
     return matches[0]
 
 
 def flip_bit(param: torch.Tensor, bit: int) -> None:
     """Flip bit ``bit`` of the first element of ``param`` (its local shard), in place."""
     local = param.to_local() if hasattr(param, "to_local") else param
-    words = local.detach().view(-1)[:1]
-    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[words.element_size()]
-    view = words.view(integer)
-    view.bitwise_xor_(torch.tensor(1 << bit, dtype=torch.int64).to(integer))
+    first = integer_view(local)[:1]
+    first.bitwise_xor_(torch.tensor(1 << bit, dtype=torch.int64).to(first.dtype))
 
 
 def install_nan(module: nn.Module, injection: Injection, rank: int, current_step: Callable[[], int]) -> Any:
@@ -123,8 +125,4 @@ def install_nan(module: nn.Module, injection: Injection, rank: int, current_step
 
 def find_module(module: nn.Module, suffix: str) -> tuple[str, nn.Module]:
     """The one submodule whose name ends with ``suffix`` (BadInputError when none or several do)."""
-    matches = [(name, sub) for name, sub in module.named_modules() if name == suffix or name.endswith(f".{suffix}")]
-    if len(matches) != 1:
-        found = "no module" if not matches else f"{len(matches)} modules ({', '.join(n for n, _ in matches)})"
-        raise BadInputError(f"{ENV}: module={suffix}: {found} match; give more of the name")
-    return matches[0]
+    return _one_named(module.named_modules(), suffix, "module", "module")

@@ -37,11 +37,6 @@ class BackgroundSum:
         self._work: Any = None
         self._values: torch.Tensor | None = None
 
-    @property
-    def pending(self) -> bool:
-        """Whether a sum was started and not yet read."""
-        return self._values is not None
-
     def start(self, values: list[float]) -> None:
         """Start summing ``values`` (the same length on every rank); returns at once."""
         if self._values is not None:
