@@ -17,8 +17,8 @@ from typing_extensions import override
 from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.module_names import module_group
 from lightning_mlopt.diagnosis.module_norms import ModuleNorms
-from lightning_mlopt.diagnosis.nonfinite import first_nonfinite_output, nonfinite_report
-from lightning_mlopt.diagnosis.rerun import Rerun, capture_torch_rng, classify, rerun_step, restore_torch_rng
+from lightning_mlopt.diagnosis.nonfinite import nonfinite_report
+from lightning_mlopt.diagnosis.rerun import Rerun, capture_torch_rng, classify, rerun_step
 from lightning_mlopt.diagnosis.spikes import SpikeDetector
 from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
@@ -312,18 +312,24 @@ class GradNormMonitor(Callback):
         modules: list[str] = []
         batch = self._last_batch
         rerun: Rerun | None = None
-        if self.rerun_on_anomaly and batch is not None and self._batch_rng is not None:
-            rerun = rerun_step(pl_module, *batch, self._batch_rng, with_backward=self._norms.replicated)
-            slots[world + rank] = self._local_loss.sum() if self._local_loss is not None else float("nan")
-            slots[2 * world + rank] = rerun.loss
-            slots[3 * world + rank] = {None: -1.0, True: 1.0, False: 0.0}[rerun.gradients_finite]
-        if kind == "nonfinite" and self.locate_nonfinite and batch is not None:
-            current = capture_torch_rng()
-            if self._batch_rng is not None:
-                restore_torch_rng(self._batch_rng)  # the same dropout masks as the step
-            index, modules = first_nonfinite_output(pl_module, *batch)
-            restore_torch_rng(current)  # training goes on as if nothing was re-run
-            slots[rank] = float(index)
+        locate = kind == "nonfinite" and self.locate_nonfinite
+        classify_it = self.rerun_on_anomaly and self._batch_rng is not None
+        if batch is not None and (locate or classify_it):
+            # One re-run serves both: from the RNG state the batch started with (the same dropout masks).
+            result = rerun_step(
+                pl_module,
+                *batch,
+                self._batch_rng,
+                with_backward=classify_it and self._norms.replicated,
+                locate=locate,
+            )
+            if locate:
+                slots[rank], modules = float(result.first_nonfinite), result.modules
+            if classify_it:
+                rerun = result
+                slots[world + rank] = self._local_loss.sum() if self._local_loss is not None else float("nan")
+                slots[2 * world + rank] = result.loss
+                slots[3 * world + rank] = {None: -1.0, True: 1.0, False: 0.0}[result.gradients_finite]
         if world > 1:
             dist.all_reduce(slots)
         values = slots.tolist()

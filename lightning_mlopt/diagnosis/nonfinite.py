@@ -6,8 +6,8 @@ with a forward hook on every module.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,7 +16,38 @@ from torch import Tensor, nn
 from lightning_mlopt.diagnosis.module_names import module_group
 from lightning_mlopt.distributed.sharding import Piece
 
-log = logging.getLogger(__name__)
+
+@contextmanager
+def watching_outputs(pl_module: Any) -> Iterator[tuple[list[int], list[str]]]:
+    """Watch every submodule's output while the block runs, for the first that is not finite.
+
+    ``first[0]`` becomes 1 + the index (in ``names``) of the first module, in forward order, whose floating
+    output is not finite (0: none).
+
+    Example::
+
+        with watching_outputs(pl_module) as (first, names):
+            pl_module.training_step(batch, batch_idx)
+        culprit = names[first[0] - 1] if first[0] else None
+    """
+    modules = [(name, module) for name, module in pl_module.named_modules() if name]
+    first = [0]
+
+    def make_hook(index: int) -> Any:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            tensor = output[0] if isinstance(output, (tuple, list)) and output else output
+            floating = isinstance(tensor, Tensor) and tensor.is_floating_point()
+            if first[0] == 0 and floating and not bool(torch.isfinite(tensor).all()):
+                first[0] = index
+
+        return hook
+
+    handles = [module.register_forward_hook(make_hook(i + 1)) for i, (_, module) in enumerate(modules)]
+    try:
+        yield first, [name for name, _ in modules]
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def first_nonfinite_output(pl_module: Any, batch: Any, batch_idx: int) -> tuple[int, list[str]]:
@@ -32,31 +63,10 @@ def first_nonfinite_output(pl_module: Any, batch: Any, batch_idx: int) -> tuple[
         culprit = names[index - 1] if index else None
 
     """
-    modules = [(name, module) for name, module in pl_module.named_modules() if name]
-    first = [0]
+    from lightning_mlopt.diagnosis.rerun import rerun_step
 
-    def make_hook(index: int) -> Any:
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            tensor = output[0] if isinstance(output, (tuple, list)) and output else output
-            floating = isinstance(tensor, Tensor) and tensor.is_floating_point()
-            if first[0] == 0 and floating and not bool(torch.isfinite(tensor).all()):
-                first[0] = index
-
-        return hook
-
-    handles = [module.register_forward_hook(make_hook(i + 1)) for i, (_, module) in enumerate(modules)]
-    silenced = pl_module.log
-    try:
-        pl_module.log = lambda *args, **kwargs: None  # a diagnosis logs nothing
-        with torch.no_grad():
-            pl_module.training_step(batch, batch_idx)
-    except Exception as error:
-        log.warning("could not re-run the forward pass to locate the non-finite value: %s", error)
-    finally:
-        pl_module.log = silenced
-        for handle in handles:
-            handle.remove()
-    return first[0], [name for name, _ in modules]
+    rerun = rerun_step(pl_module, batch, batch_idx, rng=None, with_backward=False, locate=True)
+    return rerun.first_nonfinite, rerun.modules
 
 
 def nonfinite_gradient_modules(pieces: Sequence[Piece], names: dict[int, str], depth: int) -> list[str]:

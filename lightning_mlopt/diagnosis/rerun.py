@@ -19,9 +19,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
+
+from lightning_mlopt.diagnosis.nonfinite import watching_outputs
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +32,16 @@ SAME_LOSS_RTOL = 1e-5  # a re-run on the same device with the same inputs and RN
 
 
 class Rerun(NamedTuple):
-    """A rank's re-run: its loss (NaN when it could not re-run) and whether its gradients were finite."""
+    """A rank's re-run of a step.
+
+    Its loss (NaN when it could not re-run), whether its gradients were finite, and (when located) 1 + the
+    index in ``modules`` of the first module with a non-finite output (0: none).
+    """
 
     loss: float
     gradients_finite: bool | None  # None: the backward was not re-run
+    first_nonfinite: int = 0
+    modules: list[str] = []
 
 
 def capture_torch_rng() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -50,33 +59,46 @@ def restore_torch_rng(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
 
 
 def rerun_step(
-    pl_module: Any, batch: Any, batch_idx: int, rng: tuple[torch.Tensor, torch.Tensor | None], with_backward: bool
+    pl_module: Any,
+    batch: Any,
+    batch_idx: int,
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None,
+    with_backward: bool,
+    locate: bool = False,
 ) -> Rerun:
     """Re-run ``training_step`` on ``batch`` from RNG state ``rng``; gradients into a scratch list, not ``.grad``.
 
-    The backward (``with_backward``) only where it needs no collective (one device, DDP: ``torch.autograd.grad``
-    runs none of DDP's reducer hooks). The RNGs are put back afterwards, so training goes on as if the re-run
-    never happened; logging from the re-run is silenced.
+    ``rng`` None: from the RNG state as it is. The backward (``with_backward``) only where it needs no
+    collective (one device, DDP: ``torch.autograd.grad`` runs none of DDP's reducer hooks). ``locate``: hooks
+    on every module find the first non-finite output in the same pass. The RNGs are put back afterwards, so
+    training goes on as if the re-run never happened; logging from the re-run is silenced.
     """
     current = capture_torch_rng()
     silenced = pl_module.log
+    first: list[int] = [0]
+    modules: list[str] = []
     try:
-        restore_torch_rng(rng)
+        if rng is not None:
+            restore_torch_rng(rng)
         pl_module.log = lambda *args, **kwargs: None
-        with torch.enable_grad() if with_backward else torch.no_grad():
+        watch: AbstractContextManager[tuple[list[int], list[str]]] = (
+            watching_outputs(pl_module) if locate else nullcontext(([0], []))
+        )
+        grad_mode: AbstractContextManager[Any] = torch.enable_grad() if with_backward else torch.no_grad()
+        with grad_mode, watch as (first, modules):
             output = pl_module.training_step(batch, batch_idx)
-            loss = output["loss"] if isinstance(output, dict) else output
-            if not isinstance(loss, torch.Tensor):
-                return Rerun(float("nan"), None)
-            finite = None
-            if with_backward:
-                params = [param for param in pl_module.parameters() if param.requires_grad]
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-                finite = all(bool(torch.isfinite(grad).all()) for grad in grads if grad is not None)
-        return Rerun(float(loss.detach().float()), finite)
+        loss = output["loss"] if isinstance(output, dict) else output
+        if not isinstance(loss, torch.Tensor):
+            return Rerun(float("nan"), None, first[0], modules)
+        finite = None
+        if with_backward:
+            params = [param for param in pl_module.parameters() if param.requires_grad]
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            finite = all(bool(torch.isfinite(grad).all()) for grad in grads if grad is not None)
+        return Rerun(float(loss.detach().float()), finite, first[0], modules)
     except Exception as error:
-        log.warning("could not re-run the step to classify the anomaly: %s", error)
-        return Rerun(float("nan"), None)
+        log.warning("could not re-run the step to classify or locate the anomaly: %s", error)
+        return Rerun(float("nan"), None, first[0], modules)
     finally:
         pl_module.log = silenced
         restore_torch_rng(current)
