@@ -108,6 +108,8 @@ def gpt_step_gaps(
 
     ``timer_last``: the step ends after the callbacks' ``on_train_batch_end`` (theirs counts in its step).
     """
+    import os
+    import tempfile
     import time
 
     import lightning.pytorch as pl
@@ -128,11 +130,15 @@ def gpt_step_gaps(
 
     pl.seed_everything(0, verbose=False)
     timer = StepTimer()
+    # Files callbacks write (PerformanceMonitor's summary) go to a scratch folder, not the current one;
+    # the environment carries it to the ranks Lightning starts.
+    root = os.environ.setdefault("LIGHTNING_MLOPT_BENCH_ROOT", tempfile.mkdtemp(prefix="bench_"))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,  # type: ignore[arg-type]
         max_steps=steps,
+        default_root_dir=root,
         logger=False,
         # Only a checkpoint callback the caller passes (Lightning's default one would add saves).
         enable_checkpointing=any(isinstance(callback, pl.callbacks.Checkpoint) for callback in callbacks),
