@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.module_names import module_group
 from lightning_mlopt.diagnosis.module_norms import ModuleNorms
@@ -225,7 +226,7 @@ class GradNormMonitor(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = trainer.global_step + 1  # the step this update makes
-        every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
+        every = logging_period(self.log_every_n_steps, trainer)
         logging_step = step % every == 0
         per_group = logging_step and bool(self._norms.groups)
         # Replicated (DDP): the sums are already global and ride along unreduced; only the loss is summed.
@@ -264,9 +265,7 @@ class GradNormMonitor(Callback):
         before, self._before_update = self._before_update, None
         metrics = self._norms.update_ratios(before, trainer.world_size, pl_module.device)  # logging steps only
         self.last_metrics = {**self.last_metrics, **metrics}
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
 
     # ------------------------------------------------------------------ decisions
 
@@ -383,16 +382,12 @@ class GradNormMonitor(Callback):
         metrics.update(self._rerun_metrics)
         self._rerun_metrics = {}
         self.last_metrics = metrics
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+        log_metrics(trainer, metrics, step)
 
     def _log_rerun(self, trainer: pl.Trainer, step: int) -> None:
         """Log the last re-run's classification now (a step whose norms are not logged)."""
         metrics, self._rerun_metrics = self._rerun_metrics, {}
-        if metrics and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+        log_metrics(trainer, metrics, step)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

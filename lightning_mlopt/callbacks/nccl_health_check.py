@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_mlopt import exit_codes
 from lightning_mlopt._compat import default_store
+from lightning_mlopt._metrics import log_metrics
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.distributed import phase
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
@@ -217,9 +218,7 @@ class NCCLHealthCheck(PhaseMarkers):
             metrics.update(
                 {"health/algbw_gbps": self.bandwidth.algbw_gbps, "health/busbw_gbps": self.bandwidth.busbw_gbps}
             )
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
         if self.mismatches:
             message = "environment differs across ranks:\n" + "\n".join(self.mismatches)
             if self.on_mismatch == "error":
@@ -288,10 +287,7 @@ class NCCLHealthCheck(PhaseMarkers):
                 f"NCCLHealthCheck: straggler(s) at step {trainer.global_step}: {detail} the median forward time "
                 f"({median * 1e3:.1f} ms)"
             )
-        if trainer.is_global_zero:
-            metrics = {"health/forward_ms_median": median * 1e3, "health/forward_ms_max": max(times) * 1e3}
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, {"health/forward_ms_median": median * 1e3, "health/forward_ms_max": max(times) * 1e3})
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

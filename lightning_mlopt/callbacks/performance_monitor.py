@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
 from lightning_mlopt.distributed.phase import PHASES, phase
@@ -207,7 +208,7 @@ class PerformanceMonitor(PhaseMarkers):
         window.samples += samples
         window.tokens += samples * (self._tokens or 0)
         window.flops += samples * (self._flops_per_sample or 0.0)
-        every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
+        every = logging_period(self.log_every_n_steps, trainer)
         if (self._batches - 1) % (every * trainer.accumulate_grad_batches) == 0:
             self._close_window(trainer)
 
@@ -233,7 +234,7 @@ class PerformanceMonitor(PhaseMarkers):
             self._report(trainer, job, step)
 
     def _accumulate(self, job: JobWindow) -> None:
-        self.run_window = _pooled(self.run_window, job)
+        self.run_window = job if self.run_window is None else self.run_window.pooled(job)
 
     def metrics_of(self, job: JobWindow) -> dict[str, float]:
         """A window's ``perf/*`` metrics, MFU included where it is a possible value."""
@@ -258,13 +259,11 @@ class PerformanceMonitor(PhaseMarkers):
 
     def _report(self, trainer: pl.Trainer, job: JobWindow, step: int) -> None:
         self.last_metrics = self.metrics_of(job)
-        self._stall_pool = _pooled(self._stall_pool, job)
+        self._stall_pool = job if self._stall_pool is None else self._stall_pool.pooled(job)
         if self._stall_pool.ranks[0].batches >= self.stall_window:
             self._check_stalls(self._stall_pool)
             self._stall_pool = None
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(self.last_metrics, step=step)
+        log_metrics(trainer, self.last_metrics, step)
 
     def _check_stalls(self, job: JobWindow) -> None:
         stalled = job.stalled_ranks(self.stall_threshold)
@@ -343,12 +342,3 @@ class PerformanceMonitor(PhaseMarkers):
             self._clock.detach()
         if self._oom is not None:
             self._oom.stop()
-
-
-def _pooled(pool: JobWindow | None, job: JobWindow) -> JobWindow:
-    """``pool`` extended by ``job``, rank by rank (a new pool when there is none)."""
-    if pool is None:
-        pool = JobWindow([RankWindow() for _ in job.ranks])
-    for total, window in zip(pool.ranks, job.ranks, strict=True):
-        total.add(window)
-    return pool

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
 from lightning_mlopt._compat import dump_checkpoint
+from lightning_mlopt._metrics import log_metrics
 from lightning_mlopt.checkpoint.async_writer import AsyncWriter
 from lightning_mlopt.checkpoint.errors import (
     agree_and_gather,
@@ -135,9 +136,7 @@ class CheckpointSaver:
         if self._last_commit_time is not None:
             timings["checkpoint/age_s"] = time.time() - self._last_commit_time
         self.save_timings.append(timings)
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(timings, step=trainer.global_step)
+        log_metrics(trainer, timings)
 
     def _save_now(self, trainer: pl.Trainer, reason: str, final: bool, wait: bool) -> None:
         step = trainer.global_step

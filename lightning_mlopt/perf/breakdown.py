@@ -82,6 +82,19 @@ class JobWindow:
 
     ranks: list[RankWindow]
 
+    def pooled(self, later: JobWindow) -> JobWindow:
+        """A new window: this one extended by ``later``, rank by rank (neither is changed).
+
+        Example::
+
+            run = JobWindow([RankWindow()]).pooled(window)  # the run's window so far, plus this one
+        """
+        pool = JobWindow([RankWindow() for _ in self.ranks])
+        for total, mine, theirs in zip(pool.ranks, self.ranks, later.ranks, strict=True):
+            total.add(mine)
+            total.add(theirs)
+        return pool
+
     def stalled_ranks(self, threshold: float) -> list[int]:
         """Ranks that spent more than ``threshold`` of the window waiting for data."""
         return [rank for rank, window in enumerate(self.ranks) if window.fraction("data") > threshold]

@@ -1,0 +1,33 @@
+"""How our callbacks hand metrics to the Trainer's loggers, and when.
+
+Callbacks log from hooks where ``LightningModule.log`` is not available (``on_before_optimizer_step`` on
+another callback's schedule, ``on_train_end``) or not wanted (it would reduce across ranks, a collective).
+Rank zero writes what every rank already agreed on; the other ranks write nothing.
+
+Example::
+
+    every = logging_period(self.log_every_n_steps, trainer)
+    if trainer.global_step % every == 0:
+        log_metrics(trainer, {"perf/samples_per_s": 512.0})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import lightning.pytorch as pl
+
+DEFAULT_LOGGING_PERIOD = 50  # Lightning's own default for Trainer(log_every_n_steps=...)
+
+
+def log_metrics(trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
+    """Log ``metrics`` at ``step`` (default: the trainer's global step) to every logger, from rank zero only."""
+    if not metrics or not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(dict(metrics), step=trainer.global_step if step is None else step)
+
+
+def logging_period(every: int | None, trainer: pl.Trainer) -> int:
+    """A callback's logging period in optimizer steps: its own ``every``, else the trainer's, else 50."""
+    return int(every or getattr(trainer, "log_every_n_steps", None) or DEFAULT_LOGGING_PERIOD)
