@@ -16,7 +16,6 @@ Arguments it does not know (``--trainer.devices=2``) go to every run.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -133,17 +132,15 @@ def _measure(base_args: list[str], arguments: list[str], folder: Path) -> dict[s
 
     A run that failed is reported with the end of its log; its bad-input status 2 is passed on, others are 1.
     """
-    from lightning_mlopt.launch.sweep.runner import run_forwarding_signals
+    from lightning_mlopt.launch.sweep.runner import child_fit_env, run_forwarding_signals
 
     folder.mkdir(parents=True, exist_ok=True)
     summary_path = folder / PERF_DIR / PERF_SUMMARY_NAME
     summary_path.unlink(missing_ok=True)
     command = command_line("fit", *base_args, *arguments, f"--run_dir={folder}")
-    env = dict(os.environ)
-    env.pop("MASTER_PORT", None)  # each run's ranks pick a free port
     log_path = folder / "output.log"
     with open(log_path, "wb") as log:
-        code, signalled = run_forwarding_signals(command, log, env)
+        code, signalled = run_forwarding_signals(command, log, child_fit_env())
     shutil.rmtree(folder / CHECKPOINTS_DIR, ignore_errors=True)  # a measurement, not a run to resume
     if code == 2:  # bad input: the run said why in one line, before writing anything
         said = [line for line in log_path.read_text(errors="replace").splitlines() if line.startswith("error: ")]

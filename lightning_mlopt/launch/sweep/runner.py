@@ -28,9 +28,7 @@ def run_local(
     """Run the trials one after another (or just trial ``only``); a finished trial is read, not run again."""
     results: list[TrialResult] = []
     durations: list[float] = []
-    env = {**os.environ, "WANDB_RUN_GROUP": sweep_dir.name}  # a WandbTracker groups the trials in W&B
-    if "SLURM_NTASKS" not in env:
-        env.pop("MASTER_PORT", None)  # each trial's ranks pick a free port (under srun, SLURM's rules hold)
+    env = child_fit_env(WANDB_RUN_GROUP=sweep_dir.name)  # a WandbTracker groups the trials in W&B
     for number, trial in enumerate(trials):
         if only is not None and number != only:
             continue
@@ -63,6 +61,22 @@ def run_local(
             print(f"Stopped after {name}: the sweep was signalled (the trial saved and can resume)", flush=True)
             break
     return results
+
+
+def child_fit_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``fit`` this process starts (a sweep's trial, a ``profile`` measurement).
+
+    Outside SLURM, ``MASTER_PORT`` is dropped so that each child's ranks pick a free port (a port left set
+    by an earlier run, or by our own parent, would be taken); under ``srun`` SLURM's rules hold and it stays.
+
+    Example::
+
+        subprocess.run(command_line("fit", "--config", "c.yaml"), env=child_fit_env(WANDB_RUN_GROUP="s1"))
+    """
+    env = {**os.environ, **extra}
+    if "SLURM_NTASKS" not in env:
+        env.pop("MASTER_PORT", None)
+    return env
 
 
 _FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
