@@ -27,6 +27,18 @@ def test_one_flipped_bit_changes_the_fingerprint_of_any_float_type(dtype):
     assert bit_hash(swapped) != bit_hash(tensor) or bool(tensor[0] == tensor[1])
 
 
+def test_a_tensor_fingerprinted_in_passes_gives_the_value_of_one_pass(monkeypatch):
+    from lightning_mlopt.diagnosis import bit_hash as module
+
+    tensor = torch.randn(10_001)
+    one_pass = bit_hash(tensor)  # 10k elements: under CHUNK_ELEMENTS
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 1_000)
+    assert bit_hash(tensor) == one_pass
+    flipped = tensor.clone()
+    inject.flip_bit(flipped[10_000:], 3)  # a bit in the last pass, one element long
+    assert bit_hash(flipped) != one_pass
+
+
 def test_the_minority_is_named_and_two_replicas_are_both_named():
     rows = [[0, 0, 5, 7], [0, 0, 5, 7], [0, 0, 5, 8], [0, 0, 5, 7]]  # 4 ranks, 2 tensors; rank 2's "b" differs
     (found,) = disagreements(["a", "b"], rows)

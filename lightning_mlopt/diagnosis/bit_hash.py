@@ -23,6 +23,10 @@ from torch import Tensor
 
 _INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MIX = 1_000_003  # odd, so the weighted sum is not absorbed by the plain one
+# Elements per pass. The int64 words, weights and products of a pass are 3 x 32 MiB whatever the tensor's
+# size: one pass over a 500M-element embedding would allocate 12 GB on a GPU that training has filled.
+# Wrapping integer sums are exact, so the passes add up to the very value one pass would give.
+CHUNK_ELEMENTS = 1 << 22
 
 
 def integer_view(tensor: Tensor) -> Tensor:
@@ -35,11 +39,18 @@ def integer_view(tensor: Tensor) -> Tensor:
 
 def bit_hash(tensor: Tensor) -> Tensor:
     """A 0-dim int64 on ``tensor``'s device that changes when any bit of ``tensor`` changes (see module)."""
-    words = integer_view(tensor.contiguous()).to(torch.int64)
-    # Even weights and an odd mix: a change of 2**bit in one word changes the result by 2**bit x (odd), which
-    # never wraps around to 0 in int64 arithmetic, whatever the bit and the position.
-    weights = torch.arange(2, 2 * words.numel() + 2, 2, device=words.device, dtype=torch.int64)
-    return words.sum() * _MIX + (words * weights).sum()
+    words = integer_view(tensor.contiguous())
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), CHUNK_ELEMENTS):
+        chunk = words[start : start + CHUNK_ELEMENTS].to(torch.int64)
+        # Even weights (2, 4, ... by position in the whole tensor) and an odd mix: a change of 2**bit in one
+        # word changes the result by 2**bit x (odd), which never wraps around to 0 in int64 arithmetic,
+        # whatever the bit and the position.
+        weights = torch.arange(
+            2 * start + 2, 2 * (start + chunk.numel()) + 2, 2, device=chunk.device, dtype=torch.int64
+        )
+        total += chunk.sum() * _MIX + (chunk * weights).sum()
+    return total
 
 
 def bit_hashes(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
