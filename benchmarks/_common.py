@@ -67,18 +67,18 @@ def worker_parser(
     return parser
 
 
-def publish(topic: str, hardware_tag: str, body: str) -> None:
-    """Write the dated result file and show it."""
-    path = write_result(topic, hardware_tag, body)
+def publish(topic: str, hardware_tag: str, body: str, folder: Path = RESULTS) -> None:
+    """Write the dated result file (into ``folder``) and show it."""
+    path = write_result(topic, hardware_tag, body, folder)
     print(body)
     print(f"written to {path}")
 
 
-def write_result(topic: str, hardware_tag: str, body: str) -> Path:
+def write_result(topic: str, hardware_tag: str, body: str, folder: Path = RESULTS) -> Path:
     """Write ``results/<topic>_<hardware>_<yyyymm>.md`` with the environment and the exact command."""
     now = dt.datetime.now(dt.timezone.utc)
-    path = RESULTS / f"{topic}_{hardware_tag}_{now:%Y%m}.md"
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{topic}_{hardware_tag}_{now:%Y%m}.md"
+    folder.mkdir(parents=True, exist_ok=True)
     header = (
         f"# {topic}\n\n"
         f"- Date: {now:%Y-%m-%d %H:%M} UTC\n"
@@ -163,11 +163,14 @@ def run_worker(script: str, mode: str, steps: int, warmup: int, extra: Sequence[
     import os
     import subprocess
 
-    out = Path(f"/tmp/{Path(script).parent.name}_bench_{os.getpid()}_{mode}.json")
+    out = Path(f"/tmp/{Path(script).parent.name}_bench_{os.getpid()}_{mode.replace(':', '-')}.json")
     command = [sys.executable, script, "--worker", mode, "--steps", str(steps), "--warmup", str(warmup), *extra]
-    subprocess.run(
-        [*command, "--out", str(out)], check=True, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [*command, "--out", str(out)], capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
     )
+    if done.returncode != 0:  # say why: a benchmark that fails silently wastes the machine it ran on
+        tail = "\n".join(done.stderr.splitlines()[-25:])
+        raise RuntimeError(f"worker {mode!r} exited {done.returncode}; its stderr ends:\n{tail}")
     return json.loads(out.read_text())
 
 

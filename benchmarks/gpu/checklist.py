@@ -1,0 +1,559 @@
+"""The GPU checklist (../shared/GPU_CHECKLIST.md, items 2, 3, 4 and 6) as one script for a lent GPU machine.
+
+    python benchmarks/gpu/checklist.py                           # CUDA: every section, one GPU
+    python benchmarks/gpu/checklist.py --sections step_time,mfu  # some of them
+    python benchmarks/gpu/checklist.py --smoke --results /tmp/r  # CPU, a tiny GPT: the plumbing only
+
+Items 1 (the CUDA test tier) and 5 (no host sync off logging steps) are ``pytest -m requires_cuda``
+(tests/test_gpu.py). Every job here is a fresh process (its own process group), one device, the GPT demo at
+``--size`` (default ``gpu``: 12 layers, d_model 1024, block 1024, vocab 32768, batch 16, bf16-mixed: 218M
+parameters, 3.5 GB of parameters and Adam state):
+
+- ``step_time``: our DDP, FSDP and ZeRO-2 against Lightning's ``ddp``, ``ModelParallelStrategy`` (FSDP2,
+  ``fully_shard`` in ``configure_model``, the same mixed-precision policy) and ``DeepSpeedStrategy(stage=2)``;
+  same job, repeats interleaved, mean step time after warm-up between two device synchronizations.
+  Goal: ratio <= 1.00.
+- ``mfu``: PerformanceMonitor's ``perf/mfu`` (published peak) and ``perf/mfu_measured`` (matmul probe) against
+  Lightning's ThroughputMonitor (``device/mfu``, fed PerformanceMonitor's FLOP count) on the same run.
+- ``checkpoint``: FaultTolerantCheckpoint's time blocking training per save, async against sync, one file
+  (DDP) and sharded (FSDP), against the device-to-pinned-host copy of the same state (the floor).
+  Goal: async blocking <= 1.2 x the copy.
+- ``memory``: the memory planner's bytes per rank against ``torch.cuda.max_memory_allocated`` after the first
+  optimizer step, per strategy (on CPU: against the state bytes the rank holds).
+
+Results: ``results/gpu_<section>_<device>_<yyyymm>.md`` (``--results`` elsewhere). On a lent machine
+(10 minutes a call, 30 a session) run it in three calls: ``memory`` with the test tier, then
+``step_time,mfu``, then ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import RESULTS, median, publish, run_worker, worker_parser
+
+SIZES: dict[str, dict[str, Any]] = {
+    "gpu": {
+        "model": {"vocab_size": 32768, "block_size": 1024, "n_layer": 12, "n_head": 16, "d_model": 1024},
+        "batch_size": 16,
+        "precision": "bf16-mixed",
+        "accelerator": "gpu",
+    },
+    "smoke": {
+        "model": {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "d_model": 64},
+        "batch_size": 4,
+        "precision": "32-true",
+        "accelerator": "cpu",
+    },
+}
+# Each section's strategies (``--strategies`` picks among them). Step time: ours against Lightning's own.
+PAIRS = {
+    "ddp": ("ours_ddp", "lightning_ddp"),
+    "fsdp": ("ours_fsdp", "lightning_fsdp2"),
+    "zero2": ("ours_zero2", "lightning_zero2"),
+}
+CHECKPOINT_LAYOUTS = {"ddp": "one file (DDP)", "fsdp": "sharded (FSDP)"}
+MEMORY_ROWS = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3/fsdp", "zero3": "zero3/fsdp"}
+NOT_ON_CPU = {"lightning_zero2": "Lightning's DeepSpeedStrategy refuses the CPU"}
+SECTIONS = ("step_time", "mfu", "checkpoint", "memory")
+COPY_FLOOR_GOAL = 1.2
+
+
+# ---------------------------------------------------------------------------------------------- one job
+
+
+def _strategy(name: str, size: dict[str, Any]) -> Any:
+    """Our strategy ``name`` (``ddp``, ``fsdp``, ``zero1``...), or Lightning's (``lightning_*``)."""
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.strategies import STRATEGIES, DDPStrategy, FSDPStrategy
+
+    bf16 = size["precision"].startswith("bf16")
+    if name == "fsdp":
+        return FSDPStrategy(
+            wrap_classes=["lightning_mlopt.demos.gpt.TransformerBlock"],
+            param_dtype="bfloat16" if bf16 else None,
+            reduce_dtype="float32" if bf16 else None,
+        )
+    if name == "ddp":
+        return DDPStrategy()
+    if name in STRATEGIES:
+        cls, init_args, _ = STRATEGIES[name]
+        return cls(**init_args)
+    if name == "lightning_ddp":
+        return "ddp"
+    if name == "lightning_fsdp2":
+        return pl.strategies.ModelParallelStrategy()
+    if name == "lightning_zero2":
+        return pl.strategies.DeepSpeedStrategy(stage=2)
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def _model(name: str, size: dict[str, Any]) -> Any:
+    """The GPT demo; for Lightning's ModelParallelStrategy, sharded in ``configure_model`` as its docs show."""
+    import torch
+
+    from lightning_mlopt.demos import GPTLanguageModel
+
+    if name != "lightning_fsdp2":
+        return GPTLanguageModel(**size["model"])
+    bf16 = size["precision"].startswith("bf16")
+
+    class FullyShardedGPT(GPTLanguageModel):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+            kwargs: dict[str, Any] = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
+            for block in self.model.layers:  # the same units as our overlay's wrap_classes
+                fully_shard(block, **kwargs)
+            fully_shard(self.model, **kwargs)
+
+    return FullyShardedGPT(**size["model"])
+
+
+def _fit(
+    strategy_name: str,
+    size: dict[str, Any],
+    steps: int,
+    callbacks: list[Any],
+    root: str,
+    log_every_n_steps: int = 50,
+    logger: Any = False,
+) -> Any:
+    """Train ``steps`` optimizer steps on one device; returns the Trainer."""
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.demos import TokenDataModule
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator=size["accelerator"],
+        devices=1,
+        strategy=_strategy(strategy_name.removeprefix("ours_"), size),
+        precision=size["precision"],
+        max_steps=steps,
+        default_root_dir=root,
+        logger=logger,
+        log_every_n_steps=log_every_n_steps,
+        enable_checkpointing=any(isinstance(callback, pl.callbacks.Checkpoint) for callback in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        callbacks=callbacks,
+    )
+    data = TokenDataModule(
+        vocab_size=size["model"]["vocab_size"],
+        block_size=size["model"]["block_size"],
+        num_sequences=(steps + 1) * size["batch_size"],
+        batch_size=size["batch_size"],
+    )
+    trainer.fit(_model(strategy_name, size), data)
+    return trainer
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _step_time_job(arm: str, size: dict[str, Any], steps: int, warmup: int, root: str) -> dict[str, Any]:
+    """Mean seconds per step after ``warmup``, between two device synchronizations (none in between)."""
+    import lightning.pytorch as pl
+
+    class Span(pl.Callback):
+        started = ended = 0.0
+
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == warmup:
+                _synchronize()
+                self.started = time.perf_counter()
+
+        def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            _synchronize()
+            self.ended = time.perf_counter()
+
+    span = Span()
+    _fit(arm, size, steps, [span], root)
+    return {"step_s": (span.ended - span.started) / (steps - warmup)}
+
+
+def _recording_logger() -> Any:
+    """A Lightning logger that keeps every logged row in memory (``.rows``) and writes nothing."""
+    from lightning.pytorch.loggers import Logger
+
+    class Recording(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[dict[str, float]] = []
+
+        @property
+        def name(self) -> str:
+            return "recording"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.rows.append({key: float(value) for key, value in metrics.items()})
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    return Recording()
+
+
+def _lightning_flops_per_batch(size: dict[str, Any]) -> int:
+    """FLOPs of one batch's forward and backward as Lightning's docs count them (``measure_flops``, meta device)."""
+    import torch
+    from lightning.fabric.utilities.throughput import measure_flops
+
+    from lightning_mlopt.demos import GPTLanguageModel
+
+    model_size = size["model"]
+    with torch.device("meta"):
+        model = GPTLanguageModel(**model_size)
+        tokens = torch.randint(0, model_size["vocab_size"], (size["batch_size"], model_size["block_size"]))
+    return measure_flops(model, lambda: model(tokens), lambda logits: logits.sum())
+
+
+def _mfu_job(size: dict[str, Any], steps: int, warmup: int, root: str) -> dict[str, Any]:
+    """PerformanceMonitor and Lightning's ThroughputMonitor (FLOPs counted Lightning's way) on one run, our DDP."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    from lightning_mlopt.callbacks import PerformanceMonitor
+    from lightning_mlopt.run_dir import PERF_DIR, PERF_SUMMARY_NAME
+
+    flops_per_batch = _lightning_flops_per_batch(size)
+
+    class FlopsPerBatch(pl.Callback):
+        """ThroughputMonitor reads ``flops_per_batch`` off the module (its documented contract)."""
+
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            pl_module.flops_per_batch = flops_per_batch  # type: ignore[attr-defined]
+
+    throughput = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], window_size=warmup)
+    recording = _recording_logger()
+    callbacks = [PerformanceMonitor(log_every_n_steps=warmup), FlopsPerBatch(), throughput]
+    _fit("ours_ddp", size, steps, callbacks, root, warmup, recording)
+    last: dict[str, float] = {}
+    for row in recording.rows:
+        last.update(row)
+    summary = json.loads((Path(root) / PERF_DIR / PERF_SUMMARY_NAME).read_text())
+    return {
+        "ours": {
+            key: summary["metrics"][key]
+            for key in ("perf/mfu", "perf/mfu_measured", "perf/samples_per_sec")
+            if key in summary["metrics"]
+        },
+        # ThroughputMonitor's keys carry the stage: train/device/mfu, train/device/samples_per_sec.
+        "lightning": {key.removeprefix("train/"): last[key] for key in last if key.startswith("train/device/")},
+        "ours_flops_per_sample": summary["flops_per_sample"],
+        "lightning_flops_per_sample": flops_per_batch / size["batch_size"],
+        "published_peak": summary["published_peak_flops"],
+    }
+
+
+def _state_tensors(trainer: Any) -> list[Any]:
+    """The rank-local tensors a checkpoint of this trainer holds: parameters and optimizer state."""
+    import torch
+
+    from lightning_mlopt.distributed.state import _local
+
+    tensors = [_local(p) for p in trainer.lightning_module.parameters()]
+    for state in trainer.optimizers[0].state.values():
+        tensors += [_local(value) for value in state.values() if isinstance(value, torch.Tensor)]
+    return [t for t in tensors if t.numel()]
+
+
+def _copy_floor_s(tensors: list[Any]) -> float:
+    """Seconds to copy ``tensors`` into preallocated pinned host memory (second of two rounds)."""
+    import torch
+
+    pinned = torch.cuda.is_available()
+    buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned) for t in tensors]
+    seconds = 0.0
+    for _ in range(2):
+        _synchronize()
+        started = time.perf_counter()
+        for buffer, tensor in zip(buffers, tensors, strict=True):
+            buffer.copy_(tensor, non_blocking=pinned)
+        _synchronize()
+        seconds = time.perf_counter() - started
+    return seconds
+
+
+def _checkpoint_job(arm: str, size: dict[str, Any], steps: int, root: str) -> dict[str, Any]:
+    """Save every ``steps // 4`` steps; the blocking time of each save but the first (it allocates staging)."""
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+
+    strategy, mode = arm.split("_")
+    every = max(1, steps // 4)
+    checkpoint = FaultTolerantCheckpoint(
+        dirpath=str(Path(root) / "checkpoints"),
+        every_n_steps=every,
+        async_save=mode == "async",
+        save_on_epoch_end=False,
+        save_on_train_end=False,
+        keep_last=2,
+    )
+    floor: dict[str, float] = {}
+
+    class CopyFloor(pl.Callback):
+        """The floor, measured at the end of training (at teardown Lightning moves the module to the CPU)."""
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            tensors = _state_tensors(trainer)
+            floor["copy_s"] = _copy_floor_s(tensors)
+            floor["state_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
+
+    _fit(f"ours_{strategy}", size, steps, [checkpoint, CopyFloor()], root)
+    assert checkpoint.saver is not None
+    blocking = [timing["checkpoint/blocking_s"] for timing in checkpoint.saver.save_timings]
+    return {"blocking_s": blocking[1:] or blocking, **floor}
+
+
+def _memory_job(arm: str, size: dict[str, Any], root: str) -> dict[str, Any]:
+    """Measured bytes after the first optimizer step, and the planner's row for the strategy."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
+    from lightning_mlopt.distributed.state import local_state_bytes
+    from lightning_mlopt.planning.memory import plan_memory
+    from lightning_mlopt.planning.tool import measure_activations
+
+    class AfterFirstStep(pl.Callback):
+        measured: dict[str, int] = {}
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            if not self.measured:
+                state = local_state_bytes(pl_module, trainer.optimizers[0])
+                self.measured = {"state": state.total}
+                if torch.cuda.is_available():
+                    self.measured["max_allocated"] = torch.cuda.max_memory_allocated()
+
+    probe = AfterFirstStep()
+    trainer = _fit(f"ours_{arm}", size, 2, [probe], root)
+    with torch.device("meta"):
+        meta = GPTLanguageModel(**size["model"])
+    data = TokenDataModule(
+        vocab_size=size["model"]["vocab_size"],
+        block_size=size["model"]["block_size"],
+        num_sequences=4 * size["batch_size"],
+        batch_size=size["batch_size"],
+    )
+    params = sum(p.numel() for p in meta.parameters())
+    device_memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 2**40
+    precision = "mixed" if size["precision"].startswith(("bf16", "16")) else "fp32"
+    plan = plan_memory(params, trainer.world_size, device_memory, precision, "adam", measure_activations(meta, data))
+    row = next(row for row in plan.rows if row.strategy == MEMORY_ROWS[arm])
+    return {
+        **probe.measured,
+        "planned_total": row.total,
+        "planned_state": row.parameters + row.gradients + row.optimizer_state,
+        "planned_activations": row.activations,
+    }
+
+
+def _worker(mode: str, args: Any) -> None:
+    size = SIZES[args.size]
+    root = tempfile.mkdtemp(prefix="gpu_checklist_")
+    section, arm = mode.split(":")
+    if section == "step_time":
+        result = _step_time_job(arm, size, args.steps, args.warmup, root)
+    elif section == "mfu":
+        result = _mfu_job(size, args.steps, args.warmup, root)
+    elif section == "checkpoint":
+        result = _checkpoint_job(arm, size, args.steps, root)
+    else:
+        result = _memory_job(arm, size, root)
+    args.out.write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------- the sections
+
+
+def _job(mode: str, args: Any) -> dict[str, Any]:
+    extra = ["--size", args.size]
+    result = run_worker(__file__, mode, args.steps, args.warmup, extra)
+    print(f"{mode}: {json.dumps(result)[:200]}", flush=True)
+    return result
+
+
+def _setup_line(args: Any) -> str:
+    size = SIZES[args.size]
+    m = size["model"]
+    return (
+        f"GPT demo ({m['n_layer']} layers, d_model {m['d_model']}, block {m['block_size']}, vocab {m['vocab_size']}"
+        f"), batch {size['batch_size']}, {size['precision']}, AdamW, clip 1.0, one {size['accelerator'].upper()} "
+        f"device, {args.steps} steps per job, first {args.warmup} excluded, {args.repeats} interleaved repeats."
+    )
+
+
+def _chosen(table: dict[str, Any], args: Any) -> list[str]:
+    """The keys of ``table`` that ``--strategies`` names (all of them by default)."""
+    return [key for key in table if args.strategies is None or key in args.strategies]
+
+
+def step_time(args: Any) -> str:
+    pairs, left_out = [], []
+    for key in _chosen(PAIRS, args):
+        refused = [NOT_ON_CPU[arm] for arm in PAIRS[key] if args.smoke and arm in NOT_ON_CPU]
+        (left_out if refused else pairs).append(f"{key}: {refused[0]}" if refused else PAIRS[key])
+    times: dict[str, list[float]] = {arm: [] for pair in pairs for arm in pair}
+    for repeat in range(args.repeats):
+        for pair in pairs:
+            for arm in pair if repeat % 2 == 0 else pair[::-1]:
+                times[arm].append(_job(f"step_time:{arm}", args)["step_s"])
+    rows = [
+        "| ours | Lightning's | ours (ms/step) | Lightning's (ms/step) | ratio | goal <= 1.00 |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows += [f"| {note} | | | | | |" for note in left_out]
+    for ours, theirs in pairs:
+        mine, base = median(times[ours]), median(times[theirs])
+        rows.append(
+            f"| {ours} | {theirs} | {mine * 1e3:.1f} | {base * 1e3:.1f} | {mine / base:.3f} | "
+            f"{'met' if mine <= base else 'NOT met'} |"
+        )
+    return _setup_line(args) + "\n\n" + "\n".join(rows) + "\n"
+
+
+def mfu(args: Any) -> str:
+    result = _job("mfu:ours_ddp", args)
+    peak = result["published_peak"]
+    rows = [
+        "| | FLOPs per sample | MFU (published peak) | MFU (measured matmul peak) | samples/s |",
+        "|---|---|---|---|---|",
+        _mfu_row("PerformanceMonitor (whole run)", result["ours_flops_per_sample"], result["ours"], "perf"),
+        _mfu_row(
+            "ThroughputMonitor (last window)", result["lightning_flops_per_sample"], result["lightning"], "device"
+        ),
+    ]
+    return (
+        _setup_line(args)
+        + " Both callbacks on the same run (our DDP). Published dense peak: "
+        + (f"{peak / 1e12:.0f} TFLOP/s" if peak else "none for this device")
+        + "; ThroughputMonitor is fed Lightning's own count (`measure_flops` on the meta device, forward and "
+        "backward), PerformanceMonitor counts its own on the first batch.\n\n" + "\n".join(rows) + "\n"
+    )
+
+
+def _mfu_row(label: str, flops_per_sample: float | None, metrics: dict[str, float], prefix: str) -> str:
+    def shown(key: str) -> str:
+        value = metrics.get(key)
+        return "-" if value is None else f"{value:.4g}"
+
+    flops = "-" if flops_per_sample is None else f"{flops_per_sample:.4g}"
+    measured = shown("perf/mfu_measured") if prefix == "perf" else "-"
+    return f"| {label} | {flops} | {shown(f'{prefix}/mfu')} | {measured} | {shown(f'{prefix}/samples_per_sec')} |"
+
+
+def checkpoint(args: Any) -> str:
+    layouts = _chosen(CHECKPOINT_LAYOUTS, args)
+    runs: dict[str, list[dict[str, Any]]] = {f"{layout}_{mode}": [] for layout in layouts for mode in ("async", "sync")}
+    for repeat in range(args.repeats):
+        for arm in runs if repeat % 2 == 0 else list(runs)[::-1]:
+            runs[arm].append(_job(f"checkpoint:{arm}", args))
+    rows = [
+        "| layout | state (GB) | copy to host (s) | sync save blocks (s) | async blocks (s) | async / copy | goal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for layout in layouts:
+        sync = median([s for run in runs[f"{layout}_sync"] for s in run["blocking_s"]])
+        blocking = median([s for run in runs[f"{layout}_async"] for s in run["blocking_s"]])
+        copy = median([run["copy_s"] for run in runs[f"{layout}_async"]])
+        ratio = blocking / copy if copy else float("inf")
+        rows.append(
+            f"| {CHECKPOINT_LAYOUTS[layout]} | "
+            f"{runs[f'{layout}_async'][0]['state_bytes'] / 1e9:.3f} | {copy:.4f} | {sync:.3f} | {blocking:.3f} | "
+            f"{ratio:.2f} | <= {COPY_FLOOR_GOAL}: {'met' if ratio <= COPY_FLOOR_GOAL else 'NOT met'} |"
+        )
+    return (
+        _setup_line(args)
+        + " A save every steps/4 steps; the first save of a job is left out.\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+
+
+def memory(args: Any) -> str:
+    measured_key = "max_allocated" if SIZES[args.size]["accelerator"] == "gpu" else "state"
+    rows = [
+        f"| strategy | planner row | planned state (GB) | planned activations (GB) | planned total (GB) | measured "
+        f"{measured_key} (GB) | measured / planned |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm in _chosen(MEMORY_ROWS, args):
+        row = MEMORY_ROWS[arm]
+        result = _job(f"memory:{arm}", args)
+        planned = result["planned_total"] if measured_key == "max_allocated" else result["planned_state"]
+        rows.append(
+            f"| {arm} | {row} | {result['planned_state'] / 1e9:.3f} | {result['planned_activations'] / 1e9:.3f} | "
+            f"{result['planned_total'] / 1e9:.3f} | {result[measured_key] / 1e9:.3f} | "
+            f"{result[measured_key] / planned:.2f} |"
+        )
+    note = (
+        "Measured: torch.cuda.max_memory_allocated after the first optimizer step, against the planner's total."
+        if measured_key == "max_allocated"
+        else "Measured on CPU: the state bytes the rank holds after the first step, against the planner's state."
+    )
+    return _setup_line(args) + f" {note}\n\n" + "\n".join(rows) + "\n"
+
+
+def _device_tag(smoke: bool) -> str:
+    import torch
+
+    if smoke or not torch.cuda.is_available():
+        return "cpu-smoke"
+    name = torch.cuda.get_device_name().lower()
+    return next((tag for tag in ("h200", "h100", "b200", "a100") if tag in name), name.replace(" ", "-"))
+
+
+def main() -> None:
+    parser = worker_parser(__doc__, repeats=3, steps=30, warmup=10, workers=None)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
+    parser.add_argument("--size", choices=sorted(SIZES), default="gpu")
+    parser.add_argument(
+        "--strategies", type=lambda text: text.split(","), help="comma-separated: only these (ddp, fsdp, zero1...)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny GPT, 8 steps, one repeat")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the result files go")
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.worker, args)
+        return
+    if args.smoke:
+        args.size, args.steps, args.warmup, args.repeats = "smoke", 8, 4, 1
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("error: no CUDA device here; --smoke runs the plumbing on CPU")
+    sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    for name in sections:
+        body = globals()[name](args)
+        publish(f"gpu_{name}", _device_tag(args.smoke), body, args.results)
+
+
+if __name__ == "__main__":
+    main()
