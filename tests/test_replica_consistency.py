@@ -31,9 +31,10 @@ def test_a_tensor_fingerprinted_in_passes_gives_the_value_of_one_pass(monkeypatc
     from lightning_mlopt.diagnosis import bit_hash as module
 
     tensor = torch.randn(10_001)
-    one_pass = bit_hash(tensor)  # 10k elements: under CHUNK_ELEMENTS
-    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 1_000)
+    one_pass = bit_hash(tensor)  # 10k elements: one pass
+    monkeypatch.setitem(module.CHUNK_ELEMENTS, "cpu", 1_000)
     assert bit_hash(tensor) == one_pass
+    assert module.bit_hashes([tensor, tensor[:5]], torch.device("cpu")).tolist() == [one_pass, bit_hash(tensor[:5])]
     flipped = tensor.clone()
     inject.flip_bit(flipped[10_000:], 3)  # a bit in the last pass, one element long
     assert bit_hash(flipped) != one_pass

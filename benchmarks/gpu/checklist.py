@@ -21,9 +21,10 @@ parameters, 3.5 GB of parameters and Adam state):
 - ``memory``: the memory planner's bytes per rank against ``torch.cuda.max_memory_allocated`` after the first
   optimizer step, per strategy (on CPU: against the state bytes the rank holds).
 
-Results: ``results/gpu_<section>_<device>_<yyyymm>.md`` (``--results`` elsewhere). On a lent machine
-(10 minutes a call, 30 a session) run it in three calls: ``memory`` with the test tier, then
-``step_time,mfu``, then ``checkpoint``.
+Results: ``results/gpu_<section>_<device>_<yyyymm>.md`` (``--results`` elsewhere). On a lent machine (10
+minutes a call, 30 a session): ``bash benchmarks/gpu/wheels.sh`` here first (the packages its image lacks),
+then one device run each, carrying ``.whl``: ``bash benchmarks/gpu/on_device.sh tier``, ``... memory``,
+``... step_time,mfu``, ``... checkpoint``; copy what comes back into ``benchmarks/results/``.
 """
 
 from __future__ import annotations

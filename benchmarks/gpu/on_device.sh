@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# There, on the lent GPU machine, from the repository root (the device tool's `run`, carry [".whl"]):
+# install the carried wheels beside the image's torch and Lightning, record the device and versions, then
+# run what ../shared/GPU_CHECKLIST.md asks. Everything is written under $OUT, which comes back.
+#
+#     bash benchmarks/gpu/on_device.sh tier                  # pytest -m requires_cuda (items 1 and 5)
+#     bash benchmarks/gpu/on_device.sh memory                # checklist.py sections (items 2, 3, 4, 6)
+#     bash benchmarks/gpu/on_device.sh step_time,mfu
+#     bash benchmarks/gpu/on_device.sh checkpoint
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "error: could not install the wheels in .whl (run benchmarks/gpu/wheels.sh here first)"; exit 2; }
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, lightning, deepspeed, lightning_mlopt as m
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), lightning {lightning.__version__}, "
+      f"deepspeed {deepspeed.__version__}, lightning_mlopt {m.__version__}")'
+} 2>&1 | tee "$OUT/device.txt"
+case "${1:?say tier, or checklist sections}" in
+  tier) python3 -m pytest -m requires_cuda -p no:cacheprovider -ra 2>&1 | tee "$OUT/tier.log" ;;
+  *) python3 benchmarks/gpu/checklist.py --sections "$1" --results "$OUT" 2>&1 | tee "$OUT/checklist-${1//,/-}.log" ;;
+esac
+exit "${PIPESTATUS[0]}"
