@@ -297,13 +297,17 @@ def _copy_floor_s(tensors: list[Any]) -> float:
 
 
 def _checkpoint_job(arm: str, size: dict[str, Any], steps: int, root: str) -> dict[str, Any]:
-    """Save every ``steps // 4`` steps; the blocking time of each save but the first (it allocates staging)."""
+    """Save every ``steps // 3`` steps; the blocking time of each save but the first (it allocates staging).
+
+    The background write of one save must end before the next save starts, or the next one waits for it
+    and its blocking time is the write's: the table shows the writes' time next to the spacing.
+    """
     import lightning.pytorch as pl
 
     from lightning_mlopt.callbacks import FaultTolerantCheckpoint
 
     strategy, mode = arm.split("_")
-    every = max(1, steps // 4)
+    every = max(1, steps // 3)
     checkpoint = FaultTolerantCheckpoint(
         dirpath=str(Path(root) / "checkpoints"),
         every_n_steps=every,
@@ -324,8 +328,10 @@ def _checkpoint_job(arm: str, size: dict[str, Any], steps: int, root: str) -> di
 
     _fit(f"ours_{strategy}", size, steps, [checkpoint, CopyFloor()], root)
     assert checkpoint.saver is not None
-    blocking = [timing["checkpoint/blocking_s"] for timing in checkpoint.saver.save_timings]
-    return {"blocking_s": blocking[1:] or blocking, **floor}
+    timings = checkpoint.saver.save_timings
+    blocking = [timing["checkpoint/blocking_s"] for timing in timings]
+    writes = [timing["checkpoint/background_s"] for timing in timings if "checkpoint/background_s" in timing]
+    return {"blocking_s": blocking[1:] or blocking, "background_s": writes, **floor}
 
 
 def _memory_job(arm: str, size: dict[str, Any], root: str) -> dict[str, Any]:
@@ -472,22 +478,26 @@ def checkpoint(args: Any) -> str:
         for arm in runs if repeat % 2 == 0 else list(runs)[::-1]:
             runs[arm].append(_job(f"checkpoint:{arm}", args))
     rows = [
-        "| layout | state (GB) | copy to host (s) | sync save blocks (s) | async blocks (s) | async / copy | goal |",
-        "|---|---|---|---|---|---|---|",
+        "| layout | state (GB) | copy to host (s) | sync save blocks (s) | async blocks (s) | async write (s) "
+        "| async / copy | goal |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for layout in layouts:
         sync = median([s for run in runs[f"{layout}_sync"] for s in run["blocking_s"]])
         blocking = median([s for run in runs[f"{layout}_async"] for s in run["blocking_s"]])
         copy = median([run["copy_s"] for run in runs[f"{layout}_async"]])
+        writes = [s for run in runs[f"{layout}_async"] for s in run["background_s"]]
+        write = f"{median(writes):.3f}" if writes else "-"
         ratio = blocking / copy if copy else float("inf")
         rows.append(
             f"| {CHECKPOINT_LAYOUTS[layout]} | "
             f"{runs[f'{layout}_async'][0]['state_bytes'] / 1e9:.3f} | {copy:.4f} | {sync:.3f} | {blocking:.3f} | "
-            f"{ratio:.2f} | <= {COPY_FLOOR_GOAL}: {'met' if ratio <= COPY_FLOOR_GOAL else 'NOT met'} |"
+            f"{write} | {ratio:.2f} | <= {COPY_FLOOR_GOAL}: {'met' if ratio <= COPY_FLOOR_GOAL else 'NOT met'} |"
         )
     return (
         _setup_line(args)
-        + " A save every steps/4 steps; the first save of a job is left out.\n\n"
+        + " A save every steps/3 steps; the first save of a job is left out. An async save whose write outlasts"
+        " the spacing of saves waits for it: compare the write with that spacing before reading the ratio.\n\n"
         + "\n".join(rows)
         + "\n"
     )
@@ -527,7 +537,9 @@ def _device_tag(smoke: bool) -> str:
 
 
 def main() -> None:
-    parser = worker_parser(__doc__, repeats=3, steps=30, warmup=10, workers=None)
+    # Two repeats of 40 steps: on a lent GPU a job's start-up (imports, NCCL, DeepSpeed) is most of its time,
+    # and a device call has 10 minutes.
+    parser = worker_parser(__doc__, repeats=2, steps=40, warmup=10, workers=None)
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
     parser.add_argument("--size", choices=sorted(SIZES), default="gpu")
     parser.add_argument(

@@ -7,6 +7,7 @@
 #     bash benchmarks/gpu/on_device.sh memory                # checklist.py sections (items 2, 3, 4, 6)
 #     bash benchmarks/gpu/on_device.sh step_time,mfu
 #     bash benchmarks/gpu/on_device.sh checkpoint
+#     bash benchmarks/gpu/on_device.sh step_time ddp,fsdp   # some strategies only (a call has 10 minutes)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -21,6 +22,7 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), lightning {lightn
 } 2>&1 | tee "$OUT/device.txt"
 case "${1:?say tier, or checklist sections}" in
   tier) python3 -m pytest -m requires_cuda -p no:cacheprovider -ra 2>&1 | tee "$OUT/tier.log" ;;
-  *) python3 benchmarks/gpu/checklist.py --sections "$1" --results "$OUT" 2>&1 | tee "$OUT/checklist-${1//,/-}.log" ;;
+  *) python3 benchmarks/gpu/checklist.py --sections "$1" ${2:+--strategies "$2"} --results "$OUT" 2>&1 \
+       | tee "$OUT/checklist-${1//,/-}.log" ;;
 esac
 exit "${PIPESTATUS[0]}"
