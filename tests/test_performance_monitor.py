@@ -74,6 +74,19 @@ def test_window_vector_round_trips_and_names_the_stalled_and_slowest_ranks():
     assert metrics["perf/data_wait_max_rank"] == 1.0
 
 
+def test_a_stall_is_said_once_per_set_of_ranks_even_when_it_comes_back(recwarn):
+    fast = RankWindow(seconds=1.0, data=0.05, batches=10)
+    slow = RankWindow(seconds=1.0, data=0.45, batches=10)
+    monitor = PerformanceMonitor()
+    # Rank 1 stalls, recovers, stalls again (each epoch's start, say): one finding, one warning.
+    for ranks in ([fast, slow], [fast, fast], [fast, slow], [slow, slow], [fast, slow]):
+        monitor._check_stalls(JobWindow(ranks))
+    said = [str(w.message) for w in recwarn if "input-stalled" in str(w.message)]
+    assert len(said) == 2, said
+    assert "rank 1 45% of the step" in said[0] and "rank 0 45%, rank 1 45%" in said[1]
+    assert monitor.stalled == [1]  # the newest window's verdict
+
+
 def test_an_mfu_above_one_is_a_counting_error_not_a_metric():
     monitor = PerformanceMonitor(flops_per_sample=1e12)
     monitor._flops_per_sample = 1e12

@@ -53,8 +53,8 @@ class PerformanceMonitor(PhaseMarkers):
 
     When a rank waits for data more than ``stall_threshold`` of the step over a window of at least
     ``stall_window`` batches (the logging windows, pooled until they are that long), a warning names the
-    rank(s), the fraction and the dataloader settings to change; it is repeated only when the stalled ranks
-    change. The
+    rank(s), the fraction and the dataloader settings to change, once per run for each set of stalled ranks
+    (a stall that comes back after each epoch's start is one finding; ``perf/frac_data_wait`` tracks it). The
     first batch (start-up, FLOP counting), validation, and the monitor's own work (its exchange on logging
     steps, writing a trace) are left out of every figure. At the end of training rank zero writes
     the whole run's figures to ``<run_dir>/perf/summary.json`` (what ``python -m lightning_mlopt profile``
@@ -120,7 +120,8 @@ class PerformanceMonitor(PhaseMarkers):
         self.profile_steps = profile_steps
         self.oom_snapshot_entries = oom_snapshot_entries
         self.last_metrics: dict[str, float] = {}
-        self.stalled: list[int] = []
+        self.stalled: list[int] = []  # the ranks stalled in the newest judged window
+        self._warned_stalls: set[tuple[int, ...]] = set()
         self._stall_pool: JobWindow | None = None
         self.run_window: JobWindow | None = None  # the whole run so far, every rank (after each exchange)
         self._clock: PhaseClock | None = None
@@ -267,14 +268,15 @@ class PerformanceMonitor(PhaseMarkers):
 
     def _check_stalls(self, job: JobWindow) -> None:
         stalled = job.stalled_ranks(self.stall_threshold)
-        if stalled and stalled != self.stalled:
+        if stalled and tuple(stalled) not in self._warned_stalls:
+            self._warned_stalls.add(tuple(stalled))
             waits = ", ".join(f"rank {rank} {100 * job.ranks[rank].fraction('data'):.0f}%" for rank in stalled)
             rank_zero_warn(
                 f"PerformanceMonitor: input-stalled: time waiting for data over the last "
                 f"{int(job.ranks[0].batches)} batches: {waits} of the step (threshold "
                 f"{100 * self.stall_threshold:.0f}%). The dataloader cannot keep up: raise num_workers, set "
                 "pin_memory=True (GPU), prefetch_factor and persistent_workers=True, or make the dataset's "
-                "__getitem__ and collate cheaper"
+                "__getitem__ and collate cheaper (said once for these ranks; perf/frac_data_wait follows it)"
             )
         self.stalled = stalled
 
