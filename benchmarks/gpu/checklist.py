@@ -6,15 +6,15 @@
 
 Items 1 (the CUDA test tier) and 5 (no host sync off logging steps) are ``pytest -m requires_cuda``
 (tests/test_gpu.py). Every job here is a fresh process (its own process group), one device, the GPT demo at
-``--size`` (default ``gpu``: 12 layers, d_model 1024, block 1024, vocab 32768, batch 16, bf16-mixed: 218M
-parameters, 3.5 GB of parameters and Adam state):
+``--size`` (default ``gpu``: 12 layers, d_model 1024, block 1024, vocab 32768, batch 16, bf16-mixed: 219M
+parameters; 2.6 GB of fp32 parameters and Adam state, the checkpointed state):
 
 - ``step_time``: our DDP, FSDP and ZeRO-2 against Lightning's ``ddp``, ``ModelParallelStrategy`` (FSDP2,
   ``fully_shard`` in ``configure_model``, the same mixed-precision policy) and ``DeepSpeedStrategy(stage=2)``;
   same job, repeats interleaved, mean step time after warm-up between two device synchronizations.
   Goal: ratio <= 1.00.
 - ``mfu``: PerformanceMonitor's ``perf/mfu`` (published peak) and ``perf/mfu_measured`` (matmul probe) against
-  Lightning's ThroughputMonitor (``device/mfu``, fed PerformanceMonitor's FLOP count) on the same run.
+  Lightning's ThroughputMonitor (``device/mfu``, fed Lightning's own ``measure_flops`` count) on the same run.
 - ``checkpoint``: FaultTolerantCheckpoint's time blocking training per save, async against sync, one file
   (DDP) and sharded (FSDP), against the device-to-pinned-host copy of the same state (the floor).
   Goal: async blocking <= 1.2 x the copy.
@@ -379,16 +379,18 @@ def _memory_job(arm: str, size: dict[str, Any], root: str) -> dict[str, Any]:
 
 def _worker(mode: str, args: Any) -> None:
     size = SIZES[args.size]
-    root = tempfile.mkdtemp(prefix="gpu_checklist_")
     section, arm = mode.split(":")
-    if section == "step_time":
-        result = _step_time_job(arm, size, args.steps, args.warmup, root)
-    elif section == "mfu":
-        result = _mfu_job(size, args.steps, args.warmup, root)
-    elif section == "checkpoint":
-        result = _checkpoint_job(arm, size, args.steps, root)
-    else:
-        result = _memory_job(arm, size, root)
+    # Removed at the end of the job: the checkpoint jobs keep 2 saves of 2.6 GB each, and the lent
+    # machine's disk holds 64 GiB.
+    with tempfile.TemporaryDirectory(prefix="gpu_checklist_") as root:
+        if section == "step_time":
+            result = _step_time_job(arm, size, args.steps, args.warmup, root)
+        elif section == "mfu":
+            result = _mfu_job(size, args.steps, args.warmup, root)
+        elif section == "checkpoint":
+            result = _checkpoint_job(arm, size, args.steps, root)
+        else:
+            result = _memory_job(arm, size, root)
     args.out.write_text(json.dumps(result))
 
 
