@@ -50,6 +50,30 @@ def test_a_rerun_reproduces_dropout_and_leaves_the_rng_and_gradients_alone():
     assert all(param.grad is None for param in step.parameters())
 
 
+def test_the_first_module_with_a_non_finite_output_is_named():
+    from lightning_mlopt.diagnosis.nonfinite import first_nonfinite_output
+
+    class Log(torch.nn.Module):
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return torch.log(x)  # log of a negative number: NaN born here
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Linear(4, 4)
+            self.bad = Log()
+            self.head = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return self.head(self.bad(self.scale(batch) - 100.0)).sum()
+
+        def log(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("a diagnosis logs nothing")
+
+    index, names = first_nonfinite_output(Step(), torch.ones(2, 4), 0)
+    assert names == ["scale", "bad", "head"] and names[index - 1] == "bad"
+
+
 @pytest.mark.multiprocess
 def test_a_one_time_nan_is_transient_and_skip_trains_on(tmp_path):
     result = run_cli(

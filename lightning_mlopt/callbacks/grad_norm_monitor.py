@@ -323,7 +323,7 @@ class GradNormMonitor(Callback):
                 locate=locate,
             )
             if locate:
-                slots[rank], modules = float(result.first_nonfinite), result.modules
+                slots[rank], modules = float(result.first_nonfinite), list(result.modules)
             if classify_it:
                 rerun = result
                 slots[world + rank] = self._local_loss.sum() if self._local_loss is not None else float("nan")

@@ -66,7 +66,7 @@ def first_nonfinite_output(pl_module: Any, batch: Any, batch_idx: int) -> tuple[
     from lightning_mlopt.diagnosis.rerun import rerun_step
 
     rerun = rerun_step(pl_module, batch, batch_idx, rng=None, with_backward=False, locate=True)
-    return rerun.first_nonfinite, rerun.modules
+    return rerun.first_nonfinite, list(rerun.modules)
 
 
 def nonfinite_gradient_modules(pieces: Sequence[Piece], names: dict[int, str], depth: int) -> list[str]:

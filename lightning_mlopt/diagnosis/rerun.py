@@ -41,7 +41,7 @@ class Rerun(NamedTuple):
     loss: float
     gradients_finite: bool | None  # None: the backward was not re-run
     first_nonfinite: int = 0
-    modules: list[str] = []
+    modules: tuple[str, ...] = ()  # the names ``first_nonfinite`` indexes (a tuple: a default shared by all)
 
 
 def capture_torch_rng() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -89,16 +89,16 @@ def rerun_step(
             output = pl_module.training_step(batch, batch_idx)
         loss = output["loss"] if isinstance(output, dict) else output
         if not isinstance(loss, torch.Tensor):
-            return Rerun(float("nan"), None, first[0], modules)
+            return Rerun(float("nan"), None, first[0], tuple(modules))
         finite = None
         if with_backward:
             params = [param for param in pl_module.parameters() if param.requires_grad]
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             finite = all(bool(torch.isfinite(grad).all()) for grad in grads if grad is not None)
-        return Rerun(float(loss.detach().float()), finite, first[0], modules)
+        return Rerun(float(loss.detach().float()), finite, first[0], tuple(modules))
     except Exception as error:
         log.warning("could not re-run the step to classify or locate the anomaly: %s", error)
-        return Rerun(float("nan"), None, first[0], modules)
+        return Rerun(float("nan"), None, first[0], tuple(modules))
     finally:
         pl_module.log = silenced
         restore_torch_rng(current)
