@@ -132,7 +132,8 @@ def gpt_step_gaps(
     timer = StepTimer()
     # Files callbacks write (PerformanceMonitor's summary) go to a scratch folder, not the current one;
     # the environment carries it to the ranks Lightning starts.
-    root = os.environ.setdefault("LIGHTNING_MLOPT_BENCH_ROOT", tempfile.mkdtemp(prefix="bench_"))
+    root = os.environ.get("LIGHTNING_MLOPT_BENCH_ROOT") or tempfile.mkdtemp(prefix="bench_")  # one per job
+    os.environ["LIGHTNING_MLOPT_BENCH_ROOT"] = root
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -548,22 +548,28 @@ def main() -> None:
         "--strategies", type=lambda text: text.split(","), help="comma-separated: only these (ddp, fsdp, zero1...)"
     )
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny GPT, 8 steps, one repeat")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where the result files go")
+    parser.add_argument(
+        "--results", type=Path, help="where the result files go (default: results/; a temporary folder with --smoke)"
+    )
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker, args)
         return
-    if args.smoke:
+    if args.smoke:  # its figures are no results: never into the committed folder unless asked
         args.size, args.steps, args.warmup, args.repeats = "smoke", 8, 4, 1
+        args.results = args.results or Path(tempfile.mkdtemp(prefix="gpu_checklist_smoke_"))
     else:
         import torch
 
         if not torch.cuda.is_available():
             sys.exit("error: no CUDA device here; --smoke runs the plumbing on CPU")
+    if not 0 <= args.warmup < args.steps:
+        sys.exit(f"error: --warmup ({args.warmup}) must be below --steps ({args.steps}): nothing would be timed")
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    args.results = args.results or RESULTS
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     for name in sections:
         body = globals()[name](args)
