@@ -19,8 +19,8 @@ def run() -> None:
     if subcommand in TOOLS:
         raise SystemExit(run_tool(subcommand, sys.argv[2:]))
     if subcommand in TRAINER_RUNS:
-        from lightning_mlopt.checkpoint.preemption import preemption
-        from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, startup_guard
+        from lightning_mlopt.process.signals import preemption
+        from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, startup_guard
 
         if subcommand == "fit":
             preemption.install()

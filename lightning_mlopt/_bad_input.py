@@ -6,15 +6,13 @@ these helpers keep the part that names the cause, add the fix where we know it, 
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib
 import inspect
 import re
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 
@@ -38,21 +36,6 @@ DEMO_CLASSES = {
         "lightning_mlopt.demos.TokenDataModule",
     ),
 }
-
-
-class ToolArgumentParser(argparse.ArgumentParser):
-    """argparse for the tool subcommands: a bad argument ends in one line and exit status 2, not the usage page.
-
-    Example::
-
-        parser = ToolArgumentParser(prog="python -m lightning_mlopt plan")
-        parser.parse_args(["--bogus"])  # error: unrecognized arguments: --bogus (see: ... plan --help); exit 2
-
-    """
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"error: {message} (see: {self.prog} --help)\n")
-        raise SystemExit(2)
 
 
 def config_paths(argv: Sequence[str]) -> list[str]:

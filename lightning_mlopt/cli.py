@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -25,9 +24,9 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
-from lightning_mlopt import exit_codes, strategies
+from lightning_mlopt import strategies
 from lightning_mlopt._bad_input import check_config_files, config_paths, explain_parser_error
-from lightning_mlopt._compat import parser_actions, run_exit_handlers, subcommand_parsers
+from lightning_mlopt._compat import parser_actions, subcommand_parsers
 from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import (
     FaultTolerantCheckpoint,
@@ -37,7 +36,9 @@ from lightning_mlopt.callbacks import (
 )
 from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
-from lightning_mlopt.launch.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
+from lightning_mlopt.process import exit_codes
+from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
+from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, METRICS_NAME, resolve_run_dir
 
 DEFAULT_SEED = 1234
@@ -439,83 +440,18 @@ def main(args: Sequence[str] | None = None) -> None:
         MLOptCLI(argv)
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")
-        _exit_after_launcher(exit_codes.BAD_INPUT)
+        exit_after_launcher(exit_codes.BAD_INPUT)
     except CheckpointWriteError as error:
         sys.stderr.write(f"error: {error}\n")
-        _exit_after_launcher(CHECKPOINT_WRITE_EXIT_CODE)
+        exit_after_launcher(CHECKPOINT_WRITE_EXIT_CODE)
     except StoppedTogether as stop:  # a callback stopped every rank on purpose: its message is the diagnosis
         sys.stderr.write(f"error: {type(stop).__name__}: {stop}\n")
-        _exit_after_launcher(exit_codes.FAILURE)
+        exit_after_launcher(exit_codes.FAILURE)
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
-            _exit_after_launcher(exit_.code)
+            exit_after_launcher(exit_.code)
         raise
     finally:
         startup_guard.disarm()
-    if _shut_down_process_group():
-        _leave_without_destructors(exit_codes.SUCCESS)
-
-
-def _exit_after_launcher(code: int | str | None) -> NoReturn:
-    """Exit with ``code``; a rank started by Lightning's launcher first lets the launching rank exit.
-
-    Every rank exits with the same agreed status (75 after a signal, 74 after a failed write). Lightning's
-    launcher kills itself with SIGKILL as soon as it sees a child exit non-zero, which would replace rank
-    zero's status (the job's) with 137; so a child exits only after its launcher is gone (30 s at most).
-    """
-    # Every rank agreed on this exit, so none is in a collective: leave the process group now. A gloo group
-    # still alive at interpreter exit aborts the process ("terminate called without an active exception",
-    # status -6 instead of ours), as 3 of 50 torture trials showed.
-    with_peers = _shut_down_process_group(wait_for_peers=False)
-    if _started_by_lightning_launcher():
-        startup_guard.stop()  # its parent watch would end this process with another status
-        parent, deadline = os.getppid(), time.monotonic() + 30
-        while os.getppid() == parent and time.monotonic() < deadline:
-            time.sleep(0.05)
-    if with_peers:
-        _leave_without_destructors(code if isinstance(code, int) else exit_codes.FAILURE)
-    raise SystemExit(code) from None
-
-
-def _leave_without_destructors(code: int) -> NoReturn:
-    """Exit a multi-process run's rank with ``code`` after its process group is destroyed.
-
-    Even with the group destroyed, a communication thread can still be joinable when the interpreter's C++
-    destructors run, and abort the process ("terminate called without an active exception", -6 instead of
-    ``code``): 1 of 12 FSDP full-disk torture trials after an agreed exit, 1 of 20 ZeRO-3 relaunches after a
-    run that had finished. Run the exit handlers (W&B's flush, the journal) ourselves, then leave without
-    those destructors.
-    """
-    run_exit_handlers()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _started_by_lightning_launcher() -> bool:
-    """Ranks 1.. of a one-machine run that Lightning's own launcher started (not torchrun, not srun)."""
-    env = os.environ
-    return env.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in env and "SLURM_PROCID" not in env
-
-
-def _shut_down_process_group(wait_for_peers: bool = True) -> bool:
-    """Destroy the process group; after a successful run, first wait for every rank.
-
-    Lightning leaves it alive. A rank that exits while another is still in a collective tears the
-    connection down under it, and gloo's thread then aborts that process ("terminate called without an
-    active exception") after a run that succeeded. ``wait_for_peers=False`` after an agreed exit (no rank is
-    in a collective, and a barrier could wait on a rank that is gone).
-
-    Returns:
-        Whether the group had other ranks.
-
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    others = dist.get_world_size() > 1
-    if wait_for_peers:
-        dist.barrier()
-    dist.destroy_process_group()
-    return others
+    if shut_down_process_group():
+        leave_without_destructors(exit_codes.SUCCESS)

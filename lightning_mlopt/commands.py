@@ -18,12 +18,12 @@ TRAINER_RUNS = ("fit", "validate", "test", "predict")
 
 # Subcommands that are tools, not Trainer runs: name -> (module with a ``main(argv) -> int``, summary).
 TOOLS = {
-    "plan": ("lightning_mlopt.planning.tool", "memory per rank for each strategy, from numbers or a config"),
-    "checkpoint": ("lightning_mlopt.checkpoint.tool", "list, verify, consolidate or export (safetensors) checkpoints"),
-    "sweep": ("lightning_mlopt.launch.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
-    "slurm": ("lightning_mlopt.launch.slurm", "write an sbatch script that requeues and resumes the run"),
+    "plan": ("lightning_mlopt.tools.plan", "memory per rank for each strategy, from numbers or a config"),
+    "checkpoint": ("lightning_mlopt.tools.checkpoint", "list, verify, consolidate or export (safetensors) checkpoints"),
+    "sweep": ("lightning_mlopt.tools.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
+    "slurm": ("lightning_mlopt.tools.slurm", "write an sbatch script that requeues and resumes the run"),
     "profile": (
-        "lightning_mlopt.perf.tool",
+        "lightning_mlopt.tools.profile",
         "why is my run slow: step time per rank, input ceiling, MFU, scaling",
     ),
 }

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mlopt.checkpoint.preemption import PreemptionSignals
+from lightning_mlopt.process.signals import PreemptionSignals
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks, find_build_locks
 from tests.conftest import CONFIGS, REPO, run_cli
 
@@ -51,7 +51,7 @@ def test_a_signal_never_acted_on_is_delivered_again_on_release():
     child = _python(
         """
         import os, signal, time
-        from lightning_mlopt.checkpoint.preemption import PreemptionSignals
+        from lightning_mlopt.process.signals import PreemptionSignals
         guard = PreemptionSignals()
         guard.install(["SIGTERM"], deadline_s=None)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -70,7 +70,7 @@ def test_a_signal_never_acted_on_is_delivered_again_on_release():
 _STUCK_IN_A_COLLECTIVE = """
 import os, sys, time, datetime
 import torch, torch.distributed as dist
-from lightning_mlopt.checkpoint.preemption import preemption
+from lightning_mlopt.process.signals import preemption
 preemption.install(["SIGTERM", "SIGUSR1"], deadline_s=3, exit_code=75)
 rank = int(sys.argv[1])
 timeout = datetime.timedelta(minutes=30)

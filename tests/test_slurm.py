@@ -8,7 +8,7 @@ import pytest
 
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.launch.slurm import check_task_count, time_limit_seconds
+from lightning_mlopt.tools.slurm import check_task_count, time_limit_seconds
 from tests.conftest import CONFIGS, run_cli
 from tests.slurm_cluster import missing_requirement
 from tests.slurm_standins import slurm_environment

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_mlopt.cli import check_arguments
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.launch.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
+from lightning_mlopt.tools.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
 from tests.conftest import CONFIGS, run_cli
 from tests.slurm_cluster import missing_requirement
 from tests.slurm_standins import slurm_environment
@@ -204,7 +204,7 @@ def test_a_sweep_as_a_slurm_job_array_runs_one_trial_per_array_task_and_the_resu
 
 
 def test_results_of_trials_an_agent_ran_are_read_from_their_run_directories(tmp_path):
-    from lightning_mlopt.launch.sweep import collect_run_dirs, results_table
+    from lightning_mlopt.tools.sweep import collect_run_dirs, results_table
 
     spec = SweepSpec("bayes", "val/acc", "maximize", {"model.init_args.lr": {"min": 0.001, "max": 0.1}}, None, {})
     for name, lr, acc in (("quickstart-aaaa1111", 0.01, 0.81), ("quickstart-bbbb2222", 0.05, 0.93)):

@@ -342,7 +342,7 @@ def _memory_job(arm: str, size: dict[str, Any], root: str) -> dict[str, Any]:
     from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
     from lightning_mlopt.distributed.state import local_state_bytes
     from lightning_mlopt.planning.memory import plan_memory
-    from lightning_mlopt.planning.tool import measure_activations
+    from lightning_mlopt.planning.probe import measure_activations
 
     class AfterFirstStep(pl.Callback):
         measured: dict[str, int] = {}

@@ -15,19 +15,19 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_mlopt import exit_codes
 from lightning_mlopt.checkpoint import (
     CheckpointStore,
     RetentionPolicy,
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE, checkpoint_layout
-from lightning_mlopt.checkpoint.preemption import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
-from lightning_mlopt.distributed.phase import phase
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
+from lightning_mlopt.process import exit_codes
+from lightning_mlopt.process.phase import phase
+from lightning_mlopt.process.signals import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 
 log = logging.getLogger(__name__)

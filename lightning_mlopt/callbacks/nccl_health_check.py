@@ -17,16 +17,15 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_mlopt import exit_codes
 from lightning_mlopt._compat import default_store
 from lightning_mlopt._metrics import log_metrics
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
-from lightning_mlopt.distributed import phase
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
-from lightning_mlopt.distributed.watchdog import HangWatchdog
 from lightning_mlopt.exceptions import HealthCheckError
+from lightning_mlopt.process import exit_codes, phase
+from lightning_mlopt.process.watchdog import HangWatchdog
 from lightning_mlopt.run_dir import HEALTH_DIR
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ from typing_extensions import override
 from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
-from lightning_mlopt.distributed.phase import PHASES, phase
 from lightning_mlopt.perf.breakdown import FIELDS, JobWindow, RankWindow, pack, unpack
 from lightning_mlopt.perf.flops import TrainingFlopCounter
 from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
@@ -23,6 +22,7 @@ from lightning_mlopt.perf.peaks import matmul_precision, measure_peak_flops, pub
 from lightning_mlopt.perf.phase_clock import PhaseClock
 from lightning_mlopt.perf.trace import ProfilerWindow, check_window
 from lightning_mlopt.perf.window_sum import WindowSum
+from lightning_mlopt.process.phase import PHASES, phase
 from lightning_mlopt.run_dir import PERF_DIR, PERF_SUMMARY_NAME
 
 

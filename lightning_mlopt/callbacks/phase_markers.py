@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from lightning_mlopt.distributed.phase import set_phase
+from lightning_mlopt.process.phase import set_phase
 
 
 class PhaseMarkers(Callback):

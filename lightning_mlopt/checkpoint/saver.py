@@ -41,8 +41,8 @@ from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.rng import capture_rng_state
 from lightning_mlopt.checkpoint.serialization import StagingBuffer, save_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
-from lightning_mlopt.distributed.phase import phase
 from lightning_mlopt.exceptions import CheckpointWriteError
+from lightning_mlopt.process.phase import phase
 
 log = logging.getLogger(__name__)
 

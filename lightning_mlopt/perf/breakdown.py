@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, fields
 
-from lightning_mlopt.distributed.phase import PHASES
+from lightning_mlopt.process.phase import PHASES
 
 GB = 1e9
 

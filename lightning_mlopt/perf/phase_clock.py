@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_mlopt.distributed import phase
+from lightning_mlopt.process import phase
 
 
 class PhaseClock:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt.distributed.phase import PHASES
 from lightning_mlopt.perf.breakdown import JobWindow, RankWindow
 from lightning_mlopt.perf.verdict import SCALING_FLOOR, Verdict
+from lightning_mlopt.process.phase import PHASES
 
 
 def _percent(value: float | None) -> str:

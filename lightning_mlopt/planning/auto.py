@@ -47,12 +47,12 @@ def device_memory(trainer: dict[str, Any], world_size_per_node: int) -> int:
 
 def choose_strategy(config: dict[str, Any]) -> tuple[str | None, MemoryPlan, str]:
     """Plan a resolved config; return (our strategy name or None when nothing fits, the plan, its table)."""
-    from lightning_mlopt.planning.tool import _instantiate, _optimizer_kind, measure_activations
+    from lightning_mlopt.planning.probe import instantiate, measure_activations, optimizer_kind
 
     trainer = config.get("trainer") or {}
     with torch.device("meta"):
-        model = _instantiate(config["model"])
-    activations = measure_activations(model, _instantiate(config["data"])) if config.get("data") else 0.0
+        model = instantiate(config["model"])
+    activations = measure_activations(model, instantiate(config["data"])) if config.get("data") else 0.0
     world = world_size_of(trainer)
     per_node = world // int(trainer.get("num_nodes", 1) or 1)
     plan = plan_memory(
@@ -60,7 +60,7 @@ def choose_strategy(config: dict[str, Any]) -> tuple[str | None, MemoryPlan, str
         world,
         device_memory(trainer, per_node),
         precision="mixed" if "mixed" in str(trainer.get("precision", "32")) else "fp32",
-        optimizer=_optimizer_kind(model),  # type: ignore[arg-type]
+        optimizer=optimizer_kind(model),  # type: ignore[arg-type]
         activation_bytes=activations,
     )
     name = STRATEGY_FOR_ROW.get(plan.recommendation) if plan.recommendation else None

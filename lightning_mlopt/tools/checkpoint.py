@@ -22,6 +22,7 @@ from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.checkpoint.trust import check_trusted
 from lightning_mlopt.exceptions import CheckpointInvalidError, UntrustedCheckpointError
 from lightning_mlopt.run_dir import CONFIG_NAME
+from lightning_mlopt.tools._preamble import bad_input
 
 
 def _size(path: Path) -> int:
@@ -184,14 +185,12 @@ def main(argv: Sequence[str]) -> int:
             return export(args.checkpoint, args.out_dir, args.max_shard_size, args.trust_pickles)
         return consolidate(args.checkpoint, args.output, args.trust_pickles)
     except UntrustedCheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return bad_input(error)
     except CheckpointInvalidError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except FileNotFoundError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return bad_input(error)
 
 
 if __name__ == "__main__":

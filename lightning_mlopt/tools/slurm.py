@@ -13,18 +13,17 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt import exit_codes
-from lightning_mlopt._bad_input import ToolArgumentParser, config_paths
+from lightning_mlopt._bad_input import config_paths
 from lightning_mlopt.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.launch._argv import without_options
+from lightning_mlopt.process import exit_codes
 from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
+from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments, without_options
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 _NAME = re.compile(r"^[\w.+-]+$")
@@ -280,15 +279,14 @@ def main(argv: Sequence[str]) -> int:
     from lightning_mlopt.cli import check_arguments
 
     options, extra = _parser().parse_known_args(list(argv))
-    fit_args = [arg for path in options.config for arg in ("--config", path)] + extra
+    fit_args = fit_arguments(options.config, extra)
     stems = "-".join(Path(path).stem for path in options.config)
     try:
         slurm_job(options, {}, stems)  # the flags alone first: cheap, before parsing the config
         config = check_arguments(fit_args).as_dict()
         job = slurm_job(options, config.get("trainer") or {}, stems)
     except BadInputError as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return bad_input(error)
     trainer = config.get("trainer") or {}
     resolved = {**config, "trainer": {**trainer, "num_nodes": job.nodes, "devices": job.gpus_per_node}}
     run_dir = resolve_run_dir(resolved, config_paths(fit_args)).resolve()

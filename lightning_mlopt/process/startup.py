@@ -14,7 +14,7 @@ Only the standard library is imported here: this module loads before torch.
 
 Example::
 
-    from lightning_mlopt.launch.startup import startup_guard
+    from lightning_mlopt.process.startup import startup_guard
 
     startup_guard.arm(900)          # the entry point, before importing torch
     ...
@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from lightning_mlopt import exit_codes
+from lightning_mlopt.process import exit_codes
 
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 STARTUP_TIMEOUT_EXIT_CODE = exit_codes.TIME_LIMIT
@@ -105,7 +105,7 @@ class StartupGuard:
 
     @staticmethod
     def _exit(code: int, message: str) -> None:
-        from lightning_mlopt.distributed import phase  # stdlib-only module
+        from lightning_mlopt.process import phase  # stdlib-only module
 
         name, step, in_phase = phase.current()
         rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("LOCAL_RANK") or "0"

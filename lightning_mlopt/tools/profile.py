@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt._bad_input import ToolArgumentParser, config_paths
+from lightning_mlopt._bad_input import config_paths
 from lightning_mlopt.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.run_dir import (
@@ -33,6 +33,7 @@ from lightning_mlopt.run_dir import (
     PROFILE_REPORT_NAME,
     PROFILE_RUNS_DIR,
 )
+from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments
 
 # Every measured run: its own run directory, no resume, no saves at the end, no logger, no validation.
 _MEASURED_RUN = (
@@ -88,7 +89,7 @@ def _process_counts(text: str | None) -> list[int]:
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt profile``; returns the exit status (2 on bad input)."""
     options, extra = _parser().parse_known_args(list(argv))
-    base_args = [arg for path in options.config for arg in ("--config", path)] + extra
+    base_args = fit_arguments(options.config, extra)
     try:
         if options.steps < 2:
             raise BadInputError(f"--steps must be >= 2 (the first step is warm-up), got {options.steps}")
@@ -98,8 +99,7 @@ def main(argv: Sequence[str]) -> int:
 
         config = check_arguments(base_args).as_dict()
     except BadInputError as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return bad_input(error)
     run_dir = resolve_run_dir(config, config_paths(base_args))
     folder = run_dir / PROFILE_RUNS_DIR
     steps = options.steps + 1  # the monitor leaves the first batch out
@@ -132,7 +132,7 @@ def _measure(base_args: list[str], arguments: list[str], folder: Path) -> dict[s
 
     A run that failed is reported with the end of its log; its bad-input status 2 is passed on, others are 1.
     """
-    from lightning_mlopt.launch.sweep.runner import child_fit_env, run_forwarding_signals
+    from lightning_mlopt.process.child import child_fit_env, run_forwarding_signals
 
     folder.mkdir(parents=True, exist_ok=True)
     summary_path = folder / PERF_DIR / PERF_SUMMARY_NAME

@@ -24,7 +24,7 @@ job array).
 
 """
 
-from lightning_mlopt.launch.sweep.results import (
+from lightning_mlopt.tools.sweep.results import (
     TrialResult,
     collect_results,
     collect_run_dirs,
@@ -33,8 +33,8 @@ from lightning_mlopt.launch.sweep.results import (
     trial_name,
     write_results,
 )
-from lightning_mlopt.launch.sweep.runner import run_local
-from lightning_mlopt.launch.sweep.spec import (
+from lightning_mlopt.tools.sweep.runner import run_local
+from lightning_mlopt.tools.sweep.spec import (
     SweepSpec,
     Trial,
     check_trials,
@@ -44,8 +44,8 @@ from lightning_mlopt.launch.sweep.spec import (
     random_trials,
     trial_arguments,
 )
-from lightning_mlopt.launch.sweep.tool import main, write_slurm_array
-from lightning_mlopt.launch.sweep.wandb_agent import run_wandb, wandb_sweep_config
+from lightning_mlopt.tools.sweep.tool import main, write_slurm_array
+from lightning_mlopt.tools.sweep.wandb_agent import run_wandb, wandb_sweep_config
 
 __all__ = [
     "SweepSpec",

@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from lightning_mlopt.launch.sweep.spec import SweepSpec, Trial
 from lightning_mlopt.run_dir import METRICS_NAME
+from lightning_mlopt.tools.sweep.spec import SweepSpec, Trial
 
 
 def trial_name(number: int) -> str:

@@ -11,8 +11,8 @@ from typing import Any
 
 from lightning_mlopt.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.launch.sweep.results import collect_run_dirs, results_table, write_results
-from lightning_mlopt.launch.sweep.spec import SweepSpec
+from lightning_mlopt.tools.sweep.results import collect_run_dirs, results_table, write_results
+from lightning_mlopt.tools.sweep.spec import SweepSpec
 
 
 def wandb_sweep_config(spec: SweepSpec, base_args: Sequence[str], sweep_dir: Path) -> dict[str, Any]:

@@ -5,26 +5,24 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt._bad_input import ToolArgumentParser
 from lightning_mlopt.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.launch._argv import without_options
-from lightning_mlopt.launch.slurm import add_slurm_arguments
-from lightning_mlopt.launch.sweep.results import collect_results, results_table, write_results
-from lightning_mlopt.launch.sweep.runner import run_local
-from lightning_mlopt.launch.sweep.spec import (
+from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments, without_options
+from lightning_mlopt.tools.slurm import add_slurm_arguments
+from lightning_mlopt.tools.sweep.results import collect_results, results_table, write_results
+from lightning_mlopt.tools.sweep.runner import run_local
+from lightning_mlopt.tools.sweep.spec import (
     SweepSpec,
     Trial,
     check_trials,
     load_sweep,
     local_trials,
 )
-from lightning_mlopt.launch.sweep.wandb_agent import run_wandb, wandb_sweep_config
+from lightning_mlopt.tools.sweep.wandb_agent import run_wandb, wandb_sweep_config
 
 
 def write_slurm_array(
@@ -40,7 +38,7 @@ def write_slurm_array(
     tasks; a trial saved after a signal is requeued as its own array task and resumes.
     """
     from lightning_mlopt.cli import check_arguments
-    from lightning_mlopt.launch.slurm import requeue_exit_code, sbatch_script, slurm_job, write_script
+    from lightning_mlopt.tools.slurm import requeue_exit_code, sbatch_script, slurm_job, write_script
 
     config = check_arguments(base_args).as_dict()
     job = slurm_job(options, config.get("trainer") or {}, f"sweep-{sweep_dir.name}")
@@ -114,7 +112,7 @@ def _default_sweep_dir(sweep_path: str, base_args: Sequence[str], spec: SweepSpe
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt sweep``; returns the exit status (2 on bad input)."""
     options, extra = _parser().parse_known_args(list(argv))
-    base_args = [arg for path in options.config for arg in ("--config", path)] + extra
+    base_args = fit_arguments(options.config, extra)
     try:
         spec = load_sweep(options.sweep)
         if options.count is not None and options.count < 1:
@@ -140,8 +138,7 @@ def main(argv: Sequence[str]) -> int:
             print(f"Results so far: python -m lightning_mlopt sweep <same arguments> --sweep_dir={sweep_dir} --results")
             return 0
     except BadInputError as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return bad_input(error)
     if options.results:
         results = collect_results(spec, trials, sweep_dir)
         print(results_table(results, spec))

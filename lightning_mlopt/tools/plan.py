@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,8 +11,9 @@ from typing import Any
 import torch
 import yaml
 
-from lightning_mlopt._bad_input import ToolArgumentParser
 from lightning_mlopt.planning.memory import format_table, parse_count, parse_size, plan_memory
+from lightning_mlopt.planning.probe import instantiate, measure_activations, optimizer_kind
+from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
 
 
 def _merged_config(paths: Sequence[str]) -> dict[str, Any]:
@@ -33,47 +32,6 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _instantiate(section: dict[str, Any]) -> Any:
-    module_name, _, name = section["class_path"].rpartition(".")
-    return getattr(importlib.import_module(module_name), name)(**(section.get("init_args") or {}))
-
-
-def _optimizer_kind(model: Any) -> str:
-    configured = model.configure_optimizers()
-    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
-    if isinstance(optimizer, (list, tuple)):
-        optimizer = optimizer[0]
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return "adam"
-    momentum = optimizer.defaults.get("momentum", 0) if hasattr(optimizer, "defaults") else 0
-    return "sgd_momentum" if momentum else "sgd"
-
-
-def measure_activations(model: Any, data: Any) -> float:
-    """Bytes of tensors the forward pass of one micro-batch saves for backward, on the meta device.
-
-    No memory is used: the model is on the meta device and the batch is moved there; saved-tensor hooks
-    add up what autograd keeps.
-    """
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
-    batch = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch]
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved[id(tensor)] = tensor.numel() * tensor.element_size()
-        return tensor
-
-    silenced = model.log
-    try:
-        model.log = lambda *args, **kwargs: None  # no Trainer here: training_step's logging has nowhere to go
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model.training_step(batch, 0)
-    finally:
-        model.log = silenced
-    return float(sum(saved.values()))
-
-
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt plan``; returns the exit status."""
     parser = ToolArgumentParser(prog="python -m lightning_mlopt plan", description="Memory per rank for each strategy.")
@@ -90,8 +48,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         plan = _plan(args)
     except (ValueError, KeyError, ImportError, AttributeError, TypeError) as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 2
+        return bad_input(error)
     print(json.dumps(plan.to_dict(), indent=2) if args.format == "json" else format_table(plan))
     return 0
 
@@ -104,19 +61,19 @@ def _plan(args: argparse.Namespace) -> Any:
     if args.config:
         config = _merged_config(args.config)
         with torch.device("meta"):  # no memory for the parameters, however large the model
-            model = _instantiate(config["model"])
+            model = instantiate(config["model"])
         num_params = sum(p.numel() for p in model.parameters())
         trainer = config.get("trainer") or {}
         if precision is None:
             precision = "mixed" if "mixed" in str(trainer.get("precision", "32")) else "fp32"
-        optimizer = optimizer or _optimizer_kind(model)
+        optimizer = optimizer or optimizer_kind(model)
         if world_size is None:
             devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
             if not isinstance(devices, int):
                 raise ValueError(f"trainer.devices is {devices!r}: give --world_size")
             world_size = devices * nodes
         if "data" in config and args.activation_memory is None:
-            activations = measure_activations(model, _instantiate(config["data"]))
+            activations = measure_activations(model, instantiate(config["data"]))
     else:
         num_params = parse_count(args.num_params)
     if world_size is None:

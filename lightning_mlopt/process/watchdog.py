@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_mlopt._compat import current_frames
-from lightning_mlopt.distributed import phase
+from lightning_mlopt.process import phase
 
 log = logging.getLogger(__name__)
 

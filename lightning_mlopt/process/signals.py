@@ -21,7 +21,7 @@ Only the standard library is imported here: this module loads before torch.
 
 Example::
 
-    from lightning_mlopt.checkpoint.preemption import preemption
+    from lightning_mlopt.process.signals import preemption
 
     preemption.install(["SIGTERM", "SIGUSR1"], deadline_s=120, exit_code=75)
     ...
@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-from lightning_mlopt import exit_codes
+from lightning_mlopt.process import exit_codes
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 DEFAULT_DEADLINE_S = 120.0
@@ -228,7 +228,7 @@ class PreemptionSignals:
 
     def _expire(self) -> None:
         """The process did not stop in time after a signal: say where it is stuck, then exit."""
-        from lightning_mlopt.distributed import phase  # stdlib-only module
+        from lightning_mlopt.process import phase  # stdlib-only module
 
         name = signal.Signals(self._received).name if self._received else "a signal"
         step_phase, step, in_phase = phase.current()

@@ -1,1 +1,0 @@
-"""Launch helpers behind ``python -m lightning_mlopt sweep`` and ``python -m lightning_mlopt slurm``."""
