@@ -2,16 +2,21 @@
 
 Each function names the private attribute it depends on and fails loudly (``CompatError``, naming the reach)
 when an upgrade removes it, rather than silently doing nothing; ``tests/test_compat.py`` has a test per reach.
-Nothing outside this module reaches a private name of another package.
+Nothing outside this module reaches a private name of another package: ``tests/test_structure.py`` scans for any.
 
 The reaches:
 
 - Lightning: ``Trainer._signal_connector`` (keeping our signal handlers), ``Trainer._checkpoint_connector``
   (``dump_checkpoint``: the state a save writes; ``resume_start``, ``_ckpt_path``, ``_loaded_checkpoint``:
   resuming from a checkpoint we loaded or checked ourselves), ``fit_loop._data_fetcher`` and
-  ``fit_loop._combined_loader`` (repositioning a resumed epoch), checkpoint migration.
+  ``fit_loop._combined_loader`` (repositioning a resumed epoch), checkpoint migration,
+  ``Callback._generate_state_key`` (callbacks' state keys), ``LightningCLI._parser`` (the resolved config),
+  strategies' ``_timeout``, ``_setup_distributed``/``_init_deepspeed_distributed`` and ``_device_mesh`` (process
+  group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
+  ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory).
 - DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU.
-- torch: the fused ``torch._foreach_*`` kernels (norms of many tensors in one call), the default store of
+- torch: ``nn.modules.batchnorm._NormBase`` (per-rank running statistics), the fused ``torch._foreach_*``
+  kernels (norms of many tensors in one call), the default store of
   ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint.
 - argparse: a parser's ``_actions`` and subcommand parsers (every known key, for "did you mean").
 - the interpreter: ``sys._current_frames`` (the hang dump's stacks), ``atexit._run_exitfuncs`` (exit
@@ -269,12 +274,102 @@ def declare_configure_model(module: Any) -> Iterator[None]:
         del module.configure_model
 
 
+def callback_state_key(callback: Any, **fields: Any) -> str:
+    """The key a callback's state is stored under, in Lightning's own format, from the fields telling two apart.
+
+    Reach: ``Callback._generate_state_key`` (Lightning 2.x). Lightning's format keeps checkpoints written by
+    earlier versions of ours loadable.
+    """
+    generate: Callable[..., str] = _require(callback, "_generate_state_key", "the callback's state key")
+    return generate(**fields)
+
+
+def cli_subcommand_parser(cli: Any, subcommand: str | None) -> Any:
+    """The parser of the running subcommand, which writes the resolved config. Reach: ``LightningCLI._parser``."""
+    return _require(cli, "_parser", "writing the resolved config")(subcommand)
+
+
+def norm_layer_base() -> type:
+    """The base class of every BatchNorm and InstanceNorm layer, whose running statistics are per rank.
+
+    Reach: ``torch.nn.modules.batchnorm._NormBase``.
+    """
+    from torch.nn.modules import batchnorm
+
+    base: type = _require(batchnorm, "_NormBase", "finding per-rank running statistics")
+    return base
+
+
+def strategy_timeout(strategy: Any) -> Any:
+    """The collective timeout a Lightning strategy was given (a ``timedelta`` or None). Reach: ``Strategy._timeout``."""
+    return _require(strategy, "_timeout", "the checkpoint group's timeout")
+
+
+def init_process_group(strategy: Any) -> None:
+    """Create the default process group as Lightning's strategy would, minus its device checks.
+
+    Reach: ``ModelParallelStrategy._setup_distributed`` and ``DeepSpeedStrategy._init_deepspeed_distributed``
+    (Lightning 2.x), whichever the strategy has; both validate nothing device-specific after this point.
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    name = "_init_deepspeed_distributed" if isinstance(strategy, DeepSpeedStrategy) else "_setup_distributed"
+    _require(strategy, name, "setting up the process group on CPU")()
+
+
+def set_device_mesh(strategy: Any, mesh: Any) -> None:
+    """Give ``strategy`` and its LightningModule the device mesh (what ``module.device_mesh`` returns).
+
+    Reach: ``ModelParallelStrategy._device_mesh`` and ``LightningModule._device_mesh`` (Lightning 2.x), set as
+    ``ModelParallelStrategy.setup_environment`` does; ours builds a (shard,) or (replicate, shard) mesh instead.
+    """
+    module = strategy.lightning_module
+    for owner in (strategy, module):
+        _require(owner, "_device_mesh", "giving the model its device mesh")
+        owner._device_mesh = mesh
+
+
+def restore_zero_state(strategy: Any, checkpoint: Any, strict: bool) -> None:
+    """Load a full state dict into a ZeRO-3 model, gathering and re-sharding each partition.
+
+    Reach: ``DeepSpeedStrategy._restore_zero_state`` (Lightning 2.x).
+    """
+    _require(strategy, "_restore_zero_state", "loading full weights into ZeRO-3")(checkpoint, strict=strict)
+
+
+def deepspeed_micro_batch_size(strategy: Any) -> int:
+    """The micro-batch size Lightning's DeepSpeed strategy reads from the train loader.
+
+    Reach: ``DeepSpeedStrategy._auto_select_batch_size`` (Lightning 2.x).
+    """
+    size: int = _require(strategy, "_auto_select_batch_size", "DeepSpeed's micro-batch size")()
+    return size
+
+
+def wandb_init_kwargs(logger: Any) -> dict[str, Any]:
+    """The arguments Lightning's ``WandbLogger`` will pass to ``wandb.init`` (mutable). Reach: ``_wandb_init``."""
+    kwargs: dict[str, Any] = _require(logger, "_wandb_init", "the W&B run's arguments")
+    return kwargs
+
+
+def wandb_run_if_started(logger: Any) -> Any | None:
+    """The W&B run of a ``WandbLogger``, or None before it started one. Reach: ``WandbLogger._experiment``."""
+    return _require(logger, "_experiment", "the W&B run")
+
+
+def wandb_requested_id(logger: Any) -> str | None:
+    """The run id a ``WandbLogger`` was given (``id=`` or ``version=``), or None. Reach: ``WandbLogger._id``."""
+    return _require(logger, "_id", "the W&B run id")
+
+
 # Private methods of Lightning that our subclasses override, extending them where no public hook exists. An
 # upgrade that renames one would silently stop calling ours; tests/test_compat.py checks that each still
 # exists on its base class and that no other private override exists.
 PRIVATE_OVERRIDES = {
     # MLOptCLI: adds its default callbacks (startup, progress bar) to the ones the config names.
     ("lightning.pytorch.cli", "LightningCLI", "_instantiate_trainer"),
+    # _ParseOnlyCLI (``check_arguments``): parses and validates only, so it does not seed.
+    ("lightning.pytorch.cli", "LightningCLI", "_set_seed"),
     # DDPStrategy: none (comm hooks go through the public configure_ddp).
     # DeepSpeedStrategy: engine set-up on CPU, inference set-up on CPU, the preset-built config.
     ("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy", "_setup_model_and_optimizer"),

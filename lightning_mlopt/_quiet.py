@@ -21,7 +21,7 @@ _WARNINGS = (
     # FaultTolerantCheckpoint resumes mid-epoch exactly: it skips the consumed batches at the sampler and
     # restores every RNG (it says so in its own line), so this is not true of our resumes.
     r"You're resuming from a checkpoint that ended before the epoch ended",
-    # `checkpoint consolidate` writes the single file this points to (README: checkpoint tool).
+    # `checkpoint consolidate` writes the single file this points to (docs/checkpointing.md).
     r"When saving the DeepSpeed Stage 3 checkpoint, each worker will save a shard",
 )
 _LOG_LINES = (

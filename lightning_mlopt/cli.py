@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_mlopt import strategies
 from lightning_mlopt._bad_input import check_config_files, config_paths, explain_parser_error
-from lightning_mlopt._compat import parser_actions, subcommand_parsers
+from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subcommand_parsers
 from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import (
     FaultTolerantCheckpoint,
@@ -240,7 +240,7 @@ class MLOptCLI(LightningCLI):
         section = self.config.get(str(self.subcommand), self.config)
         callbacks = [
             *callbacks,
-            _SaveResolvedConfig(self._parser(self.subcommand), section, self.run_dir, name),
+            _SaveResolvedConfig(cli_subcommand_parser(self, self.subcommand), section, self.run_dir, name),
         ]
         callbacks.append(_StartupComplete())
         given = [*callbacks, *(config.get("callbacks") or [])]

@@ -148,7 +148,13 @@ def test_private_overrides_are_listed_and_still_exist():
     for module, owner, name in _compat.PRIVATE_OVERRIDES:
         assert callable(getattr(getattr(importlib.import_module(module), owner), name, None)), f"{owner}.{name}"
     found = set()
-    ours = [cli.MLOptCLI, strategies.DDPStrategy, strategies.FSDPStrategy, strategies.DeepSpeedStrategy]
+    ours = [
+        cli.MLOptCLI,
+        cli._ParseOnlyCLI,
+        strategies.DDPStrategy,
+        strategies.FSDPStrategy,
+        strategies.DeepSpeedStrategy,
+    ]
     ours += [FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck, ThroughputProgressBar, WandbTracker]
     for cls in ours:
         for name in vars(cls):
@@ -170,3 +176,70 @@ def test_lightning_sees_configure_model_only_inside_the_block():
     with _compat.declare_configure_model(model):
         assert is_overridden("configure_model", model)  # what ModelParallelStrategy.setup checks
     assert not is_overridden("configure_model", model) and "configure_model" not in vars(model)
+
+
+def test_callback_state_key_has_lightnings_format():
+    from lightning.pytorch.callbacks import Callback
+
+    class Keyed(Callback):
+        pass
+
+    assert _compat.callback_state_key(Keyed(), every=5).endswith("Keyed{'every': 5}")  # qualname, then the fields
+
+
+def test_cli_subcommand_parser_is_the_running_parser():
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    cli = LightningCLI(BoringModel, run=False, args=[], save_config_callback=None)
+    assert _compat.cli_subcommand_parser(cli, None) is cli.parser
+
+
+def test_norm_layer_base_covers_batch_and_instance_norm_only():
+    import torch.nn as nn
+
+    base = _compat.norm_layer_base()
+    assert isinstance(nn.BatchNorm1d(2), base) and isinstance(nn.InstanceNorm1d(2), base)
+    assert not isinstance(nn.LayerNorm(2), base)
+
+
+def test_strategy_timeout_is_the_one_given():
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert _compat.strategy_timeout(DDPStrategy(timeout=timedelta(minutes=3))) == timedelta(minutes=3)
+
+
+def test_process_group_and_zero_reaches_exist():
+    from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
+    for owner, name in [
+        (ModelParallelStrategy, "_setup_distributed"),
+        (DeepSpeedStrategy, "_init_deepspeed_distributed"),
+        (DeepSpeedStrategy, "_restore_zero_state"),
+        (DeepSpeedStrategy, "_auto_select_batch_size"),
+    ]:
+        assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
+    with pytest.raises(_compat.CompatError, match="setting up the process group on CPU"):
+        _compat.init_process_group(object())
+
+
+def test_set_device_mesh_reaches_strategy_and_module():
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy, model = ModelParallelStrategy(), BoringModel()
+    strategy.connect(model)
+    mesh = object()
+    _compat.set_device_mesh(strategy, mesh)
+    assert strategy.device_mesh is mesh and model.device_mesh is mesh
+
+
+def test_wandb_logger_reaches(tmp_path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, id="abc123")
+    assert _compat.wandb_requested_id(logger) == "abc123"
+    assert _compat.wandb_init_kwargs(logger)["id"] == "abc123"
+    assert _compat.wandb_run_if_started(logger) is None  # nothing started until .experiment

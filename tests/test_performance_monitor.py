@@ -12,11 +12,11 @@ import torch
 
 from lightning_mlopt.callbacks import PerformanceMonitor
 from lightning_mlopt.demos.gpt import GPT
-from lightning_mlopt.process.phase import phase, set_phase
 from lightning_mlopt.perf.breakdown import JobWindow, RankWindow, pack, unpack
 from lightning_mlopt.perf.flops import TrainingFlopCounter, transformer_training_flops
 from lightning_mlopt.perf.peaks import matmul_precision, measure_peak_flops, published_peak_flops
 from lightning_mlopt.perf.phase_clock import PhaseClock
+from lightning_mlopt.process.phase import phase, set_phase
 from tests.cli_args import fit_args
 from tests.conftest import failure_report, run_cli
 

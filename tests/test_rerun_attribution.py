@@ -51,7 +51,7 @@ def test_a_rerun_reproduces_dropout_and_leaves_the_rng_and_gradients_alone():
 
 
 def test_the_first_module_with_a_non_finite_output_is_named():
-    from lightning_mlopt.diagnosis.nonfinite import first_nonfinite_output
+    from lightning_mlopt.diagnosis.rerun import first_nonfinite_output
 
     class Log(torch.nn.Module):
         def forward(self, x):  # type: ignore[no-untyped-def]

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_mlopt._compat import callback_state_key
 from lightning_mlopt.checkpoint import (
     CheckpointStore,
     RetentionPolicy,
@@ -181,7 +182,7 @@ class FaultTolerantCheckpoint(Checkpoint):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(dirpath=self.dirpath, every_n_steps=self.every_n_steps)
+        return callback_state_key(self, dirpath=self.dirpath, every_n_steps=self.every_n_steps)
 
     def checkpoint_dir(self, trainer: pl.Trainer) -> Path:
         """Where checkpoints go: ``dirpath``, or ``<trainer.default_root_dir>/checkpoints``."""

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mlopt._compat import callback_state_key
 from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.module_names import module_group
@@ -140,7 +141,7 @@ class GradNormMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(depth=self.depth, on_nonfinite=self.on_nonfinite)
+        return callback_state_key(self, depth=self.depth, on_nonfinite=self.on_nonfinite)
 
     @property
     def spike_window(self) -> int:

@@ -50,25 +50,6 @@ def watching_outputs(pl_module: Any) -> Iterator[tuple[list[int], list[str]]]:
             handle.remove()
 
 
-def first_nonfinite_output(pl_module: Any, batch: Any, batch_idx: int) -> tuple[int, list[str]]:
-    """Re-run ``pl_module.training_step(batch, batch_idx)`` without gradients; find the first bad module.
-
-    Returns:
-        ``(1 + index of the first module with a non-finite floating output, or 0 when none had one;
-        the names of the modules in the order indexed)``. Logging from the re-run step is silenced.
-
-    Example::
-
-        index, names = first_nonfinite_output(pl_module, batch, batch_idx)
-        culprit = names[index - 1] if index else None
-
-    """
-    from lightning_mlopt.diagnosis.rerun import rerun_step
-
-    rerun = rerun_step(pl_module, batch, batch_idx, rng=None, with_backward=False, locate=True)
-    return rerun.first_nonfinite, list(rerun.modules)
-
-
 def nonfinite_gradient_modules(pieces: Sequence[Piece], names: dict[int, str], depth: int) -> list[str]:
     """The modules (cut to ``depth``) of the gradient pieces that hold a non-finite value, each once."""
     bad = []

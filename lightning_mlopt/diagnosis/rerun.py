@@ -155,3 +155,20 @@ def _same(a: float, b: float) -> bool:
 def _on(ranks: Sequence[int], hosts: Sequence[str]) -> str:
     named = [f"{rank} (host {hosts[rank]})" if rank < len(hosts) else str(rank) for rank in ranks]
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(named)
+
+
+def first_nonfinite_output(pl_module: Any, batch: Any, batch_idx: int) -> tuple[int, list[str]]:
+    """Re-run ``pl_module.training_step(batch, batch_idx)`` without gradients; find the first bad module.
+
+    Returns:
+        ``(1 + index of the first module with a non-finite floating output, or 0 when none had one;
+        the names of the modules in the order indexed)``. Logging from the re-run step is silenced.
+
+    Example::
+
+        index, names = first_nonfinite_output(pl_module, batch, batch_idx)
+        culprit = names[index - 1] if index else None
+
+    """
+    rerun = rerun_step(pl_module, batch, batch_idx, rng=None, with_backward=False, locate=True)
+    return rerun.first_nonfinite, list(rerun.modules)

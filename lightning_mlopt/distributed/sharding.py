@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_mlopt._compat import norm_layer_base
+
 
 class Piece(NamedTuple):
     """A tensor this rank holds for one parameter, and on how many ranks the same piece lives.
@@ -100,7 +102,7 @@ def synchronized_buffers(module: nn.Module) -> list[Replica]:
     local_statistics = {
         id(buffer)
         for submodule in module.modules()
-        if isinstance(submodule, nn.modules.batchnorm._NormBase) and not isinstance(submodule, nn.SyncBatchNorm)
+        if isinstance(submodule, norm_layer_base()) and not isinstance(submodule, nn.SyncBatchNorm)
         for buffer in submodule.buffers(recurse=False)
     }
     return [Replica(name, buffer, 0) for name, buffer in module.named_buffers() if id(buffer) not in local_statistics]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Protocol
 
+from lightning_mlopt._compat import strategy_timeout
 from lightning_mlopt.checkpoint.manifest import FileEntry
 
 
@@ -34,7 +34,6 @@ class CheckpointGroupMixin:
     """
 
     _checkpoint_group: Any = None
-    _timeout: timedelta | None
 
     @property
     def checkpoint_process_group(self) -> Any:
@@ -42,5 +41,5 @@ class CheckpointGroupMixin:
         if self._checkpoint_group is None:
             import torch.distributed as dist
 
-            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=strategy_timeout(self))
         return self._checkpoint_group

@@ -20,7 +20,12 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mlopt._compat import deepspeed_initialize_on_rank
+from lightning_mlopt._compat import (
+    deepspeed_initialize_on_rank,
+    deepspeed_micro_batch_size,
+    init_process_group,
+    restore_zero_state,
+)
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
@@ -159,7 +164,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
 
             reset_seed()
             self.set_world_ranks()
-            self._init_deepspeed_distributed()
+            init_process_group(self)
             return
         super().setup_distributed()
 
@@ -243,7 +248,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
         if getattr(self, "_load_full_weights_once", False):
             self._load_full_weights_once = False
             self.model_to_device()
-            self._restore_zero_state(checkpoint, strict=strict)  # gathers each ZeRO-3 partition, loads, re-shards
+            restore_zero_state(self, checkpoint, strict=strict)  # gathers each ZeRO-3 partition, loads, re-shards
             return
         super().load_model_state_dict(checkpoint, strict=strict)
 
@@ -287,7 +292,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
         wanted = {
             "gradient_accumulation_steps": trainer.accumulate_grad_batches,
             "gradient_clipping": float(trainer.gradient_clip_val or 0.0),
-            "train_micro_batch_size_per_gpu": self._auto_select_batch_size(),
+            "train_micro_batch_size_per_gpu": deepspeed_micro_batch_size(self),
         }
         sources = {
             "gradient_accumulation_steps": "trainer.accumulate_grad_batches",

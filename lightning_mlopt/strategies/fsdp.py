@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mlopt._compat import composable_checkpoint, declare_configure_model
+from lightning_mlopt._compat import composable_checkpoint, declare_configure_model, init_process_group, set_device_mesh
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME
 from lightning_mlopt.checkpoint.manifest import FileEntry
@@ -161,10 +161,9 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Skip ModelParallelStrategy's 2-D (data, tensor) mesh: ours is (shard,) or (replicate, shard).
         super(ModelParallelStrategy, self).setup_environment()
-        self._setup_distributed()
-        self._device_mesh = self._build_mesh()
+        init_process_group(self)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self, self._build_mesh())
 
     def _build_mesh(self) -> DeviceMesh:
         device_type = self.root_device.type

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_mlopt._compat import wandb_init_kwargs, wandb_requested_id, wandb_run_if_started
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.redaction import redact
@@ -87,7 +88,7 @@ class WandbTracker(WandbLogger):
         if mode not in ("auto", "online", "offline", "disabled"):
             raise ValueError(f"mode must be one of auto, online, offline, disabled; got {mode!r}")
         super().__init__(name=name, save_dir=save_dir, id=id, project=project, entity=entity, group=group, tags=tags)
-        self._wandb_init.pop("anonymous", None)  # deprecated in wandb; passing it (even None) warns
+        wandb_init_kwargs(self).pop("anonymous", None)  # deprecated in wandb; passing it (even None) warns
         self.mode = mode
         self.checkpoint_dir = checkpoint_dir
         self.upload_checkpoints = upload_checkpoints
@@ -105,11 +106,11 @@ class WandbTracker(WandbLogger):
     @rank_zero_experiment
     @override
     def experiment(self) -> Run:
-        if self._experiment is None:
+        if wandb_run_if_started(self) is None:
             import wandb
 
             run_id = self._choose_run_id()
-            self._wandb_init.update(
+            wandb_init_kwargs(self).update(
                 mode=self.resolved_mode(),
                 id=run_id,
                 settings=wandb.Settings(disable_git=True),  # we record git ourselves, without credentials
@@ -118,7 +119,7 @@ class WandbTracker(WandbLogger):
             if self.log_provenance:
                 run.config.update({"lightning_mlopt": run_provenance()}, allow_val_change=True)
             self._open_journal(run)
-        return self._experiment  # type: ignore[return-value]
+        return wandb_run_if_started(self)  # type: ignore[no-any-return]
 
     @override
     @rank_zero_only
@@ -191,8 +192,8 @@ class WandbTracker(WandbLogger):
         return f"{where} ({mode})"
 
     def _choose_run_id(self) -> str | None:
-        if self._id:
-            return self._id
+        if wandb_requested_id(self):
+            return wandb_requested_id(self)
         if os.environ.get("WANDB_RUN_ID"):
             return None  # a W&B sweep agent (or the user) chose it; wandb.init reads it
         root = Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.save_dir or ".") / CHECKPOINTS_DIR
