@@ -19,9 +19,9 @@ from typing import Any, NoReturn
 
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_mlopt import strategies
@@ -30,16 +30,17 @@ from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subco
 from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import (
     FaultTolerantCheckpoint,
-    NCCLHealthCheck,
     PerformanceMonitor,
     ThroughputProgressBar,
 )
+from lightning_mlopt.cli_support import SaveResolvedConfig, StartupComplete, describe_outputs
 from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, METRICS_NAME, resolve_run_dir
+from lightning_mlopt.strategies.contract import contract_of
 
 DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
@@ -64,28 +65,6 @@ def _known_keys(parser: LightningArgumentParser) -> set[str]:
     return keys
 
 
-class _SaveResolvedConfig(SaveConfigCallback):
-    """Writes the resolved config into the run directory (not a per-version log folder), rank zero only.
-
-    Overwriting is deliberate: the run directory is derived from the config, so a relaunch writes the same
-    content, and a fresh version folder per relaunch would scatter one run across many.
-    """
-
-    def __init__(self, parser: LightningArgumentParser, config: Namespace, run_dir: Path, name: str) -> None:
-        super().__init__(parser, config, config_filename=name, overwrite=True, save_to_log_dir=False)
-        self.run_dir = run_dir
-
-    @override
-    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.parser.save(self.config, self.run_dir / self.config_filename, skip_none=False, overwrite=True)
-        # Trackers that keep the full configuration (WandbTracker) get it once, from rank zero (this hook).
-        for logger in trainer.loggers:
-            log_run_config = getattr(logger, "log_run_config", None)
-            if log_run_config is not None:
-                log_run_config(self.config.clone().as_dict())
-
-
 class MLOptCLI(LightningCLI):
     """LightningCLI with our strategy names, a stable run directory and short bad-input errors.
 
@@ -103,7 +82,7 @@ class MLOptCLI(LightningCLI):
             datamodule_class=None,
             subclass_mode_model=True,
             parser_class=_Parser,
-            save_config_callback=None,  # replaced by _SaveResolvedConfig, which knows the run directory
+            save_config_callback=None,  # replaced by SaveResolvedConfig, which knows the run directory
             seed_everything_default=DEFAULT_SEED,
             args=list(args) if args is not None else None,
             run=run,
@@ -240,9 +219,9 @@ class MLOptCLI(LightningCLI):
         section = self.config.get(str(self.subcommand), self.config)
         callbacks = [
             *callbacks,
-            _SaveResolvedConfig(cli_subcommand_parser(self, self.subcommand), section, self.run_dir, name),
+            SaveResolvedConfig(cli_subcommand_parser(self, self.subcommand), section, self.run_dir, name),
         ]
-        callbacks.append(_StartupComplete())
+        callbacks.append(StartupComplete())
         given = [*callbacks, *(config.get("callbacks") or [])]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks.append(ThroughputProgressBar())  # Lightning's bar plus samples/s and the run's ETA
@@ -264,11 +243,10 @@ class MLOptCLI(LightningCLI):
 
         A model that builds its layers in ``configure_model`` is checked by the strategy at setup instead.
         """
-        check = getattr(self.trainer.strategy, "check_model", None)
-        if check is None or type(self.model).configure_model is not LightningModule.configure_model:
+        if type(self.model).configure_model is not LightningModule.configure_model:
             return
         try:
-            check(self.model)
+            contract_of(self.trainer.strategy).check_model(self.model)
         except ValueError as error:
             raise BadInputError(f"trainer.strategy: {error}") from None
 
@@ -302,26 +280,6 @@ def _previous_metrics(path: Path) -> dict[str, float]:
     except (OSError, ValueError, AttributeError):
         return {}
     return {str(key): float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
-
-
-class _StartupComplete(Callback):
-    """Disarms the start-up deadline at the first batch of any loop: from here on, step watchdogs take over."""
-
-    @override
-    def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        startup_guard.disarm()
-
-    @override
-    def on_validation_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        startup_guard.disarm()
-
-    @override
-    def on_test_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        startup_guard.disarm()
-
-    @override
-    def on_predict_batch_start(self, *args: Any, **kwargs: Any) -> None:
-        startup_guard.disarm()
 
 
 class _ParseOnlyCLI(MLOptCLI):
@@ -392,26 +350,6 @@ def _fill_run_dir(value: Any, run_dir: str) -> Any:
         else:
             _fill_run_dir(item, run_dir)
     return value
-
-
-def describe_outputs(trainer: Trainer, run_dir: Path | None) -> str:
-    """A few lines saying where a run's config, checkpoints, logs and hang dumps go."""
-    lines = [f"Run directory: {run_dir}", f"  config       {Path(str(run_dir)) / 'config.yaml'}"]
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, FaultTolerantCheckpoint):
-            resume = "resumes from the newest valid one" if callback.auto_resume else "auto_resume off"
-            lines.append(f"  checkpoints  {callback.checkpoint_dir(trainer)} ({resume})")
-        if isinstance(callback, NCCLHealthCheck):
-            lines.append(f"  hang dumps   {callback.dump_folder(trainer)}")
-        if isinstance(callback, PerformanceMonitor):
-            traces = f", traces of steps {callback.profile_steps}" if callback.profile_steps else ""
-            lines.append(f"  performance  {callback.folder(trainer)} (summary.json at the end{traces}; perf/* logged)")
-    for logger in trainer.loggers:
-        describe = getattr(logger, "describe_location", None)
-        location = describe() if describe else getattr(logger, "log_dir", None) or logger.save_dir
-        lines.append(f"  logs         {type(logger).__name__}: {location}")
-    lines.append(f"  results      {Path(str(run_dir)) / METRICS_NAME} (at the end)")
-    return "\n".join(lines)
 
 
 def _rank_zero_print(text: str) -> None:

@@ -15,11 +15,25 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck, ThroughputProgressBar
+from lightning_mlopt import callbacks
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, ThroughputProgressBar
 from lightning_mlopt.cli import check_arguments
 from tests.conftest import CONFIGS
 
-CALLBACKS = [FaultTolerantCheckpoint, GradNormMonitor, NCCLHealthCheck, ThroughputProgressBar]
+# Every public callback, discovered: a new one is held to the contract without editing this file.
+CALLBACKS = [
+    value
+    for name in callbacks.__all__
+    if isinstance(value := getattr(callbacks, name), type)
+    and issubclass(value, pl.Callback)
+    and not name.startswith("_")
+]
+
+
+def test_every_public_callback_is_discovered():
+    names = {cls.__name__ for cls in CALLBACKS}
+    assert {"FaultTolerantCheckpoint", "GradNormMonitor", "NCCLHealthCheck", "PerformanceMonitor"} <= names
+    assert {"ReplicaConsistencyCheck", "ThroughputProgressBar"} <= names
 
 
 @pytest.mark.parametrize("callback_class", CALLBACKS, ids=lambda cls: cls.__name__)

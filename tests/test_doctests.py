@@ -41,3 +41,14 @@ def test_docstring_examples(name):
     result = runner.summarize(verbose=False)
     assert result.attempted > 0, f"{name}: no example ran"
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed (output above)"
+
+
+def test_no_module_with_examples_is_missed():
+    # A folder without __init__.py is invisible to walk_packages: compare with the files on disk.
+    root = Path(lightning_mlopt.__file__).parent
+    on_disk = set()
+    for path in root.rglob("*.py"):
+        if ">>> " in path.read_text() and path.name != "__main__.py":
+            parts = path.relative_to(root.parent).with_suffix("").parts
+            on_disk.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    assert on_disk == set(MODULES)

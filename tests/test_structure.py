@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lightning_mlopt.distributed", "lightning_mlopt.checkpoint", "lightning_mlopt.planning", "lightning_mlopt.demos"),
     ("lightning_mlopt.diagnosis", "lightning_mlopt.perf", "lightning_mlopt.strategies"),
     ("lightning_mlopt.callbacks", "lightning_mlopt.tracking"),
-    ("lightning_mlopt.cli",),
+    ("lightning_mlopt.cli", "lightning_mlopt.cli_support"),
     ("lightning_mlopt.tools",),
     ("lightning_mlopt.__main__",),
 ]

@@ -1,3 +1,4 @@
+# long: one callback's whole run (resume, the per-step vote, signal and exception saves); storage is in checkpoint/
 """FaultTolerantCheckpoint: crash-safe, optionally asynchronous, auto-resuming checkpoints for every strategy."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from lightning_mlopt.checkpoint import (
     CheckpointStore,
     RetentionPolicy,
 )
-from lightning_mlopt.checkpoint.layout import ONE_FILE, checkpoint_layout
+from lightning_mlopt.checkpoint.layout import ONE_FILE
 from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
@@ -30,6 +31,7 @@ from lightning_mlopt.process import exit_codes
 from lightning_mlopt.process.phase import phase
 from lightning_mlopt.process.signals import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
+from lightning_mlopt.strategies.contract import contract_of
 
 log = logging.getLogger(__name__)
 _VOTE = "checkpoint.vote"  # this callback's flags in the step exchange: signal, timer due, write failed
@@ -196,7 +198,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             return
         # Every rank must write to and resume from the same place: rank zero's path decides.
         store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
-        self.saver = CheckpointSaver(store, self.retention, self.async_save, self.monitor)
+        contract = contract_of(trainer.strategy)
+        self.saver = CheckpointSaver(store, self.retention, self.async_save, self.monitor, strategy=contract)
         # Own the signals for the run (flag-only handlers), with Lightning's own kept off them.
         preemption.own_for_run(trainer, self.signals, self.signal_deadline_s, self.exit_code)
         self.saver.check_writable(trainer)
@@ -204,7 +207,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             step_exchange(trainer).provide(_VOTE, lambda: self._local_flags(trainer))
         choice = None
         if self.auto_resume and trainer.is_global_zero:
-            choice = choose_checkpoint(store, trainer.strategy, self.trust_pickles, self.resume_final)
+            current = (type(trainer.strategy).__name__, contract.checkpoint_layout)
+            choice = choose_checkpoint(store, current, self.trust_pickles, self.resume_final)
             if choice is not None and choice.manifest is not None:
                 self.saver.note_resumed(choice.manifest)
         # Rank zero chose; every rank gets its choice, or its refusal, and acts on it alike.
@@ -326,7 +330,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             return
         if not self.save_on_exception or self.saver is None:
             return
-        if not self._training_started or checkpoint_layout(trainer.strategy) != ONE_FILE:
+        if not self._training_started or self.saver.strategy.checkpoint_layout != ONE_FILE:
             return  # an error while setting up or resuming leaves nothing new worth saving
         if trainer.global_step == self._last_save_step or not trainer.is_global_zero:
             return

@@ -1,3 +1,4 @@
+# long: norms, the non-finite and spike guards and rerun attribution share one exchange; the math is in diagnosis/
 """GradNormMonitor: global gradient norms under every strategy, NaN localisation and a spike guard."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import NonFiniteGradientError
-from lightning_mlopt.strategies.sharding import sharding_of
+from lightning_mlopt.strategies.contract import contract_of
 
 Action = Literal["warn", "skip", "stop", "checkpoint_and_stop"]
 _SLOT = "grad_norm."  # this monitor's names in the step exchange
@@ -183,7 +184,7 @@ class GradNormMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._sharding = sharding_of(trainer.strategy)
+        self._sharding = contract_of(trainer.strategy).sharding
         if "skip" in (self.on_nonfinite, self.on_spike) and not self._sharding.can_skip_step:
             raise ValueError(
                 "GradNormMonitor: 'skip' cannot drop a DeepSpeed step (the engine owns the update); "

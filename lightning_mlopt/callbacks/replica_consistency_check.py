@@ -16,7 +16,7 @@ from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.bit_hash import bit_hashes
 from lightning_mlopt.diagnosis.replicas import describe, disagreements
 from lightning_mlopt.exceptions import ReplicaMismatchError
-from lightning_mlopt.strategies.sharding import sharding_of
+from lightning_mlopt.strategies.contract import contract_of
 
 
 class ReplicaConsistencyCheck(Callback):
@@ -66,7 +66,7 @@ class ReplicaConsistencyCheck(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        replica_set = sharding_of(trainer.strategy).replicas(pl_module, trainer.optimizers)
+        replica_set = contract_of(trainer.strategy).sharding.replicas(pl_module, trainer.optimizers)
         rank_zero_info(
             f"ReplicaConsistencyCheck: every {self.every_n_steps} steps, {trainer.world_size} ranks compare "
             f"{replica_set.description}"
@@ -96,7 +96,7 @@ class ReplicaConsistencyCheck(Callback):
         step = self._last_checked = trainer.global_step
         if trainer.world_size < 2:
             return
-        replicas = sharding_of(trainer.strategy).replicas(pl_module, trainer.optimizers).replicas
+        replicas = contract_of(trainer.strategy).sharding.replicas(pl_module, trainer.optimizers).replicas
         device = trainer.strategy.root_device
         groups = torch.tensor([replica.group for replica in replicas], dtype=torch.int64, device=device)
         local = torch.cat([groups, bit_hashes([replica.tensor for replica in replicas], device)])

@@ -1,101 +1,133 @@
-"""How a strategy lays out its checkpoints, and which layouts can resume which: asked here, nowhere else.
+"""Checkpoint layouts, registered by the strategies that write them, and what a save asks of a strategy.
 
-Our strategies declare it (their ``checkpoint_layout`` class attribute); a strategy that is not ours is
-recognised by how it saves (the documented fallback): Lightning's DeepSpeed strategy writes ZeRO partitions,
-its FSDP and model-parallel strategies DCP shards, and a strategy that keeps Lightning's base
-``save_checkpoint`` writes one file from rank zero. Anything else has its own format, which
-FaultTolerantCheckpoint saves synchronously through the strategy and resumes only with the same strategy
-class.
-
-Each layout's strategy also says how to consolidate such a checkpoint into one full state dict (its
-``consolidate_checkpoint``); :func:`consolidator` finds it, :func:`layout_of_folder` recognises a checkpoint
-without a manifest by its files.
+The checkpoint package writes one layout itself: ``one file`` (rank zero saves the whole state, as Lightning's
+base strategy does). Every other layout belongs to a strategy, which registers it here
+(:func:`register_layout`: its name, how to read it as one full state dict, how to recognise its files, and
+which layouts it can resume from), so this package imports no strategy class. A strategy answers the
+questions a save asks through :class:`CheckpointingStrategy` (``strategies/contract.py`` declares the full
+contract; a strategy that is not ours goes through its adapter there).
 
 Example::
 
-    checkpoint_layout(trainer.strategy)               # "one file", "DCP shards", "ZeRO partitions", ...
-    can_resume(saved="one file", current="DCP shards")  # True: DCP reads a full state dict and shards it
-    full = consolidator(layout_of_folder(state))(state)   # any layout, as one Lightning dict on CPU
+    register_layout(CheckpointLayout("DCP shards", FSDPStrategy.consolidate_checkpoint, is_dcp_folder,
+                                     resumes_from=(ONE_FILE,), written_by=("FSDPStrategy",)))
+    can_resume(saved="one file", current="DCP shards")      # True: DCP reads a full state dict and shards it
+    full = consolidator(layout_of_folder(state))(state)     # any registered layout, as one Lightning dict
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+from lightning_mlopt.checkpoint.manifest import FileEntry
 
 ONE_FILE = "one file"
-DCP_SHARDS = "DCP shards"
-ZERO_PARTITIONS = "ZeRO partitions"
 # Lightning's name for the non-tensor state next to DCP's shards (it loads it from there; so does our tool).
 DCP_META_NAME = "meta.pt"
 
-# Resuming works within a layout, and from one file into DCP shards (DCP reads a full state dict and shards it).
-_CROSS_LAYOUT_RESUMES = {(ONE_FILE, DCP_SHARDS)}
 
-# Manifests written before the layout was recorded name the strategy class only.
-_LAYOUT_BY_CLASS_NAME = {
-    "DeepSpeedStrategy": ZERO_PARTITIONS,
-    "FSDPStrategy": DCP_SHARDS,
-    "ModelParallelStrategy": DCP_SHARDS,
-}
+class PendingWrite(Protocol):
+    """What ``save_checkpoint_async`` returns: ``result()`` blocks until this rank's files are written and fsynced.
+
+    It returns this rank's files (name -> size and checksum) for the manifest, or raises the write's error.
+    """
+
+    def result(self, timeout: float | None = None) -> dict[str, FileEntry]:
+        """Block until written; the rank's files with their checksums."""
+        ...
 
 
-def checkpoint_layout(strategy: Any) -> str:
-    """The layout ``strategy`` writes: its declared ``checkpoint_layout``, else recognised (see the module)."""
-    declared = getattr(type(strategy), "checkpoint_layout", None)
-    if isinstance(declared, str):
-        return declared
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+@runtime_checkable
+class CheckpointingStrategy(Protocol):
+    """What a save asks of a strategy: the layout it writes and, where it can, a background save.
 
-    if isinstance(strategy, DeepSpeedStrategy):
-        return ZERO_PARTITIONS
-    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
-        return DCP_SHARDS
-    if type(strategy).save_checkpoint is Strategy.save_checkpoint:
-        return ONE_FILE
-    return f"the format of {type(strategy).__name__}"
+    ``background_saves`` says whether ``save_checkpoint_async`` and ``checkpoint_process_group`` work; a
+    strategy without them is saved synchronously (``one file`` is always written in the background by the
+    saver itself, which needs neither).
+    """
+
+    checkpoint_layout: str
+    background_saves: bool
+
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> PendingWrite:
+        """Write ``checkpoint`` under ``filepath`` in the background; all ranks call."""
+        ...
+
+    @property
+    def checkpoint_process_group(self) -> Any:
+        """The process group background writes coordinate over, apart from training's."""
+        ...
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """A layout a strategy writes, as the checkpoint package needs to know it.
+
+    Args:
+        name: the name manifests record (``"DCP shards"``).
+        consolidate: reads a checkpoint of this layout as one full Lightning state dict on CPU, called as
+            ``consolidate(state, trust_pickles)``.
+        recognise: whether a saved ``state`` path (file or folder) is in this layout, by its files alone.
+        resumes_from: other layouts a strategy writing this one can resume from.
+        written_by: strategy class names whose manifests predate the recorded layout.
+
+    """
+
+    name: str
+    consolidate: Callable[..., dict[str, Any]]
+    recognise: Callable[[Path], bool]
+    resumes_from: tuple[str, ...] = ()
+    written_by: tuple[str, ...] = ()
+
+
+_LAYOUTS: dict[str, CheckpointLayout] = {}
+
+
+def register_layout(layout: CheckpointLayout) -> None:
+    """Make ``layout`` known to resume, ``checkpoint consolidate`` and ``export`` (a strategy module does this)."""
+    _LAYOUTS[layout.name] = layout
+
+
+def registered_layouts() -> list[str]:
+    """The names of every registered layout."""
+    return list(_LAYOUTS)
 
 
 def layout_of_manifest(layout: str | None, strategy_name: str) -> str:
     """The layout a manifest records, or for manifests that predate the field, the one its strategy wrote."""
-    return layout or _LAYOUT_BY_CLASS_NAME.get(strategy_name, ONE_FILE)
+    if layout:
+        return layout
+    return next((known.name for known in _LAYOUTS.values() if strategy_name in known.written_by), ONE_FILE)
 
 
 def can_resume(saved: str, current: str) -> bool:
     """Whether a checkpoint in layout ``saved`` loads into a strategy that writes ``current``."""
-    return saved == current or (saved, current) in _CROSS_LAYOUT_RESUMES
+    return saved == current or (current in _LAYOUTS and saved in _LAYOUTS[current].resumes_from)
 
 
 def layout_of_folder(state: Path) -> str:
     """The layout of a saved ``state`` by its files (for checkpoints without a manifest that records it).
 
     Raises:
-        FileNotFoundError: nothing there that any layout writes.
+        FileNotFoundError: nothing there that any registered layout writes.
 
     """
-    if state.is_file():
-        return ONE_FILE
-    if any(state.glob("*.distcp")):  # torch.distributed.checkpoint
-        return DCP_SHARDS
-    if (state / "checkpoint").is_dir() or (state / "latest").is_file():  # DeepSpeed's tag folder
-        return ZERO_PARTITIONS
-    raise FileNotFoundError(f"{state}: not a checkpoint file, a DCP folder or a DeepSpeed folder")
+    found = next((known.name for known in _LAYOUTS.values() if known.recognise(state)), None)
+    if found is None:
+        raise FileNotFoundError(f"{state}: not a checkpoint in any known layout ({', '.join(_LAYOUTS)})")
+    return found
 
 
 def consolidator(layout: str) -> Callable[..., dict[str, Any]]:
-    """How to read a checkpoint of ``layout`` as one full state dict.
+    """How to read a checkpoint of ``layout`` as one full state dict: ``consolidator(layout)(state, trust)``.
 
-    The ``consolidate_checkpoint`` of our strategy that writes it, called as
-    ``consolidator(layout)(state, trust_pickles)``.
+    Raises:
+        ValueError: no registered strategy reads ``layout``.
+
     """
-    from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
-
-    readers: dict[str, Callable[..., dict[str, Any]]] = {
-        ONE_FILE: DDPStrategy.consolidate_checkpoint,
-        DCP_SHARDS: FSDPStrategy.consolidate_checkpoint,
-        ZERO_PARTITIONS: DeepSpeedStrategy.consolidate_checkpoint,
-    }
-    if layout not in readers:
+    if layout not in _LAYOUTS:
         raise ValueError(f"no strategy of ours reads {layout!r}; resume it with the strategy that wrote it")
-    return readers[layout]
+    return _LAYOUTS[layout].consolidate

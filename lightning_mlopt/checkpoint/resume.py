@@ -5,7 +5,7 @@ them, and puts every RNG back where the uninterrupted run had it for the next st
 
 Example::
 
-    choice = choose_checkpoint(store, trainer.strategy, trust_pickles=False, resume_final=False)  # rank zero
+    choice = choose_checkpoint(store, ("DDPStrategy", "one file"), trust_pickles=False, resume_final=False)  # rank 0
     preload(trainer, choice.path, trust_pickles=False)
     pending_rng = position_in_epoch(trainer, load_rng(choice.path, rank, world_size))
 """
@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_mlopt._compat import epoch_loaders, preload_checkpoint, resume_start
-from lightning_mlopt.checkpoint.layout import can_resume, checkpoint_layout, layout_of_manifest
+from lightning_mlopt.checkpoint.layout import can_resume, layout_of_manifest
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
@@ -43,11 +43,12 @@ class ResumeChoice:
 
 
 def choose_checkpoint(
-    store: CheckpointStore, strategy: Any, trust_pickles: bool, resume_final: bool
+    store: CheckpointStore, strategy: tuple[str, str], trust_pickles: bool, resume_final: bool
 ) -> ResumeChoice | None:
     """Rank zero: clean interrupted saves, take the newest checkpoint that verifies, check it fits and is trusted.
 
-    None when there is nothing to resume from.
+    ``strategy`` is the run's strategy as ``(class name, checkpoint layout)``. None when there is nothing to
+    resume from.
     """
     for leftover in store.clean_staging():
         rank_zero_info(f"Removed an interrupted save: {leftover}")
@@ -77,13 +78,15 @@ def choose_checkpoint(
     return ResumeChoice(entry.path, manifest=entry.manifest)
 
 
-def strategy_switch_refusal(saved: Manifest, strategy: Any, path: Path) -> str | None:
-    """A one-line refusal when the checkpoint's layout cannot be resumed by this run's strategy, else None."""
+def strategy_switch_refusal(saved: Manifest, strategy: tuple[str, str], path: Path) -> str | None:
+    """A one-line refusal when the checkpoint's layout cannot be resumed by this run's strategy, else None.
+
+    ``strategy`` is the run's strategy as ``(class name, checkpoint layout)``.
+    """
     saved_layout = layout_of_manifest(saved.layout, saved.strategy)
-    current_layout = checkpoint_layout(strategy)
+    current, current_layout = strategy
     if can_resume(saved_layout, current_layout):
         return None
-    current = type(strategy).__name__
     return (
         f"cannot resume {path} (written by {saved.strategy}: {saved_layout}) with {current} ({current_layout}). "
         "Resuming works with the same strategy family at any world size (DDP, FSDP; ZeRO at the same world size), "

@@ -34,7 +34,7 @@ from lightning_mlopt.checkpoint.errors import (
     first_problem,
     space_problem,
 )
-from lightning_mlopt.checkpoint.layout import ONE_FILE, checkpoint_layout
+from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointingStrategy
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, describe_files, library_versions
 from lightning_mlopt.checkpoint.resume import RNG_DIR
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
@@ -55,13 +55,22 @@ class CheckpointSaver:
         retention: which committed checkpoints to keep after each commit.
         async_save: stage in CPU memory and write in the background (every layout); else write at once.
         monitor: a logged metric recorded in each manifest (for retention by best value).
+        strategy: what the run's strategy answers about saving (``strategies.contract.contract_of``): its layout
+            and whether it saves in the background.
 
     """
 
     def __init__(
-        self, store: CheckpointStore, retention: RetentionPolicy, async_save: bool = True, monitor: str | None = None
+        self,
+        store: CheckpointStore,
+        retention: RetentionPolicy,
+        async_save: bool = True,
+        monitor: str | None = None,
+        *,
+        strategy: CheckpointingStrategy,
     ) -> None:
         self.store = store
+        self.strategy = strategy
         self.retention = retention
         self.async_save = async_save
         self.monitor = monitor
@@ -159,13 +168,13 @@ class CheckpointSaver:
             problem = describe_write_error(error, staging)
         self._raise_if_any_failed(trainer, problem, staging)
         world_size = trainer.world_size
-        if checkpoint_layout(trainer.strategy) == ONE_FILE:
+        if self.strategy.checkpoint_layout == ONE_FILE:
             # One path for both modes: a synchronous save is a background write waited for at once.
             in_background = self.async_save and not wait
             self._save_single_file(trainer, staging, reason, final, world_size, copy_first=in_background)
             if not in_background:
                 self.wait(trainer)
-        elif self.async_save and hasattr(trainer.strategy, "save_checkpoint_async"):
+        elif self.async_save and self.strategy.background_saves:
             self._save_sharded_in_background(trainer, staging, reason, final, world_size)
             if wait:
                 self.wait(trainer)
@@ -260,12 +269,12 @@ class CheckpointSaver:
         problem = None
         pending: Any = None
         try:
-            pending = trainer.strategy.save_checkpoint_async(checkpoint, staging / STATE_NAME)  # type: ignore[attr-defined]
+            pending = self.strategy.save_checkpoint_async(checkpoint, staging / STATE_NAME)
         except (Exception, _CheckpointException) as error:
             problem = describe_write_error(error, staging / STATE_NAME)
         self._raise_if_any_failed(trainer, problem, staging)
         manifest = self._describe(trainer, reason, final, world_size)
-        group = trainer.strategy.checkpoint_process_group  # type: ignore[attr-defined]
+        group = self.strategy.checkpoint_process_group
         rank, known = trainer.global_rank, self._known_entries(trainer)
         store = self.store
 
@@ -323,7 +332,7 @@ class CheckpointSaver:
             epoch=trainer.current_epoch,
             world_size=world_size,
             strategy=type(trainer.strategy).__name__,
-            layout=checkpoint_layout(trainer.strategy),
+            layout=self.strategy.checkpoint_layout,
             reason=reason,
             final=final,
             metric=self._metric(trainer),

@@ -32,12 +32,12 @@ class ModuleNorms:
 
     Args:
         module: the model (a LightningModule); a single wrapper attribute (``model.``) is left out of names.
-        sharding: what each rank holds (``strategies.sharding.sharding_of(trainer.strategy)``).
+        sharding: what each rank holds (``strategies.contract.contract_of(trainer.strategy).sharding``).
         depth: module-name depth of the groups (2: ``layers.3``); 0: no groups.
 
     Example::
 
-        norms = ModuleNorms(pl_module, sharding_of(trainer.strategy), depth=2)
+        norms = ModuleNorms(pl_module, contract_of(trainer.strategy).sharding, depth=2)
         total, groups, device = norms.gradient_sums(per_group=True, default=pl_module.device)
         if not norms.replicated:
             dist.all_reduce(total)  # and groups: better, packed into one vector

@@ -10,7 +10,7 @@ GradNormMonitor, :func:`global_grad_norm` and our FSDP strategy's clipping all g
 Example::
 
     norm = global_grad_norm(model.parameters())  # DDP, FSDP, HSDP: plain tensors and DTensors
-    norm = global_grad_norm(params, sharding_of(trainer.strategy))  # any strategy, DeepSpeed ZeRO included
+    norm = global_grad_norm(params, contract_of(trainer.strategy).sharding)  # any strategy, DeepSpeed ZeRO included
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def global_grad_norm(parameters: Iterable[Tensor], sharding: Sharding | None = N
 
     Args:
         parameters: the model's parameters (every rank the same list).
-        sharding: what each rank holds (``strategies.sharding.sharding_of(trainer.strategy)``); None: plain
+        sharding: what each rank holds (``strategies.contract.contract_of(trainer.strategy).sharding``); None: plain
             tensors and DTensors (``TensorSharding``).
 
     Collective unless every gradient is replicated: every rank must call it.

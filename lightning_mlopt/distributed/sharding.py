@@ -1,11 +1,10 @@
 """What a strategy answers about its sharding: which pieces of gradients and parameters this rank holds.
 
-Callbacks that measure the model (norms, fingerprints) ask
-:func:`lightning_mlopt.strategies.sharding.sharding_of` and never look inside a strategy. Each piece comes
-with its replication, how many ranks hold the same piece: dividing a piece's sum of squares by it and
-summing over all ranks gives the unsharded model's value with every parameter counted once. DDP replicates
-everything on every rank, HSDP each shard across its replica groups, FSDP and ZeRO partitions are disjoint;
-so one all-reduce over the world serves every strategy.
+Callbacks that measure the model (norms, fingerprints) ask ``strategies.contract.contract_of(strategy).sharding``
+and never look inside a strategy. Each piece comes with its replication, how many ranks hold the same piece:
+dividing a piece's sum of squares by it and summing over all ranks gives the unsharded model's value with every
+parameter counted once. DDP replicates everything on every rank, HSDP each shard across its replica groups, FSDP and
+ZeRO partitions are disjoint; so one all-reduce over the world serves every strategy.
 
 This module holds the interface and :class:`TensorSharding` (plain tensors and DTensors: single device,
 DDP, FSDP, HSDP, ModelParallel); DeepSpeed's answers live with our strategies
@@ -13,7 +12,7 @@ DDP, FSDP, HSDP, ModelParallel); DeepSpeed's answers live with our strategies
 
 Example::
 
-    sharding = TensorSharding()  # or strategies.sharding.sharding_of(trainer.strategy)
+    sharding = TensorSharding()  # or strategies.contract.contract_of(trainer.strategy).sharding
     for piece in sharding.gradient_pieces(params):
         squares += piece.tensor.float().pow(2).sum() / piece.replication
     # then all-reduce ``squares`` over the world, unless sharding.gradients_replicated(params)

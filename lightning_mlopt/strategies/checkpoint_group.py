@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from lightning_mlopt._compat import strategy_timeout
-from lightning_mlopt.checkpoint.manifest import FileEntry
-
-
-class PendingWrite(Protocol):
-    """What ``save_checkpoint_async`` returns: ``result()`` blocks until this rank's files are written and fsynced.
-
-    It returns this rank's files (path relative to the checkpoint's state folder -> size and checksum), so
-    the commit never reads them again; it raises if the write failed.
-    """
-
-    def result(self, timeout: float | None = None) -> dict[str, FileEntry]:
-        """Block until written; this rank's files with their checksums."""
-        ...
 
 
 class CheckpointGroupMixin:

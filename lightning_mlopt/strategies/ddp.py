@@ -14,7 +14,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointLayout, register_layout
 from lightning_mlopt.distributed.sharding import TensorSharding
+from lightning_mlopt.strategies.contract import DeclaresContract
 
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 
@@ -37,7 +39,7 @@ def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.Gra
     return future.then(decompress)
 
 
-class DDPStrategy(_LightningDDPStrategy):
+class DDPStrategy(DeclaresContract, _LightningDDPStrategy):
     """Lightning's DDP with gradient-communication hooks that also work on CPU, and validated YAML knobs.
 
     Lightning registers communication hooks on CUDA only and skips them silently elsewhere; this strategy
@@ -67,7 +69,7 @@ class DDPStrategy(_LightningDDPStrategy):
 
     strategy_name = "mlopt_ddp"
 
-    checkpoint_layout = "one file"  # rank zero writes the whole state (see checkpoint/layout.py)
+    checkpoint_layout = ONE_FILE  # rank zero writes the whole state (see checkpoint/layout.py)
     sharding = TensorSharding()  # every rank holds the whole model and, after backward, the same gradients
 
     def __init__(
@@ -154,3 +156,6 @@ def _comm_hook(name: CommHook, powersgd_rank: int | None, powersgd_start_iter: i
         process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter
     )
     return state, powerSGD_hook.powerSGD_hook
+
+
+register_layout(CheckpointLayout(ONE_FILE, DDPStrategy.consolidate_checkpoint, recognise=Path.is_file))

@@ -26,9 +26,11 @@ from lightning_mlopt._compat import (
     init_process_group,
     restore_zero_state,
 )
+from lightning_mlopt.checkpoint.layout import CheckpointLayout, register_layout
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
+from lightning_mlopt.strategies.contract import ZERO_PARTITIONS, DeclaresContract
 from lightning_mlopt.strategies.sharding import ZeroSharding
 
 Preset = Literal["zero1", "zero2", "zero3", "zero3_offload"]
@@ -68,7 +70,7 @@ def merge_config(base: Mapping[str, Any], override_with: Mapping[str, Any]) -> d
     return merged
 
 
-class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
+class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSpeedStrategy):
     """DeepSpeed ZeRO by preset name, with native DeepSpeed keys merged over it, on CPU as on GPU.
 
     On CPU it selects DeepSpeed's CPU accelerator and gloo itself (Lightning refuses DeepSpeed off CUDA).
@@ -103,7 +105,8 @@ class DeepSpeedStrategy(CheckpointGroupMixin, _LightningDeepSpeedStrategy):
 
     strategy_name = "mlopt_deepspeed"
 
-    checkpoint_layout = "ZeRO partitions"  # DeepSpeed's checkpoint folder (see checkpoint/layout.py)
+    checkpoint_layout = ZERO_PARTITIONS  # DeepSpeed's checkpoint folder (registered at the bottom)
+    background_saves = True
 
     @property
     def sharding(self) -> ZeroSharding:
@@ -331,3 +334,17 @@ def _set_offload(zero: dict[str, Any], key: str, enabled: bool) -> None:
         zero[key] = merge_config({"device": "cpu"}, zero.get(key, {}))
     else:
         zero.pop(key, None)
+
+
+def _is_deepspeed_folder(state: Path) -> bool:
+    return (state / "checkpoint").is_dir() or (state / "latest").is_file()  # DeepSpeed's tag folder
+
+
+register_layout(
+    CheckpointLayout(
+        ZERO_PARTITIONS,
+        DeepSpeedStrategy.consolidate_checkpoint,
+        recognise=_is_deepspeed_folder,
+        written_by=("DeepSpeedStrategy",),
+    )
+)

@@ -20,18 +20,19 @@ from typing_extensions import override
 
 from lightning_mlopt._compat import composable_checkpoint, declare_configure_model, init_process_group, set_device_mesh
 from lightning_mlopt.checkpoint.checksum import digest_of
-from lightning_mlopt.checkpoint.layout import DCP_META_NAME
+from lightning_mlopt.checkpoint.layout import DCP_META_NAME, ONE_FILE, CheckpointLayout, PendingWrite, register_layout
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import load_file, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.sharding import TensorSharding
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin, PendingWrite
+from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
+from lightning_mlopt.strategies.contract import DCP_SHARDS, DeclaresContract
 
 DType = Literal["float32", "bfloat16", "float16"]
 
 
-class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
+class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy):
     """Fully sharded data parallel (FSDP2) for any LightningModule, configured from YAML.
 
     Lightning's FSDP strategies refuse to run off CUDA, and its FSDP2 path asks the model to call
@@ -76,7 +77,8 @@ class FSDPStrategy(CheckpointGroupMixin, ModelParallelStrategy):
 
     strategy_name = "mlopt_fsdp"
 
-    checkpoint_layout = "DCP shards"  # a torch.distributed.checkpoint folder (see checkpoint/layout.py)
+    checkpoint_layout = DCP_SHARDS  # a torch.distributed.checkpoint folder (registered at the bottom)
+    background_saves = True
     sharding = TensorSharding()  # parameters and gradients are DTensors whose placements say who holds what
     # DCP's async checkpointer: "thread" (chosen: see benchmarks/results/checkpoint_sharded_*) or "process".
     async_checkpointer: Literal["thread", "process"] = "thread"
@@ -349,3 +351,18 @@ def _select_by_size(module: nn.Module, threshold: int, wrapped: set[nn.Module], 
 
 
 __all__ = ["FSDPStrategy"]
+
+
+def _is_dcp_folder(state: Path) -> bool:
+    return state.is_dir() and any(state.glob("*.distcp"))
+
+
+register_layout(
+    CheckpointLayout(
+        DCP_SHARDS,
+        FSDPStrategy.consolidate_checkpoint,
+        recognise=_is_dcp_folder,
+        resumes_from=(ONE_FILE,),  # DCP reads a full state dict and shards it
+        written_by=("FSDPStrategy", "ModelParallelStrategy"),
+    )
+)

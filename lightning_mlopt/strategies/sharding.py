@@ -1,9 +1,9 @@
-"""Which strategy shards how: :func:`sharding_of`, and DeepSpeed ZeRO's answers to ``Sharding``.
+"""DeepSpeed ZeRO's answers to ``Sharding``: what each rank holds when ZeRO partitions the state.
 
-Our strategies declare theirs (a ``sharding`` attribute). A strategy that is not ours gets the documented
-fallback: Lightning's DeepSpeed strategy is read through its ZeRO optimizer (:class:`ZeroSharding`); any
-other is taken to keep torch tensors and DTensors in its parameters and gradients (``TensorSharding``),
-which is right for single device, DDP, FSDP, HSDP and Lightning's ModelParallel strategy.
+Our DeepSpeed strategy declares it (its ``sharding``), and ``strategies/contract.py``'s adapter gives it to
+Lightning's own DeepSpeed strategy. Every other strategy keeps torch tensors and DTensors in its parameters
+and gradients (``TensorSharding``), which is right for single device, DDP, FSDP, HSDP and Lightning's
+ModelParallel strategy.
 
 ZeRO keeps reduced gradients in its own partitions, not in ``param.grad``; they are read from the engine's
 ZeRO optimizer: stages 1 and 2 align ``params_in_partition`` with ``averaged_gradients``, stage 3 aligns
@@ -12,7 +12,7 @@ attribute names (DeepSpeed 0.19); this module is the one place that reads them f
 
 Example::
 
-    sharding = sharding_of(trainer.strategy)  # ZeroSharding for DeepSpeed, after the engine is built
+    sharding = contract_of(trainer.strategy).sharding  # ZeroSharding for DeepSpeed, after the engine is built
     pieces = list(sharding.gradient_pieces(params))  # ZeRO: replication 1, the partitions are disjoint
 """
 
@@ -27,8 +27,6 @@ from lightning_mlopt.distributed.sharding import (
     Piece,
     Replica,
     ReplicaSet,
-    Sharding,
-    TensorSharding,
     synchronized_buffers,
     world_size,
 )
@@ -93,15 +91,3 @@ class ZeroSharding:
             replicas + buffers,
             f"parameters and buffers (optimizer state is partitioned): {len(replicas) + len(buffers)} tensors",
         )
-
-
-def sharding_of(strategy: Any) -> Sharding:
-    """The strategy's declared :class:`Sharding`, or the documented fallback (see the module docstring)."""
-    declared = getattr(strategy, "sharding", None)
-    if isinstance(declared, Sharding):
-        return declared
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    if isinstance(strategy, DeepSpeedStrategy):
-        return ZeroSharding(strategy)
-    return TensorSharding()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import lightning_mlopt.strategies  # noqa: F401  (importing our strategies registers their checkpoint layouts)
 from lightning_mlopt.checkpoint.layout import consolidator, layout_of_folder
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore

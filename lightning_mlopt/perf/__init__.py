@@ -1,0 +1,1 @@
+"""The numbers behind PerformanceMonitor and ``profile``: step-time breakdown, FLOPs, peaks, memory, traces."""
