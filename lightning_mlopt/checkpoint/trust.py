@@ -35,7 +35,7 @@ from lightning_mlopt.exceptions import UntrustedCheckpointError
 TRUST_OPTION = "checkpoint.trust_pickles: true"
 
 # What checkpoints written by Lightning and lightning_mlopt contain, by strategy (found by scanning real
-# checkpoints of each; see tests/test_checkpoint_trust.py). Constructors of data only: none of them runs
+# checkpoints of each; see tests/checkpoint/test_checkpoint_trust.py). Constructors of data only: none of them runs
 # code named by the file or returns a string a later STACK_GLOBAL could use.
 ALLOWED_GLOBALS: frozenset[str] = frozenset(
     {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_mlopt.perf import tool
 from lightning_mlopt.perf.verdict import decide, scaling_efficiency
+from lightning_mlopt.tools import profile as tool
 from tests.conftest import CONFIGS, failure_report, run_cli
 
 

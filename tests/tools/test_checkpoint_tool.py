@@ -62,7 +62,7 @@ def test_consolidate_and_export_any_checkpoint(tmp_path, strategy):
 
 
 def test_list_and_verify_report_validity_with_exit_status(tmp_path):
-    from tests.test_checkpoint_store import _commit
+    from tests.checkpoint.test_checkpoint_store import _commit
 
     store = CheckpointStore(tmp_path)
     _commit(store, 2)
