@@ -1,4 +1,6 @@
-"""Small units that judge what a training step produced: spikes against recent history, where a NaN was born.
+"""Small units that judge what a training step produced: spikes, where a NaN was born, transient or not.
 
-They hold no Trainer and run no collective; the callbacks feed them values every rank agreed on.
+They hold no Trainer; the callbacks feed them values every rank agreed on. One exception runs a collective:
+``module_norms.ModuleNorms.update_ratios`` all-reduces its one packed vector when the model is sharded, and every
+rank calls it (GradNormMonitor does, on logging steps).
 """
