@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mlopt"
 # The import layers, lowest first. A module may import its own layer or a lower one, never a higher one; the
 # first matching prefix decides (``lightning_mlopt`` alone is the root package: ``__version__``).
 LAYERS: list[tuple[str, ...]] = [
-    # leaves: the standard library and small third-party helpers only
+    # leaves: no other module of ours (``_metrics`` uses Lightning's rank helpers, the rest the stdlib or yaml)
     (
         "lightning_mlopt",
         "lightning_mlopt.exceptions",
@@ -76,7 +76,7 @@ def _imports(name: str, top_level_only: bool = False) -> Iterator[tuple[str, int
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    for node in tree.body if top_level_only else ast.walk(tree):
+    for node in _module_level_nodes(tree) if top_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
@@ -89,6 +89,16 @@ def _imports(name: str, top_level_only: bool = False) -> Iterator[tuple[str, int
             yield module, node.lineno
             for alias in node.names:
                 yield f"{module}.{alias.name}", node.lineno
+
+
+def _module_level_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node that runs when the module is imported: all but function bodies (``if``/``try`` included)."""
+    stack = list(ast.iter_child_nodes(tree))
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
 
 
 def _internal_edges() -> dict[str, dict[str, int]]:
@@ -109,7 +119,9 @@ def _layer(name: str) -> int:
     best, best_length = None, -1
     for index, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
-            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_length:
+            # The root package is a leaf by itself; its subpackages each need a row of their own.
+            below = name.startswith(prefix + ".") and prefix != "lightning_mlopt"
+            if (name == prefix or below) and len(prefix) > best_length:
                 best, best_length = index, len(prefix)
     assert best is not None, f"{name} is in no layer: add it to LAYERS in {__file__}"
     return best
@@ -119,6 +131,8 @@ def test_every_module_is_in_a_layer():
     assert len(MODULES) > 80  # the scan itself must not go quiet
     for name in MODULES:
         _layer(name)
+    with pytest.raises(AssertionError, match="is in no layer"):
+        _layer("lightning_mlopt.brand_new.module")  # a new package must be placed, not fall to the bottom
 
 
 def test_no_import_points_upward():
@@ -169,12 +183,24 @@ def test_lower_floor_imports_the_standard_library_only(prefix):
     found = []
     for name in MODULES:
         if name == prefix or name.startswith(prefix + "."):
-            # Module level only: an import inside a function runs once torch is loaded anyway.
+            # At import time only: an import inside a function runs once torch is loaded anyway.
             for imported, line in _imports(name, top_level_only=True):
                 top = imported.split(".")[0]
                 if top != "lightning_mlopt" and top not in sys.stdlib_module_names and top != "__future__":
                     found.append(f"{name}:{line} imports {imported}")
     assert not found, "\n".join(found)
+
+
+def test_process_modules_import_without_torch_or_lightning():
+    """What the AST check above cannot see through (a module of ours that imports torch): a real import."""
+    import subprocess
+    import sys
+
+    names = [name for name in MODULES if name.startswith("lightning_mlopt.process")]
+    heavy = "{'torch', 'lightning'}"
+    code = f"import sys\nfor name in {names!r}: __import__(name)\nprint(sorted({heavy} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", f"importing {names} loaded {done.stdout.strip()}"
 
 
 # ----------------------------------------------------------------------------------------------- private reaches
@@ -188,7 +214,12 @@ def _defined_private_names(tree: ast.AST) -> set[str]:
             names.add(node.name)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, (ast.Store, ast.Del))
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
             names.add(node.attr)
         elif isinstance(node, ast.arg):
             names.add(node.arg)
@@ -197,42 +228,70 @@ def _defined_private_names(tree: ast.AST) -> set[str]:
     return {name for name in names if name.startswith("_")}
 
 
-ALL_OURS = set().union(*(_defined_private_names(ast.parse(path.read_text())) for path in MODULES.values()))
+# Private names our own modules define (``_compat`` left out: what it reaches is theirs, not ours).
+ALL_OURS = set().union(
+    *(
+        _defined_private_names(ast.parse(path.read_text()))
+        for name, path in MODULES.items()
+        if not name.endswith("_compat")
+    )
+)
 
 
 def _private_reaches(name: str, source: str | None = None) -> list[str]:
     """Every use of another package's private name in module ``name`` (or in ``source``, read as that module).
 
-    ``self._x``/``cls._x`` must be defined in the same module (else it is a base class's private attribute);
-    ``obj._x`` must be defined somewhere in our package; imports must not name a private module or object of
-    another package.
+    A private attribute read or written (``obj._x``, ``getattr(obj, "_x")``) must be one our package defines
+    (a base class's private attribute that happens to be set on ``self`` is caught by the base-class check
+    below); imports must not name a private module or object of another package.
     """
     tree = ast.parse(MODULES[name].read_text() if source is None else source)
-    local = _defined_private_names(tree)
+    ours = ALL_OURS | _defined_private_names(tree)
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-            attr = node.attr
-            if not attr.startswith("_") or attr.startswith("__") or attr in PUBLIC_UNDERSCORE:
-                continue
-            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-            if (own and attr not in local) or (not own and attr not in ALL_OURS):
-                found.append(f"{name}:{node.lineno} .{attr}")
-        elif (
-            isinstance(node, ast.ImportFrom)
-            and not node.level
-            and not (node.module or "").startswith("lightning_mlopt")
-        ):
+        if isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            private = [part for part in module.split(".") if part.startswith("_") and not part.startswith("__")]
-            private += [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if node.level or module.startswith("lightning_mlopt"):
+                continue
+            private = [part for part in module.split(".") if _is_private(part)]
+            private += [alias.name for alias in node.names if _is_private(alias.name)]
             if private:
                 found.append(f"{name}:{node.lineno} from {module} import {', '.join(a.name for a in node.names)}")
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if any(part.startswith("_") and not part.startswith("__") for part in alias.name.split(".")):
-                    found.append(f"{name}:{node.lineno} import {alias.name}")
-    return found
+            found += [
+                f"{name}:{node.lineno} import {alias.name}"
+                for alias in node.names
+                if any(_is_private(part) for part in alias.name.split("."))
+            ]
+        else:
+            attr = _attribute_named(node)
+            if attr is not None and _is_private(attr) and attr not in PUBLIC_UNDERSCORE and attr not in ours:
+                found.append(f"{name}:{node.lineno} .{attr}")
+    return sorted(found, key=lambda reach: int(reach.split(":")[1].split(" ")[0]))
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _attribute_named(node: ast.AST) -> str | None:
+    """The attribute a node reads or writes on another object: ``obj._x``, ``getattr(obj, "_x")``, ...
+
+    ``self._x = ...`` is not a reach: it defines the name (``_defined_private_names``).
+    """
+    if isinstance(node, ast.Attribute):
+        own_store = isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id == "self"
+        return None if own_store else node.attr
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+        and len(node.args) > 1
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[1].value
+    return None
 
 
 def test_private_reaches_only_in_compat():
@@ -250,6 +309,8 @@ class Tracker:
     def run(self):
         if self._experiment is None:      # a base class's private attribute, never set here
             trainer._signal_connector.teardown()
+        module._device_mesh = None        # written, not read
+        getattr(logger, "_wandb_init")    # by name
         self._mine = 1
         return self._mine
 """
@@ -259,6 +320,8 @@ class Tracker:
         "from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint",
         "._experiment",
         "._signal_connector",
+        "._device_mesh",
+        "._wandb_init",
     ], found
 
 

@@ -1,9 +1,11 @@
 """Checkpoint layouts, registered by the strategies that write them, and what a save asks of a strategy.
 
-The checkpoint package writes one layout itself: ``one file`` (rank zero saves the whole state, as Lightning's
-base strategy does). Every other layout belongs to a strategy, which registers it here
-(:func:`register_layout`: its name, how to read it as one full state dict, how to recognise its files, and
-which layouts it can resume from), so this package imports no strategy class. A strategy answers the
+Every layout belongs to a strategy, which registers it here when its module is imported (:func:`register_layout`:
+its name, how to read it as one full state dict, how to recognise its files, which layouts it can resume from),
+so this package imports no strategy class; ``import lightning_mlopt.strategies`` registers ours, and a
+question asked before any registration fails loudly instead of answering from an empty table. The saver
+writes ``one file`` itself (rank zero saves the whole state, as Lightning's base strategy does); the other
+layouts are written by their strategies. A strategy answers the
 questions a save asks through :class:`CheckpointingStrategy` (``strategies/contract.py`` declares the full
 contract; a strategy that is not ours goes through its adapter there).
 
@@ -86,6 +88,12 @@ class CheckpointLayout:
 _LAYOUTS: dict[str, CheckpointLayout] = {}
 
 
+def _layouts() -> dict[str, CheckpointLayout]:
+    if not _LAYOUTS:
+        raise RuntimeError("no checkpoint layouts are registered: import lightning_mlopt.strategies first")
+    return _LAYOUTS
+
+
 def register_layout(layout: CheckpointLayout) -> None:
     """Make ``layout`` known to resume, ``checkpoint consolidate`` and ``export`` (a strategy module does this)."""
     _LAYOUTS[layout.name] = layout
@@ -100,12 +108,15 @@ def layout_of_manifest(layout: str | None, strategy_name: str) -> str:
     """The layout a manifest records, or for manifests that predate the field, the one its strategy wrote."""
     if layout:
         return layout
-    return next((known.name for known in _LAYOUTS.values() if strategy_name in known.written_by), ONE_FILE)
+    return next((known.name for known in _layouts().values() if strategy_name in known.written_by), ONE_FILE)
 
 
 def can_resume(saved: str, current: str) -> bool:
     """Whether a checkpoint in layout ``saved`` loads into a strategy that writes ``current``."""
-    return saved == current or (current in _LAYOUTS and saved in _LAYOUTS[current].resumes_from)
+    if saved == current:
+        return True
+    layouts = _layouts()
+    return current in layouts and saved in layouts[current].resumes_from
 
 
 def layout_of_folder(state: Path) -> str:
@@ -115,7 +126,7 @@ def layout_of_folder(state: Path) -> str:
         FileNotFoundError: nothing there that any registered layout writes.
 
     """
-    found = next((known.name for known in _LAYOUTS.values() if known.recognise(state)), None)
+    found = next((known.name for known in _layouts().values() if known.recognise(state)), None)
     if found is None:
         raise FileNotFoundError(f"{state}: not a checkpoint in any known layout ({', '.join(_LAYOUTS)})")
     return found
@@ -128,6 +139,7 @@ def consolidator(layout: str) -> Callable[..., dict[str, Any]]:
         ValueError: no registered strategy reads ``layout``.
 
     """
-    if layout not in _LAYOUTS:
+    layouts = _layouts()
+    if layout not in layouts:
         raise ValueError(f"no strategy of ours reads {layout!r}; resume it with the strategy that wrote it")
-    return _LAYOUTS[layout].consolidate
+    return layouts[layout].consolidate

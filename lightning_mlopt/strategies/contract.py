@@ -13,8 +13,9 @@ them a :class:`StrategyContract`:
 
 Our strategies declare it by subclassing :class:`DeclaresContract` (which supplies the defaults) and setting
 what differs. Any other strategy (Lightning's own, a user's) goes through :class:`ForeignStrategy`, which
-recognises Lightning's DeepSpeed, FSDP and model-parallel strategies by class and otherwise treats the
-strategy as one that keeps torch tensors and saves one file from rank zero.
+uses what the strategy itself has (a ``checkpoint_layout``, ``sharding``, ``check_model``,
+``save_checkpoint_async``) and otherwise recognises Lightning's DeepSpeed, FSDP and model-parallel strategies
+by class; a strategy with its own ``save_checkpoint`` writes "the format of <its class>", any other one file.
 
 Adding a strategy (e.g. tensor parallel): one file with a ``DeclaresContract`` subclass (its layout
 registered at the bottom if it writes a new one), one row in ``strategies/__init__.py``'s table, an overlay
@@ -30,7 +31,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -63,12 +64,16 @@ class DeclaresContract:
     """The contract's defaults, for our strategies to subclass: one file, plain tensors, no background saves.
 
     A subclass overrides what differs (``checkpoint_layout``, ``sharding``, ``background_saves`` with
-    ``save_checkpoint_async``, ``check_model``, ``consolidate_checkpoint``).
+    ``save_checkpoint_async`` and ``checkpoint_process_group``, ``check_model``, ``consolidate_checkpoint``).
     """
 
-    checkpoint_layout: ClassVar[str] = ONE_FILE
-    background_saves: ClassVar[bool] = False
-    sharding: Sharding = TensorSharding()
+    checkpoint_layout: str = ONE_FILE
+    background_saves: bool = False
+
+    @property
+    def sharding(self) -> Sharding:
+        """Every rank holds whole torch tensors (or DTensors that say what they hold)."""
+        return _PLAIN_TENSORS
 
     def check_model(self, module: nn.Module) -> None:
         """Every model fits (no settings that name parts of it)."""
@@ -87,14 +92,19 @@ class DeclaresContract:
         return consolidator(self.checkpoint_layout)(state, trust_pickles)
 
 
-class ForeignStrategy(DeclaresContract):
-    """The contract of a strategy that does not declare it, recognised by its class and how it saves.
+_PLAIN_TENSORS = TensorSharding()
 
-    Lightning's DeepSpeed strategy writes ZeRO partitions and is read through its ZeRO optimizer; its FSDP and
-    model-parallel strategies write DCP shards; a strategy that keeps Lightning's base ``save_checkpoint``
-    writes one file from rank zero. Anything else has its own format, which FaultTolerantCheckpoint saves
-    synchronously through the strategy and resumes only with the same strategy class. A ``sharding``
-    attribute the strategy has is used as it is.
+
+class ForeignStrategy(DeclaresContract):
+    """The contract of a strategy that does not declare it: what the strategy has, else recognised by class.
+
+    Whatever the strategy itself has is used as it is: a ``checkpoint_layout`` (its class's or a base's), a
+    ``sharding`` (read when asked, never before), ``check_model``, ``save_checkpoint_async`` with
+    ``checkpoint_process_group`` (background saves). Otherwise: Lightning's DeepSpeed strategy writes ZeRO
+    partitions and is read through its ZeRO optimizer; its FSDP and model-parallel strategies write DCP shards;
+    a strategy that keeps Lightning's base ``save_checkpoint`` writes one file from rank zero. Anything else
+    has its own format, which FaultTolerantCheckpoint saves synchronously through the strategy and resumes
+    only with the same strategy class.
 
     Args:
         strategy: the Lightning strategy.
@@ -102,35 +112,62 @@ class ForeignStrategy(DeclaresContract):
     """
 
     def __init__(self, strategy: Any) -> None:
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
-
         self.strategy = strategy
-        self.name = type(strategy).__name__
-        declared = getattr(strategy, "sharding", None)
-        if isinstance(strategy, DeepSpeedStrategy):
+        self.checkpoint_layout = _recognised_layout(strategy)
+        self.background_saves = callable(getattr(type(strategy), "save_checkpoint_async", None))
+
+    @property
+    def sharding(self) -> Sharding:
+        """The strategy's own ``sharding``; ZeRO's partitions for Lightning's DeepSpeed; else plain tensors."""
+        declared = getattr(self.strategy, "sharding", None)
+        if isinstance(declared, Sharding):
+            return declared
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if isinstance(self.strategy, DeepSpeedStrategy):
             from lightning_mlopt.strategies.sharding import ZeroSharding
 
-            self.checkpoint_layout = ZERO_PARTITIONS  # type: ignore[misc]
-            self.sharding = ZeroSharding(strategy)
-        elif isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
-            self.checkpoint_layout = DCP_SHARDS  # type: ignore[misc]
-        elif type(strategy).save_checkpoint is not Strategy.save_checkpoint:
-            self.checkpoint_layout = f"the format of {self.name}"  # type: ignore[misc]
-        if isinstance(declared, Sharding):
-            self.sharding = declared
+            return ZeroSharding(self.strategy)
+        return _PLAIN_TENSORS
+
+    def check_model(self, module: nn.Module) -> None:
+        """The strategy's own ``check_model``, where it has one."""
+        check = getattr(self.strategy, "check_model", None)
+        if callable(check):
+            check(module)
+
+    def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> PendingWrite:
+        """The strategy's own background save (only called when ``background_saves``)."""
+        pending: PendingWrite = self.strategy.save_checkpoint_async(checkpoint, filepath)
+        return pending
+
+    @property
+    def checkpoint_process_group(self) -> Any:
+        """The strategy's own group for background writes."""
+        return self.strategy.checkpoint_process_group
+
+
+def _recognised_layout(strategy: Any) -> str:
+    declared = getattr(type(strategy), "checkpoint_layout", None)
+    if isinstance(declared, str):
+        return declared
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+
+    if isinstance(strategy, DeepSpeedStrategy):
+        return ZERO_PARTITIONS
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        return DCP_SHARDS
+    if type(strategy).save_checkpoint is Strategy.save_checkpoint:
+        return ONE_FILE
+    return f"the format of {type(strategy).__name__}"
 
 
 def contract_of(strategy: Any) -> StrategyContract:
-    """The strategy itself when it declares the contract (its class sets ``checkpoint_layout``), else its adapter.
+    """The strategy itself when it declares the contract (a :class:`DeclaresContract`), else its adapter.
 
-    The declaration is read from the class, never by evaluating the instance's properties: one of them
-    (``checkpoint_process_group``) creates a process group, a collective.
+    Nothing of the strategy is evaluated here: the adapter reads a property (``sharding``,
+    ``checkpoint_process_group``, which creates a process group, a collective) only when it is asked for it.
     """
-    if isinstance(type(strategy).__dict__.get("checkpoint_layout"), str) or isinstance(strategy, DeclaresContract):
-        return strategy  # type: ignore[no-any-return]
+    if isinstance(strategy, DeclaresContract):
+        return strategy
     return ForeignStrategy(strategy)
-
-
-def strategy_name(strategy: Any) -> str:
-    """The class name a manifest records for ``strategy`` (the adapted one's, for a foreign strategy)."""
-    return strategy.name if isinstance(strategy, ForeignStrategy) else type(strategy).__name__

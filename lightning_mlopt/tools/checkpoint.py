@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 
-import lightning_mlopt.strategies  # noqa: F401  (importing our strategies registers their checkpoint layouts)
 from lightning_mlopt.checkpoint.layout import consolidator, layout_of_folder
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.checkpoint.trust import check_trusted
 from lightning_mlopt.exceptions import CheckpointInvalidError, UntrustedCheckpointError
 from lightning_mlopt.run_dir import CONFIG_NAME
-from lightning_mlopt.tools._preamble import bad_input
+from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
 
 
 def _size(path: Path) -> int:
@@ -134,6 +133,8 @@ def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, 
     Every pickle in it is checked against the allowlist first (raises UntrustedCheckpointError), unless
     ``trust_pickles``; then the strategy that writes its layout consolidates it.
     """
+    import lightning_mlopt.strategies  # noqa: F401  (importing our strategies registers their layouts' readers)
+
     check_trusted(state, trust_pickles)
     manifest = state.parent / MANIFEST_NAME
     recorded = Manifest.from_json(manifest.read_text()).layout if manifest.is_file() else None
@@ -158,7 +159,7 @@ def _byte_size(text: str) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt checkpoint``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="lightning_mlopt checkpoint", description=__doc__)
+    parser = ToolArgumentParser(prog="python -m lightning_mlopt checkpoint", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="step, time, size and validity of each checkpoint").add_argument("dir", type=Path)
     commands.add_parser("verify", help="check checksums; non-zero exit when invalid").add_argument("path", type=Path)

@@ -119,7 +119,9 @@ class WandbTracker(WandbLogger):
             if self.log_provenance:
                 run.config.update({"lightning_mlopt": run_provenance()}, allow_val_change=True)
             self._open_journal(run)
-        return wandb_run_if_started(self)  # type: ignore[no-any-return]
+        run = wandb_run_if_started(self)
+        assert run is not None  # started above
+        return run
 
     @override
     @rank_zero_only

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDP
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -58,8 +59,9 @@ def test_every_registered_strategy_declares_the_contract():
         assert issubclass(cls, DeclaresContract), name
         assert all(hasattr(cls, member) for member in members), name  # read on the class: no property runs
         assert cls.checkpoint_layout in registered_layouts(), name
-        if cls.background_saves:  # its own background save, not the default that refuses
+        if cls.background_saves:  # its own background save and group, not the defaults that refuse
             assert cls.save_checkpoint_async is not DeclaresContract.save_checkpoint_async, name
+            assert cls.checkpoint_process_group is not DeclaresContract.checkpoint_process_group, name
 
 
 def test_layouts_are_recognised_by_their_files(tmp_path):
@@ -78,3 +80,43 @@ def test_layouts_are_recognised_by_their_files(tmp_path):
     assert consolidator(DCP_SHARDS) is FSDPStrategy.consolidate_checkpoint
     with pytest.raises(ValueError, match="no strategy of ours reads"):
         consolidator("the format of OwnFormat")
+
+
+def test_a_foreign_strategy_keeps_what_it_has_and_nothing_runs_at_adaptation():
+    class Declares(SingleDeviceStrategy):
+        checkpoint_layout = DCP_SHARDS
+        evaluated = 0
+
+        @property
+        def sharding(self):  # type: ignore[no-untyped-def]
+            type(self).evaluated += 1
+            raise RuntimeError("a property that fails (or runs a collective) must not run at adaptation")
+
+        def check_model(self, module):  # type: ignore[no-untyped-def]
+            raise ValueError("wrap_classes names Foo, which the model lacks")
+
+        def save_checkpoint_async(self, checkpoint, filepath):  # type: ignore[no-untyped-def]
+            return "pending"
+
+    class Inherits(Declares):
+        def save_checkpoint(self, checkpoint, filepath, storage_options=None):  # type: ignore[no-untyped-def]
+            pass
+
+    contract = contract_of(Inherits("cpu"))
+    assert Declares.evaluated == 0
+    assert contract.checkpoint_layout == DCP_SHARDS  # declared by a base class: still declared
+    assert contract.background_saves and contract.save_checkpoint_async({}, "x") == "pending"
+    with pytest.raises(ValueError, match="wrap_classes"):
+        contract.check_model(torch.nn.Linear(1, 1))
+    plain = contract_of(SingleDeviceStrategy("cpu"))
+    assert not plain.background_saves
+    plain.check_model(torch.nn.Linear(1, 1))  # nothing to check
+
+
+def test_layout_questions_before_any_registration_fail_loudly(monkeypatch):
+    from lightning_mlopt.checkpoint import layout
+
+    monkeypatch.setattr(layout, "_LAYOUTS", {})
+    with pytest.raises(RuntimeError, match=r"import lightning_mlopt\.strategies first"):
+        layout.layout_of_manifest(None, "DeepSpeedStrategy")
+    assert layout.can_resume(ONE_FILE, ONE_FILE)  # the same layout needs no table
