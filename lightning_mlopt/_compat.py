@@ -305,16 +305,20 @@ def strategy_timeout(strategy: Any) -> Any:
     return _require(strategy, "_timeout", "the checkpoint group's timeout")
 
 
-def init_process_group(strategy: Any) -> None:
-    """Create the default process group as Lightning's strategy would, minus its device checks.
+def setup_distributed(strategy: Any) -> None:
+    """Create the default process group as ``ModelParallelStrategy`` does, minus its device-mesh set-up.
 
-    Reach: ``ModelParallelStrategy._setup_distributed`` and ``DeepSpeedStrategy._init_deepspeed_distributed``
-    (Lightning 2.x), whichever the strategy has; both validate nothing device-specific after this point.
+    Reach: ``ModelParallelStrategy._setup_distributed`` (Lightning 2.x); our FSDP builds its own mesh after it.
     """
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    _require(strategy, "_setup_distributed", "setting up the process group on CPU")()
 
-    name = "_init_deepspeed_distributed" if isinstance(strategy, DeepSpeedStrategy) else "_setup_distributed"
-    _require(strategy, name, "setting up the process group on CPU")()
+
+def init_deepspeed_distributed(strategy: Any) -> None:
+    """Create the default process group as ``DeepSpeedStrategy`` does, without its CUDA device-index checks.
+
+    Reach: ``DeepSpeedStrategy._init_deepspeed_distributed`` (Lightning 2.x).
+    """
+    _require(strategy, "_init_deepspeed_distributed", "setting up the process group on CPU")()
 
 
 def set_device_mesh(strategy: Any, mesh: Any) -> None:

@@ -222,7 +222,9 @@ def test_process_group_and_zero_reaches_exist():
     ]:
         assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
     with pytest.raises(_compat.CompatError, match="setting up the process group on CPU"):
-        _compat.init_process_group(object())
+        _compat.setup_distributed(object())
+    with pytest.raises(_compat.CompatError, match="setting up the process group on CPU"):
+        _compat.init_deepspeed_distributed(object())
 
 
 def test_set_device_mesh_reaches_strategy_and_module():

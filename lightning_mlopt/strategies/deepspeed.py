@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_mlopt._compat import (
     deepspeed_initialize_on_rank,
     deepspeed_micro_batch_size,
-    init_process_group,
+    init_deepspeed_distributed,
     restore_zero_state,
 )
 from lightning_mlopt.checkpoint.layout import CheckpointLayout, register_layout
@@ -167,7 +167,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
 
             reset_seed()
             self.set_world_ranks()
-            init_process_group(self)
+            init_deepspeed_distributed(self)
             return
         super().setup_distributed()
 

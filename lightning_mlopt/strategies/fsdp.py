@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mlopt._compat import composable_checkpoint, declare_configure_model, init_process_group, set_device_mesh
+from lightning_mlopt._compat import composable_checkpoint, declare_configure_model, set_device_mesh, setup_distributed
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME, ONE_FILE, CheckpointLayout, PendingWrite, register_layout
 from lightning_mlopt.checkpoint.manifest import FileEntry
@@ -163,7 +163,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
     def setup_environment(self) -> None:
         # Skip ModelParallelStrategy's 2-D (data, tensor) mesh: ours is (shard,) or (replicate, shard).
         super(ModelParallelStrategy, self).setup_environment()
-        init_process_group(self)
+        setup_distributed(self)
         assert self.lightning_module is not None
         set_device_mesh(self, self._build_mesh())
 
