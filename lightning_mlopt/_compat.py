@@ -1,3 +1,4 @@
+# long: the catalogue of every private reach, one small function each, so none hides elsewhere
 """Reaches into private names of Lightning, torch, DeepSpeed, argparse and the interpreter with no public alternative.
 
 Each function names the private attribute it depends on and fails loudly (``CompatError``, naming the reach)
@@ -15,7 +16,8 @@ The reaches:
   group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
   ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory).
 - DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU.
-- torch: ``nn.modules.batchnorm._NormBase`` (per-rank running statistics), the fused ``torch._foreach_*``
+- torch: torchrun's ``_terminate_process_handler`` (``launch`` learns which signal stopped the agent),
+  ``nn.modules.batchnorm._NormBase`` (per-rank running statistics), the fused ``torch._foreach_*``
   kernels (norms of many tensors in one call), the default store of
   ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint.
 - argparse: a parser's ``_actions`` and subcommand parsers (every known key, for "did you mean").
@@ -364,6 +366,29 @@ def wandb_run_if_started(logger: Any) -> Any | None:
 def wandb_requested_id(logger: Any) -> str | None:
     """The run id a ``WandbLogger`` was given (``id=`` or ``version=``), or None. Reach: ``WandbLogger._id``."""
     return _require(logger, "_id", "the W&B run id")
+
+
+def route_torchrun_signals(on_signal: Callable[[int], None]) -> None:
+    """Have torchrun's agent call ``on_signal(signum)`` before its own handling of a signal (forward, wait, raise).
+
+    torchrun installs its handler when it starts the workers, replacing any earlier one; ``launch`` must still
+    know which signal came (to say so, and to quiet torchrun's shutdown log). Reach: the module-level
+    ``_terminate_process_handler`` of ``torch.distributed.elastic.multiprocessing.api``, looked up by name when
+    the handlers are installed.
+    """
+    from torch.distributed.elastic.multiprocessing import api
+
+    theirs = _require(api, "_terminate_process_handler", "torchrun's signal handler")
+    if getattr(theirs, "routed_by_lightning_mlopt", False):
+        theirs = theirs.__wrapped__
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        on_signal(signum)
+        theirs(signum, frame)
+
+    handler.routed_by_lightning_mlopt = True  # type: ignore[attr-defined]
+    handler.__wrapped__ = theirs  # type: ignore[attr-defined]
+    api._terminate_process_handler = handler
 
 
 # Private methods of Lightning that our subclasses override, extending them where no public hook exists. An

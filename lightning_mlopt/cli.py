@@ -33,11 +33,12 @@ from lightning_mlopt.callbacks import (
     PerformanceMonitor,
     ThroughputProgressBar,
 )
-from lightning_mlopt.cli_support import SaveResolvedConfig, StartupComplete, describe_outputs
+from lightning_mlopt.cli_support import SaveResolvedConfig, StartupComplete, describe_outputs, poll_preemption_notices
 from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
-from lightning_mlopt.process import exit_codes
+from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
+from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, METRICS_NAME, resolve_run_dir
 from lightning_mlopt.strategies.contract import contract_of
@@ -100,6 +101,8 @@ class MLOptCLI(LightningCLI):
         # On by default too: per-rank step-time breakdown, throughput, input stalls, MFU and memory under
         # `perf/*`, configured under the top-level `performance:` key.
         parser.add_lightning_class_args(PerformanceMonitor, "performance")
+        # Cloud spot notices that count as a preemption signal, under the top-level `preemption:` key.
+        parser.add_class_arguments(PreemptionNotices, "preemption")
         parser.add_argument(
             "--startup_timeout",
             type=float | None,
@@ -230,6 +233,7 @@ class MLOptCLI(LightningCLI):
     def before_fit(self) -> None:
         """Check the model against the strategy, then say where this run's outputs go (rank zero)."""
         self._check_model_fits_strategy()
+        poll_preemption_notices(self.trainer, self._get_section().get("preemption"))
         _rank_zero_print(describe_outputs(self.trainer, self.run_dir))
 
     def before_validate(self) -> None:
@@ -391,5 +395,6 @@ def main(args: Sequence[str] | None = None) -> None:
         raise
     finally:
         startup_guard.disarm()
+    launch_report.write(status=exit_codes.SUCCESS)
     if shut_down_process_group():
         leave_without_destructors(exit_codes.SUCCESS)

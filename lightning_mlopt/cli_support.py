@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 from typing_extensions import override
 
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck, PerformanceMonitor
+from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, PreemptionNotices, start_polling
+from lightning_mlopt.process.signals import preemption
 from lightning_mlopt.process.startup import startup_guard
 from lightning_mlopt.run_dir import METRICS_NAME
 
@@ -81,3 +84,13 @@ def describe_outputs(trainer: Trainer, run_dir: Path | None) -> str:
         lines.append(f"  logs         {type(logger).__name__}: {location}")
     lines.append(f"  results      {Path(str(run_dir)) / METRICS_NAME} (at the end)")
     return "\n".join(lines)
+
+
+def poll_preemption_notices(trainer: Trainer, settings: Namespace | None) -> None:
+    """Poll the cloud's preemption notices once per node (local rank zero), unless ``launch`` polls for the node.
+
+    A notice raises the same flag as a SIGTERM (every rank acts on it at the next step boundary).
+    """
+    if settings is None or os.environ.get(NOTICES_BY_LAUNCHER_ENV) or trainer.local_rank != 0:
+        return
+    start_polling(PreemptionNotices(**settings.as_dict()), preemption.notify)

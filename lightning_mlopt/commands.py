@@ -22,6 +22,7 @@ TOOLS = {
     "checkpoint": ("lightning_mlopt.tools.checkpoint", "list, verify, consolidate or export (safetensors) checkpoints"),
     "sweep": ("lightning_mlopt.tools.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
     "slurm": ("lightning_mlopt.tools.slurm", "write an sbatch script that requeues and resumes the run"),
+    "launch": ("lightning_mlopt.tools.launch", "torchrun with preemption done right: exit 75, within the grace"),
     "profile": (
         "lightning_mlopt.tools.profile",
         "why is my run slow: step time per rank, input ceiling, MFU, scaling",

@@ -477,3 +477,29 @@ class NaNSampleRegression(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=4, shuffle=True)
+
+
+class SlowSaves(pl.Callback):
+    """Every checkpoint takes at least ``seconds`` longer to save (a slow disk, a large model)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    @override
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # type: ignore[override]
+        time.sleep(self.seconds)
+
+
+class SignalAtStep(pl.Callback):
+    """Sends ``signal_name`` to this process at the end of optimizer step ``step`` (a scheduler's preemption)."""
+
+    def __init__(self, step: int, signal_name: str = "SIGTERM") -> None:
+        self.step = step
+        self.signal_name = signal_name
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        import signal
+
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))

@@ -21,6 +21,7 @@ from lightning_mlopt.demos import (
     TokenDataModule,
 )
 from lightning_mlopt.demos._loader import LoaderDataModule
+from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning_mlopt.tracking import ThroughputProgressBar, WandbTracker
 
@@ -31,7 +32,8 @@ PINNED = {
     "param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes process_group_backend",
     DeepSpeedStrategy: "preset config offload_optimizer offload_parameters timeout_minutes process_group_backend",
     FaultTolerantCheckpoint: "dirpath every_n_steps every_n_minutes save_on_epoch_end save_on_train_end "
-    "save_on_exception signals exit_code signal_deadline_s keep_last keep_every_n_steps monitor mode keep_best "
+    "save_on_exception signals exit_code signal_deadline_s preemption_grace_s keep_last keep_every_n_steps monitor "
+    "mode keep_best "
     "async_save auto_resume resume_final trust_pickles",
     GradNormMonitor: "log_every_n_steps depth param_norms update_ratios on_nonfinite locate_nonfinite on_spike "
     "spike_window spike_threshold spike_min_history rerun_on_anomaly",
@@ -40,6 +42,7 @@ PINNED = {
     PerformanceMonitor: "log_every_n_steps stall_threshold stall_window tokens_per_sample flops_per_sample count_flops "
     "measure_peak profile_steps oom_snapshot_entries",
     ReplicaConsistencyCheck: "every_n_steps on_mismatch",
+    PreemptionNotices: "notices poll_interval_s",
     WandbTracker: "project name save_dir id mode entity group tags checkpoint_dir upload_checkpoints log_provenance",
     ThroughputProgressBar: "refresh_rate window leave log_every_n_steps",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",

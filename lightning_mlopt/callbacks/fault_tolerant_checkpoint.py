@@ -27,14 +27,17 @@ from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
-from lightning_mlopt.process import exit_codes
+from lightning_mlopt.process import exit_codes, launch_report
+from lightning_mlopt.process.grace import SaveBudget, grace_from_environment, safety_margin_s, signal_deadline_within
 from lightning_mlopt.process.phase import phase
 from lightning_mlopt.process.signals import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 from lightning_mlopt.strategies.contract import contract_of
 
 log = logging.getLogger(__name__)
-_VOTE = "checkpoint.vote"  # this callback's flags in the step exchange: signal, timer due, write failed
+# This callback's flags in the step exchange: signal, timer due, write failed, and after a signal: no time for a
+# new save, no time for the save in flight.
+_VOTE = "checkpoint.vote"
 
 
 class FaultTolerantCheckpoint(Checkpoint):
@@ -77,7 +80,13 @@ class FaultTolerantCheckpoint(Checkpoint):
             scheduler sees the job did not finish.
         signal_deadline_s: seconds from a signal to a forced exit with ``exit_code`` when the process cannot
             reach a step boundary (e.g. a rank stuck in a collective, which never runs a Python handler);
-            the previous checkpoint stays the one to resume from. None: wait forever.
+            the previous checkpoint stays the one to resume from. None: wait forever. Moved below the
+            preemption grace when one is known.
+        preemption_grace_s: seconds from a preemption signal to the forced kill. None: what the launcher
+            announced (``launch``: torchrun's shutdown timeout; the sbatch script: ``--signal_seconds``; a
+            Kubernetes manifest: its grace), else unknown. Known, a save starts after a signal only if this
+            run's earlier saves say it ends in time; otherwise the run exits with ``exit_code`` at once,
+            naming the checkpoint a relaunch resumes from (a save in flight is finished if it fits).
         keep_last: keep the newest K checkpoints (>= 1).
         keep_every_n_steps: also keep forever the checkpoints whose step is a multiple of M.
         monitor: a logged metric; the best ``keep_best`` checkpoints by it are kept too.
@@ -115,6 +124,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         signals: list[str] | None = None,
         exit_code: int = exit_codes.REQUEUE,
         signal_deadline_s: float | None = DEFAULT_DEADLINE_S,
+        preemption_grace_s: float | None = None,
         keep_last: int = 3,
         keep_every_n_steps: int | None = None,
         monitor: str | None = None,
@@ -133,6 +143,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             raise ValueError(f"exit_code must be in 1..255 (non-zero, so a scheduler sees it), got {exit_code}")
         if signal_deadline_s is not None and signal_deadline_s <= 0:
             raise ValueError(f"signal_deadline_s must be > 0 or null, got {signal_deadline_s}")
+        if preemption_grace_s is not None and preemption_grace_s <= 0:
+            raise ValueError(f"preemption_grace_s must be > 0 or null, got {preemption_grace_s}")
         signal_names = ["SIGTERM", "SIGUSR1"] if signals is None else list(signals)
         unknown = [name for name in signal_names if not hasattr(signal, name)]
         if unknown:
@@ -147,6 +159,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.signals = signal_names
         self.exit_code = exit_code
         self.signal_deadline_s = signal_deadline_s
+        self.preemption_grace_s = preemption_grace_s
         self.monitor = monitor
         self.async_save = async_save
         self.auto_resume = auto_resume
@@ -200,8 +213,12 @@ class FaultTolerantCheckpoint(Checkpoint):
         store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
         contract = contract_of(trainer.strategy)
         self.saver = CheckpointSaver(store, self.retention, self.async_save, self.monitor, strategy=contract)
-        # Own the signals for the run (flag-only handlers), with Lightning's own kept off them.
-        preemption.own_for_run(trainer, self.signals, self.signal_deadline_s, self.exit_code)
+        # Own the signals for the run (flag-only handlers), with Lightning's own kept off them; the last-resort
+        # deadline sits below the grace when the grace is known.
+        grace = self.preemption_grace_s or grace_from_environment()
+        deadline = signal_deadline_within(self.signal_deadline_s, grace)
+        preemption.own_for_run(trainer, self.signals, deadline, self.exit_code, grace)
+        launch_report.note(checkpoints=str(store.root))
         self.saver.check_writable(trainer)
         if self._votes():  # each batch's exchange carries what this rank saw (read in on_train_batch_end)
             step_exchange(trainer).provide(_VOTE, lambda: self._local_flags(trainer))
@@ -292,13 +309,18 @@ class FaultTolerantCheckpoint(Checkpoint):
         # a save made inside on_train_batch_end exactly (it knows that batch finished), while one made inside
         # on_train_epoch_end restarts the next epoch short.
         epoch_ends = self.save_on_epoch_end and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        signalled, due_by_time = self._agree_at_step_boundary(trainer)
+        signalled, due_by_time, no_time, no_time_in_flight = self._agree_at_step_boundary(trainer)
+        if signalled and no_time:
+            preemption.acknowledge()
+            self._exit_without_saving(trainer, finish_in_flight=not no_time_in_flight)
         if signalled:
             preemption.acknowledge()  # acted on: it must not end the process a second time
             _before_checkpoint(trainer)
             self.save(trainer, reason="signal", wait=True)
             self._tell_loggers(trainer)
             rank_zero_warn(f"Preemption signal: saved step {step}; exiting with status {self.exit_code}.")
+            if trainer.is_global_zero:  # the rank that committed it
+                launch_report.note(resume_from=str(self.last_saved), resume_step=step, redo_steps=0)
             self._exiting = True
             raise SystemExit(self.exit_code)
         if due_by_steps or due_by_time or epoch_ends:
@@ -373,9 +395,45 @@ class FaultTolerantCheckpoint(Checkpoint):
             time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
         )
         flags = [float(preemption.received() is not None), float(due), float(self.saver.failed)]
+        budget = self._save_budget()
+        flags += [float(not budget.new_save_fits), float(not budget.in_flight_fits)]
         return torch.tensor(flags, device=trainer.strategy.root_device)
 
-    def _agree_at_step_boundary(self, trainer: pl.Trainer) -> tuple[bool, bool]:
+    def _save_budget(self) -> SaveBudget:
+        """After a signal: what the time left allows (unknown grace, or no signal: anything)."""
+        assert self.saver is not None  # made at setup
+        left = preemption.seconds_left()
+        if left is not None:
+            left -= safety_margin_s(preemption.grace_s or left)
+        return SaveBudget(left, self.saver.expected_save_seconds(), self.saver.in_flight_seconds_left())
+
+    def _exit_without_saving(self, trainer: pl.Trainer, finish_in_flight: bool) -> None:
+        """A preempted run whose grace has no room for a save: commit the save in flight if it fits, then exit."""
+        assert self.saver is not None and self.store is not None  # made at setup
+        if finish_in_flight:
+            self.saver.wait(trainer)
+        else:
+            self.saver.abandon_in_flight()
+        committed = self.store.committed() if trainer.is_global_zero else []
+        step, path = committed[-1] if committed else (0, None)
+        redo = trainer.global_step - step
+        budget = self._save_budget()
+        resumes = (
+            f"a relaunch resumes from {path} (step {step}; {redo} step(s) redone)"
+            if path
+            else (f"nothing is committed yet: a relaunch starts again ({redo} step(s) redone)")
+        )
+        rank_zero_warn(
+            f"Preemption ({preemption.describe()}): no time to save step {trainer.global_step} (a save takes up "
+            f"to {budget.save_s or 0:.1f} s, {max(budget.seconds_left or 0, 0):.1f} s left before the kill); "
+            f"{resumes}. Exiting with status {self.exit_code}."
+        )
+        if trainer.is_global_zero:
+            launch_report.note(resume_from=str(path) if path else None, resume_step=step, redo_steps=redo)
+        self._exiting = True
+        raise SystemExit(self.exit_code)
+
+    def _agree_at_step_boundary(self, trainer: pl.Trainer) -> tuple[bool, bool, bool, bool]:
         """What any rank saw: a signal, a timer run out, a failed background write.
 
         Summed over the ranks in the batch's one exchange (see distributed/step_exchange.py), which every rank
@@ -383,13 +441,13 @@ class FaultTolerantCheckpoint(Checkpoint):
         failed background write raises on every rank here, at the step boundary after it failed.
         """
         if not self._votes():
-            return False, False
+            return False, False, False, False
         assert self.saver is not None  # made at setup
         total = step_exchange(trainer).read(trainer, _VOTE, trainer.strategy.root_device)
-        signalled, due, write_failed = (value > 0 for value in total)
+        signalled, due, write_failed, no_time, no_time_in_flight = (value > 0 for value in total)
         if write_failed:
             self.saver.wait(trainer)  # collective: every rank raises the same error
-        return signalled, due
+        return signalled, due, no_time, no_time_in_flight
 
     def save(self, trainer: pl.Trainer, reason: str = "manual", final: bool = False, wait: bool = False) -> None:
         """Save now, on every rank (collective), by the commit protocol; ``wait``: return once committed.

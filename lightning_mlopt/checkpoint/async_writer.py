@@ -26,11 +26,18 @@ class AsyncWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_seconds: float | None = None  # how long the last finished write ran
+        self.longest_seconds: float | None = None  # the longest write so far
+        self._started = 0.0
 
     @property
     def busy(self) -> bool:
         """True while a write is in flight."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def running_for(self) -> float:
+        """Seconds the write in flight has been running; 0 when none is."""
+        return time.perf_counter() - self._started if self.busy else 0.0
 
     @property
     def failed(self) -> bool:
@@ -49,9 +56,11 @@ class AsyncWriter:
                 self._error = error
             finally:
                 self.last_seconds = time.perf_counter() - started
+                self.longest_seconds = max(self.longest_seconds or 0.0, self.last_seconds)
 
         # Not a daemon: the interpreter waits for a write in progress rather than cutting it off.
         self._thread = threading.Thread(target=run, name=self._name, daemon=False)
+        self._started = time.perf_counter()
         self._thread.start()
 
     def wait(self) -> None:
@@ -62,6 +71,14 @@ class AsyncWriter:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def abandon(self) -> None:
+        """Stop waiting for the write in flight: it goes on until the process exits, and is never waited for.
+
+        For a preempted process whose grace has no room for it: the write's staging folder is never committed.
+        """
+        self._thread = None
+        self._error = None
 
     def close(self) -> None:
         """Wait for the last write; errors are raised as in ``wait()``."""

@@ -1,3 +1,4 @@
+# long: one commit protocol for every layout (one file, sharded, in the background) and its timings
 """Writing checkpoints: staging, the strategy's write (now or in the background), agreement, commit, retention.
 
 FaultTolerantCheckpoint decides *when* to save; :class:`CheckpointSaver` decides *how*: every save follows one
@@ -92,6 +93,27 @@ class CheckpointSaver:
     def last_background_seconds(self) -> float | None:
         """How long the last finished background write ran."""
         return self._writer.last_seconds
+
+    def expected_save_seconds(self) -> float | None:
+        """How long a complete save of this run may take; None before the first save.
+
+        The longest blocking part plus the longest background write seen so far: an upper bound.
+        """
+        if not self.save_timings:
+            return None
+        blocking = max(timings["checkpoint/blocking_s"] for timings in self.save_timings)
+        return blocking + (self._writer.longest_seconds or 0.0)
+
+    def in_flight_seconds_left(self) -> float:
+        """How long the background write in flight may still take (from the longest one so far); 0 when none is."""
+        if not self._writer.busy:
+            return 0.0
+        longest = self._writer.longest_seconds or self.expected_save_seconds() or 0.0
+        return max(longest - self._writer.running_for, 0.0)
+
+    def abandon_in_flight(self) -> None:
+        """Leave the background write in flight uncommitted: a preempted rank has no time left for it."""
+        self._writer.abandon()
 
     def note_resumed(self, manifest: Manifest) -> None:
         """The run resumes from a checkpoint with this manifest: the next save needs its size free."""

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import NoReturn
 
 from lightning_mlopt._compat import run_exit_handlers
-from lightning_mlopt.process import exit_codes
+from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.startup import startup_guard
 
 
@@ -35,6 +36,8 @@ def exit_after_launcher(code: int | str | None) -> NoReturn:
     launcher kills itself with SIGKILL as soon as it sees a child exit non-zero, which would replace rank
     zero's status (the job's) with 137; so a child exits only after its launcher is gone (30 s at most).
     """
+    status = code if isinstance(code, int) else exit_codes.FAILURE
+    launch_report.write(status=status)
     # Every rank agreed on this exit, so none is in a collective: leave the process group now. A gloo group
     # still alive at interpreter exit aborts the process ("terminate called without an active exception",
     # status -6 instead of ours), as 3 of 50 torture trials showed.
@@ -44,9 +47,20 @@ def exit_after_launcher(code: int | str | None) -> NoReturn:
         parent, deadline = os.getppid(), time.monotonic() + 30
         while os.getppid() == parent and time.monotonic() < deadline:
             time.sleep(0.05)
-    if with_peers:
-        leave_without_destructors(code if isinstance(code, int) else exit_codes.FAILURE)
+    if with_peers or _abandoned_writes():
+        leave_without_destructors(status)
     raise SystemExit(code) from None
+
+
+def _abandoned_writes() -> bool:
+    """A background write is still running: a preempted rank abandoned it (it would not end within the grace).
+
+    The interpreter would wait for it at exit (writer threads are not daemons, so a normal exit never cuts a
+    write off); after an abandon that wait is what the grace has no room for. Its staging folder is never
+    committed, so leaving now loses nothing that was committed.
+    """
+    main = threading.main_thread()
+    return any(t is not main and t.is_alive() and not t.daemon for t in threading.enumerate())
 
 
 def leave_without_destructors(code: int) -> NoReturn:

@@ -61,7 +61,9 @@ class PreemptionSignals:
         self._previous: dict[int, Any] = {}  # signal number -> the handler before ours
         self._received: int | None = None
         self._received_at = 0.0
+        self._notice: str | None = None  # what raised the flag when it was not a signal (a cloud notice)
         self.deadline_s: float | None = DEFAULT_DEADLINE_S
+        self.grace_s: float | None = None  # seconds from a signal to the forced kill, when known
         self.exit_code = REQUEUE_EXIT_CODE
         self._lock = threading.Lock()
         self._pipe: tuple[int, int] | None = None
@@ -75,6 +77,7 @@ class PreemptionSignals:
         names: Iterable[str] = DEFAULT_SIGNALS,
         deadline_s: float | None = DEFAULT_DEADLINE_S,
         exit_code: int = REQUEUE_EXIT_CODE,
+        grace_s: float | None = None,
     ) -> list[int]:
         """Own exactly the signals ``names`` from now on; signals owned before but not named go back to theirs.
 
@@ -85,6 +88,7 @@ class PreemptionSignals:
             names: signal names, e.g. ``["SIGTERM", "SIGUSR1"]``.
             deadline_s: seconds from a signal to a forced exit; None: no deadline.
             exit_code: the status of that forced exit.
+            grace_s: seconds from a signal to the forced kill (``process/grace.py``); None: unknown.
 
         Returns:
             The signal numbers now owned (empty outside the main thread, where handlers cannot be set).
@@ -95,6 +99,7 @@ class PreemptionSignals:
         wanted = {int(getattr(signal, name)) for name in names}
         self.deadline_s = deadline_s
         self.exit_code = exit_code
+        self.grace_s = grace_s
         for number in [n for n in self._previous if n not in wanted]:
             self._give_back(number)
         for number in sorted(wanted - set(self._previous)):
@@ -104,7 +109,9 @@ class PreemptionSignals:
             self._start_watcher()
         return sorted(self._previous)
 
-    def own_for_run(self, trainer: Any, names: Iterable[str], deadline_s: float | None, exit_code: int) -> list[int]:
+    def own_for_run(
+        self, trainer: Any, names: Iterable[str], deadline_s: float | None, exit_code: int, grace_s: float | None
+    ) -> list[int]:
         """:meth:`install` ``names`` for a Trainer's run, and keep Lightning's own handlers off them.
 
         Lightning registers its SIGTERM (and, under SLURM, SIGUSR1) handlers in ``Trainer._run`` after the
@@ -116,13 +123,43 @@ class PreemptionSignals:
             return []
         from lightning_mlopt._compat import keep_lightning_off_signals
 
-        owned = self.install(names, deadline_s=deadline_s, exit_code=exit_code)
+        owned = self.install(names, deadline_s=deadline_s, exit_code=exit_code, grace_s=grace_s)
         keep_lightning_off_signals(trainer, owned)
         return owned
 
     def received(self) -> int | None:
         """The first owned signal this process received, or None."""
         return self._received
+
+    def describe(self) -> str:
+        """What raised the flag, for messages: ``SIGTERM``, or the notice (``an AWS spot notice``)."""
+        if self._notice is not None:
+            return self._notice
+        return signal.Signals(self._received).name if self._received else "no signal"
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the forced kill after the flag was raised; None with no flag or no known grace."""
+        if self._received is None or self.grace_s is None:
+            return None
+        return self._received_at + self.grace_s - time.monotonic()
+
+    def notify(self, description: str, seconds_left: float) -> None:
+        """Raise the flag as a SIGTERM would, for a preemption that is not a signal (a cloud's spot notice).
+
+        Safe from any thread. The notice's deadline becomes the grace when it is the shorter; the last-resort
+        deadline moves below it. Never delivered again at ``release`` (no signal came).
+        """
+        with self._lock:
+            if self._received is not None:
+                return
+            self._received, self._received_at = int(signal.SIGTERM), time.monotonic()
+            self._notice = description
+            self.grace_s = seconds_left if self.grace_s is None else min(self.grace_s, seconds_left)
+            if self.deadline_s is not None:
+                self.deadline_s = min(self.deadline_s, max(0.5 * seconds_left, seconds_left - 5.0))
+        if self._pipe is not None:  # wake the watcher: its deadline starts now
+            with contextlib.suppress(OSError):
+                os.write(self._pipe[1], b"\0")
 
     def owned(self) -> list[int]:
         """The signal numbers whose handler is ours."""
@@ -140,6 +177,7 @@ class PreemptionSignals:
             self._give_back(number)
         self._stop_watcher()
         self._received = None
+        self._notice = None
 
     def acknowledge(self) -> None:
         """The signal was acted on (saved, exiting): release() must not deliver it again."""
@@ -230,7 +268,7 @@ class PreemptionSignals:
         """The process did not stop in time after a signal: say where it is stuck, then exit."""
         from lightning_mlopt.process import phase  # stdlib-only module
 
-        name = signal.Signals(self._received).name if self._received else "a signal"
+        name = self.describe()
         step_phase, step, in_phase = phase.current()
         stack = phase.main_thread_stack()
         sys.stderr.write(

@@ -22,6 +22,7 @@ from lightning_mlopt._bad_input import config_paths
 from lightning_mlopt.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.process import exit_codes
+from lightning_mlopt.process.grace import GRACE_ENV, GRACE_SOURCE_ENV
 from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments, without_options
 
@@ -166,6 +167,8 @@ def sbatch_script(
         *[f"trap 'forward {name}' {name}" for name in ("TERM", "USR1", "USR2", "INT")],
         f"cd {shlex.quote(str((workdir or Path.cwd()).resolve()))}",
         "export PYTHONUNBUFFERED=1",
+        "# The time from SIGUSR1 to the time limit: a signal save that would not end before it is not started.",
+        f"export {GRACE_ENV}={job.signal_seconds} {GRACE_SOURCE_ENV}=sbatch",
         f'if [ "${{SLURM_NTASKS:-{job.tasks}}}" != "{job.tasks}" ]; then',
         f'  echo "error: SLURM allocated $SLURM_NTASKS tasks but the run needs {job.nodes} x {job.gpus_per_node} = '
         f'{job.tasks} (one per device); resubmit with matching --nodes/--ntasks-per-node" >&2',

@@ -441,3 +441,37 @@ def test_resuming_a_ddp_run_under_zero2_is_refused_in_one_line_and_writes_nothin
     assert errors and "written by DDPStrategy: one file) with DeepSpeedStrategy (ZeRO partitions)" in errors[0]
     assert "from DDP to FSDP" in errors[0] and "Traceback" not in switched.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def _signalled_quickstart(tmp_path: Path, grace_s: float, save_s: float) -> tuple[int, str]:
+    """Saves that take ``save_s`` every 2 steps, a SIGTERM at step 5, ``grace_s`` from the signal to a kill."""
+    with pytest.raises(SystemExit) as stopped, pytest.warns(UserWarning) as warned:
+        _quickstart(
+            tmp_path,
+            f"--checkpoint.preemption_grace_s={grace_s}",
+            "--trainer.callbacks+=tests.helpers.SlowSaves",
+            f"--trainer.callbacks.seconds={save_s}",
+            "--trainer.callbacks+=tests.helpers.SignalAtStep",
+            "--trainer.callbacks.step=5",
+        )
+    return stopped.value.code, "\n".join(str(warning.message) for warning in warned)
+
+
+def test_a_grace_too_short_for_a_save_exits_75_at_once_naming_the_checkpoint_to_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    code, err = _signalled_quickstart(tmp_path, grace_s=2.5, save_s=2.0)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert code == 75, err[-2000:]
+    # Saves take >= 2 s and the grace leaves 1.5 s: no save is started; steps 2 and 4 stay, 4 is resumed from.
+    assert [step for step, _ in CheckpointStore(checkpoints).committed()] == [2, 4]
+    assert "no time to save step 5" in err and "step-000000004 (step 4; 1 step(s) redone)" in err
+    assert time.monotonic() - started < 60
+
+
+def test_a_grace_that_fits_the_save_saves_the_signalled_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = _signalled_quickstart(tmp_path, grace_s=20.0, save_s=0.5)
+    assert code == 75, err[-2000:]
+    newest = CheckpointStore(tmp_path / "run" / "checkpoints").newest_valid()
+    assert newest is not None and newest.step == 5 and newest.manifest.reason == "signal"

@@ -1,0 +1,98 @@
+"""How long a preempted process has: the time from the scheduler's signal to its forced kill.
+
+Each scheduler allows a fixed time and then kills: torchrun SIGKILLs its workers ``--shutdown-timeout`` seconds
+(30 by default) after forwarding a SIGTERM; Kubernetes kills a pod ``terminationGracePeriodSeconds`` (30 by
+default) after its SIGTERM; SLURM ends the job at its time limit, ``--signal`` seconds after the SIGUSR1; a spot
+VM goes at the time its notice named. Whoever knows the figure passes it down in one environment variable,
+:data:`GRACE_ENV` (``launch`` from torchrun's shutdown timeout, the sbatch script from ``--signal_seconds``, a
+Kubernetes manifest through ``launch``), and ``checkpoint.preemption_grace_s`` overrides it.
+
+A save that would not end before the kill is worse than none: it costs the rest of the grace and commits
+nothing. Knowing the grace, a rank saves only when this run's earlier saves say it fits
+(:class:`SaveBudget`), and its last-resort deadline (:mod:`lightning_mlopt.process.signals`) sits below it.
+
+Standard library only.
+
+Example::
+
+    >>> grace_from_environment({"LIGHTNING_MLOPT_PREEMPTION_GRACE_S": "30"})
+    30.0
+    >>> signal_deadline_within(120.0, grace_s=30.0)
+    27.0
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+GRACE_ENV = "LIGHTNING_MLOPT_PREEMPTION_GRACE_S"
+"""Seconds from a preemption signal to the forced kill, set by whoever launches the ranks and knows it."""
+
+GRACE_SOURCE_ENV = "LIGHTNING_MLOPT_PREEMPTION_GRACE_FROM"
+"""Who set :data:`GRACE_ENV` (``launch``, ``sbatch``, ...), for the messages that quote the grace."""
+
+
+def grace_from_environment(env: Mapping[str, str] | None = None) -> float | None:
+    """The grace :data:`GRACE_ENV` announces, or None when nobody said (or said something unusable)."""
+    value = (os.environ if env is None else env).get(GRACE_ENV, "")
+    try:
+        grace = float(value)
+    except ValueError:
+        return None
+    return grace if grace > 0 else None
+
+
+def safety_margin_s(grace_s: float) -> float:
+    """What is kept back from a grace for leaving: flushing logs, exiting, the launcher's own wait (10 %, >= 1 s)."""
+    return max(1.0, 0.1 * grace_s)
+
+
+def signal_deadline_within(deadline_s: float | None, grace_s: float | None) -> float | None:
+    """The last-resort deadline after a signal, moved below the grace when the grace is known.
+
+    A process that cannot reach a step boundary (a rank stuck in a collective) exits with the requeue status at
+    this deadline; past the grace it would be killed instead, and the scheduler would see a kill, not a
+    preemption.
+    """
+    if grace_s is None:
+        return deadline_s
+    within = max(grace_s - safety_margin_s(grace_s), 0.5 * grace_s)
+    return within if deadline_s is None else min(deadline_s, within)
+
+
+@dataclass(frozen=True)
+class SaveBudget:
+    """Whether a save fits in the time a preemption left, from how long this run's earlier saves took.
+
+    Args:
+        seconds_left: time until the forced kill, less the safety margin; None: unknown (always save).
+        save_s: the expected time of one complete save (the longest this run has seen); None: no save yet.
+        in_flight_s: the expected time until a background save in flight commits; 0 when none is.
+
+    Example::
+
+        >>> budget = SaveBudget(seconds_left=10.0, save_s=4.0, in_flight_s=3.0)
+        >>> budget.new_save_fits, budget.in_flight_fits
+        (True, True)
+        >>> SaveBudget(seconds_left=5.0, save_s=4.0, in_flight_s=3.0).new_save_fits
+        False
+
+    """
+
+    seconds_left: float | None
+    save_s: float | None
+    in_flight_s: float = 0.0
+
+    @property
+    def in_flight_fits(self) -> bool:
+        """The background save in flight can commit before the kill."""
+        return self.seconds_left is None or self.in_flight_s <= self.seconds_left
+
+    @property
+    def new_save_fits(self) -> bool:
+        """After the save in flight, a new one can commit before the kill (unknown cost: try it)."""
+        if self.seconds_left is None or self.save_s is None:
+            return self.in_flight_fits
+        return self.in_flight_s + self.save_s <= self.seconds_left
