@@ -23,6 +23,7 @@ TOOLS = {
     "sweep": ("lightning_mlopt.tools.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
     "slurm": ("lightning_mlopt.tools.slurm", "write an sbatch script that requeues and resumes the run"),
     "launch": ("lightning_mlopt.tools.launch", "torchrun with preemption done right: exit 75, within the grace"),
+    "k8s": ("lightning_mlopt.tools.k8s", "write a Kubernetes JobSet/TrainJob/PyTorchJob that resumes after preemption"),
     "profile": (
         "lightning_mlopt.tools.profile",
         "why is my run slow: step time per rank, input ceiling, MFU, scaling",

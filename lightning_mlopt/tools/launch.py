@@ -194,7 +194,7 @@ def _run(options: argparse.Namespace, signals: _Signals, reports: str) -> int:
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # -9 -> 137, as a shell says
-        return _say(code, f"worker rank {rank} exited with status {code} (its output is above)")
+        return _say(code, f"worker rank {rank} exited with status {code}; its output is above")
     except Exception as error:  # rendezvous timeouts, a bad endpoint: torchrun's own errors
         return _say(exit_codes.FAILURE, f"{type(error).__name__}: {error}")
     finally:
@@ -211,7 +211,7 @@ def _after_signal(options: argparse.Namespace, signum: int, reports: dict[int, d
         return _say(exit_codes.SUCCESS, f"{name} came as the run finished; it finished")
     failed = [status for status in statuses if status not in (None, exit_codes.SUCCESS, exit_codes.REQUEUE)]
     if failed:
-        return _say(failed[0], f"{name}, and a worker then failed with status {failed[0]} (its output is above)")
+        return _say(failed[0], f"{name}, and a worker then failed with status {failed[0]}; its output is above")
     first = reports[min(reports)] if reports else {}  # this node's lowest rank (rank 0 on the first node)
     resume = first.get("resume_from")
     if resume:

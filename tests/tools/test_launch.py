@@ -1,0 +1,67 @@
+"""``python -m lightning_mlopt launch``: the statuses a scheduler acts on, and never a traceback. The preemption
+path (SIGTERM to the launcher alone: one line, exit 75, a relaunch bitwise equal) runs in tests/tools/test_k8s.py
+as the manifest's PID 1, and in the torture script's ``sigterm-launcher`` fault for every strategy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_mlopt.process.launch_report import REPORTS_ENV, note, read_reports, write
+from lightning_mlopt.tools.launch import _torchrun_arguments
+from tests.conftest import CONFIGS, REPO
+
+
+def _launch(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    command = [sys.executable, "-m", "lightning_mlopt", "launch", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_torchrun_options_pass_through_with_our_signals_and_grace():
+    options = _torchrun_arguments(["--nnodes=2", "--nproc-per-node=8", "--shutdown-timeout=45", "fit", "-c", "x.yaml"])
+    assert options.nnodes == "2" and options.nproc_per_node == "8"
+    assert options.module and options.training_script == "lightning_mlopt"
+    assert options.training_script_args == ["fit", "-c", "x.yaml"]
+    assert {"SIGTERM", "SIGUSR1", "SIGINT"} <= set(options.signals_to_handle.split(","))
+    assert options.shutdown_timeout == 45 and options.preempted_exit_code == 75
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--nproc-per-node=1", "checkpoint", "list"], "launch runs a Trainer subcommand"),
+        (["-m", "fit"], "drop -m/--module"),
+        (["--preempted-exit-code=0", "fit"], "--preempted-exit-code must be in 1..255"),
+        (["--preemption-notices=azure", "fit"], "unknown provider(s) ['azure']"),
+    ],
+)
+def test_bad_launcher_arguments_exit_2_in_one_line(tmp_path, args, says):
+    done = _launch(tmp_path, *args)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_worker_failure_is_the_launchers_status_in_one_line(tmp_path):
+    done = _launch(tmp_path, "--nproc-per-node=1", "fit", "--config", str(CONFIGS / "missing.yaml"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    launcher = [line for line in done.stderr.splitlines() if line.startswith("launch:")]
+    assert launcher == ["launch: worker rank 0 exited with status 2; its output is above (exit 2)."]
+    assert "config file not found" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ranks_report_to_the_launcher_only_under_launch(tmp_path, monkeypatch):
+    monkeypatch.delenv(REPORTS_ENV, raising=False)
+    note(checkpoints="nowhere")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv(REPORTS_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    note(checkpoints="runs/a/checkpoints")
+    assert read_reports(tmp_path)[3] == {"rank": 3, "checkpoints": "runs/a/checkpoints"}
+    write(status=75)
+    assert read_reports(tmp_path)[3]["status"] == 75
