@@ -15,6 +15,15 @@ own process group and delivers one fault:
   and "No space left on device" named.
 - ``corrupt``: the newest checkpoint's largest file is truncated after an interrupted run: the relaunch warns,
   resumes from the previous one and ends bitwise equal.
+- ``sigterm-launcher``: the job started by ``launch`` (torchrun in-process), SIGTERM to the launcher alone (what
+  the kubelet sends a container's PID 1) at a random instant after the first checkpoint: exit 75 within 30 s,
+  one ``launch:`` line and no traceback, a checkpoint saved by the signal, then a relaunch bitwise equal.
+- ``grace``: every save takes longer than the grace (``checkpoint.preemption_grace_s``): SIGTERM to every
+  process, exit 75 within the grace without starting a save, the previous checkpoint intact and resumed from,
+  bitwise equal.
+- ``notice``: an AWS spot notice (IMDSv2) posted by a fake metadata server on loopback, polled by the run
+  (``preemption.notices: [aws]``): exit 75 before the notice's deadline with a checkpoint, then a relaunch
+  bitwise equal.
 
 A trial the harness has to end by its own timeout is a hang and fails, whatever else happened.
 
@@ -40,9 +49,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # metadata_server.py
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
-FAULTS = ("kill", "sigterm", "sigusr1", "unwritable", "full", "corrupt")
+FAULTS = ("kill", "sigterm", "sigusr1", "unwritable", "full", "corrupt", "sigterm-launcher", "grace", "notice")
+NEEDS_REFERENCE = {"kill", "sigterm", "sigusr1", "corrupt", "sigterm-launcher", "grace", "notice"}
+GRACE_S, SAVE_S = 4.0, 3.5  # the `grace` fault: each save takes 3.5 s more; the grace leaves 3 s after its margin
+NOTICE_S = 20.0  # the `notice` fault: the spot notice's deadline
 HARNESS_TIMEOUT_S = 300  # a run still going after this is a hang
 MAX_STEPS = 12
 
@@ -70,12 +83,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def command(run_dir: Path, strategy: str, *extra: str) -> list[str]:
-    """The job: GPT demo, 2 CPU processes, dropout (the RNG state matters), a checkpoint every 2 steps."""
+def command(run_dir: Path, strategy: str, *extra: str, launcher: list[str] | None = None) -> list[str]:
+    """The job: GPT demo, 2 CPU processes, dropout (the RNG state matters), a checkpoint every 2 steps.
+
+    ``launcher``: e.g. ``["launch", "--nproc-per-node=2"]`` to start it with ``launch`` instead of Lightning.
+    """
     return [
         sys.executable,
         "-m",
         "lightning_mlopt",
+        *(launcher or []),
         "fit",
         "--config",
         str(REPO / "configs" / "gpt.yaml"),
@@ -102,11 +119,16 @@ def command(run_dir: Path, strategy: str, *extra: str) -> list[str]:
     ]
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
+def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a job in its own process group (a fault reaches every process of it, as on a cluster)."""
     handle = log.open("w")
     return subprocess.Popen(
-        cmd, cwd=log.parent, env=_env(), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        cwd=log.parent,
+        env={**_env(), **(env or {})},
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -121,8 +143,8 @@ def finish(process: subprocess.Popen, timeout: float = HARNESS_TIMEOUT_S) -> int
         raise Hang(f"still running after {timeout:.0f} s") from None
 
 
-def run(cmd: list[str], log: Path, timeout: float = HARNESS_TIMEOUT_S) -> int:
-    return finish(start(cmd, log), timeout)
+def run(cmd: list[str], log: Path, timeout: float = HARNESS_TIMEOUT_S, env: dict[str, str] | None = None) -> int:
+    return finish(start(cmd, log, env), timeout)
 
 
 def reap(process: subprocess.Popen) -> None:
@@ -182,9 +204,11 @@ def trial_kill(strategy: str, work: Path, rng: random.Random, reference: dict, d
     return equal(run_dir, reference)
 
 
-def trial_signal(strategy: str, work: Path, rng: random.Random, reference: dict, signum: int) -> str | None:
+def trial_signal(
+    strategy: str, work: Path, rng: random.Random, reference: dict, signum: int, launcher_only: bool = False
+) -> str | None:
     run_dir = work / "run"
-    cmd = command(run_dir, strategy)
+    cmd = command(run_dir, strategy, launcher=["launch", "--nproc-per-node=2"] if launcher_only else None)
     process = start(cmd, work / "signalled.log")
     if not wait_for(lambda: has_checkpoint(run_dir), process):
         reap(process)
@@ -193,8 +217,15 @@ def trial_signal(strategy: str, work: Path, rng: random.Random, reference: dict,
     if process.poll() is not None:
         return "the job finished before the signal (trial too short)"
     started = time.monotonic()
-    os.killpg(process.pid, signum)
+    if launcher_only:
+        os.kill(process.pid, signum)  # the launcher alone, as the kubelet signals a container's PID 1
+    else:
+        os.killpg(process.pid, signum)
     status = finish(process)
+    if launcher_only:
+        problem = _launcher_output_problem(work / "signalled.log")
+        if problem:
+            return problem
     seconds = time.monotonic() - started
     if status == 0 and (run_dir / "record" / "params.pt").is_file():
         # The signal came after the last step boundary: the run finished normally, as it should.
@@ -213,6 +244,86 @@ def trial_signal(strategy: str, work: Path, rng: random.Random, reference: dict,
         return f"no checkpoint at the signalled step {reached} (newest: {entry.step if entry else None})"
     if run(cmd, work / "relaunch.log") != 0:
         return "relaunch failed: " + _last_error(work / "relaunch.log")
+    return equal(run_dir, reference)
+
+
+def _launcher_output_problem(log: Path) -> str | None:
+    """``launch`` says what happened in one line, and no traceback reaches the output."""
+    text = log.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.startswith("launch:")]
+    if "Traceback" in text or "SignalException" in text:
+        return "a traceback in the output: " + _last_error(log)
+    if len(lines) != 1:
+        return f"{len(lines)} launch: lines, not 1"
+    return None
+
+
+def trial_grace(strategy: str, work: Path, rng: random.Random, reference: dict) -> str | None:
+    """Saves slower than the grace: the signal ends the run at once, without a save it could not finish."""
+    run_dir = work / "run"
+    slow = ["--trainer.callbacks+=tests.helpers.SlowSaves", f"--trainer.callbacks.seconds={SAVE_S}"]
+    cmd = command(run_dir, strategy, f"--checkpoint.preemption_grace_s={GRACE_S}", *slow)
+    process = start(cmd, work / "signalled.log")
+    if not wait_for(lambda: has_checkpoint(run_dir), process):
+        reap(process)
+        return "the job ended before its first checkpoint: " + _last_error(work / "signalled.log")
+    time.sleep(rng.uniform(0.0, 2.0))
+    if process.poll() is not None:
+        return "the job finished before the signal (trial too short)"
+    from lightning_mlopt.checkpoint import CheckpointStore
+
+    before = [step for step, _ in CheckpointStore(run_dir / "checkpoints").committed()]
+    started = time.monotonic()
+    os.killpg(process.pid, signal.SIGTERM)
+    status = finish(process)
+    seconds = time.monotonic() - started
+    if status != 75:
+        return f"exit {status}, not 75: " + _last_error(work / "signalled.log")
+    if seconds > GRACE_S + 1.0:  # the exit itself may take a moment past the decision
+        return f"exit 75 after {seconds:.1f} s, past the {GRACE_S:.0f} s grace"
+    store = CheckpointStore(run_dir / "checkpoints")
+    entry = store.newest_valid()
+    if entry is None or entry.manifest.reason == "signal":
+        return f"a save was started within a grace it could not fit in (newest: {entry and entry.manifest.reason})"
+    if before and entry.step < before[-1]:
+        return f"the previous checkpoint (step {before[-1]}) was lost; newest valid is {entry.step}"
+    if run(cmd, work / "relaunch.log") != 0:
+        return "relaunch failed: " + _last_error(work / "relaunch.log")
+    return equal(run_dir, reference)
+
+
+def trial_notice(strategy: str, work: Path, rng: random.Random, reference: dict) -> str | None:
+    """An AWS spot notice from a metadata server on loopback stops the run like a SIGTERM, before its deadline."""
+    from metadata_server import FakeMetadataServer
+
+    run_dir = work / "run"
+    with FakeMetadataServer() as server:
+        notices = ["--preemption.notices=[aws]", "--preemption.poll_interval_s=0.2"]
+        cmd = command(run_dir, strategy, *notices)
+        env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": server.url}
+        process = start(cmd, work / "noticed.log", env)
+        if not wait_for(lambda: has_checkpoint(run_dir), process):
+            reap(process)
+            return "the job ended before its first checkpoint: " + _last_error(work / "noticed.log")
+        time.sleep(rng.uniform(0.0, 1.5))
+        if process.poll() is not None:
+            return "the job finished before the notice (trial too short)"
+        started = time.monotonic()
+        server.post_aws_notice(seconds_from_now=NOTICE_S)
+        status = finish(process)
+        seconds = time.monotonic() - started
+        server.clear()  # the relaunch runs on a VM with no notice
+        if status != 75:
+            return f"exit {status}, not 75: " + _last_error(work / "noticed.log")
+        if seconds > NOTICE_S:
+            return f"exit 75 after {seconds:.0f} s, past the notice's {NOTICE_S:.0f} s"
+        from lightning_mlopt.checkpoint import CheckpointStore
+
+        entry = CheckpointStore(run_dir / "checkpoints").newest_valid()
+        if entry is None or entry.manifest.reason != "signal":
+            return f"no checkpoint saved for the notice (newest: {entry.step if entry else None})"
+        if run(cmd, work / "relaunch.log", env=env) != 0:
+            return "relaunch failed: " + _last_error(work / "relaunch.log")
     return equal(run_dir, reference)
 
 
@@ -328,7 +439,7 @@ def torture(
     cells = {(fault, strategy): Cell() for fault in faults for strategy in strategies}
     mountable = can_mount()
     for strategy in strategies:
-        needs_reference = {"kill", "sigterm", "sigusr1", "corrupt"} & set(faults)
+        needs_reference = NEEDS_REFERENCE & set(faults)
         reference, duration = reference_run(strategy, work) if needs_reference else ({}, 0.0)
         for fault in faults:
             cell = cells[(fault, strategy)]
@@ -361,6 +472,12 @@ def _one(fault, strategy, folder, rng, reference, duration, mounts) -> str | Non
         return trial_kill(strategy, folder, rng, reference, duration)
     if fault in ("sigterm", "sigusr1"):
         return trial_signal(strategy, folder, rng, reference, signal.SIGTERM if fault == "sigterm" else signal.SIGUSR1)
+    if fault == "sigterm-launcher":
+        return trial_signal(strategy, folder, rng, reference, signal.SIGTERM, launcher_only=True)
+    if fault == "grace":
+        return trial_grace(strategy, folder, rng, reference)
+    if fault == "notice":
+        return trial_notice(strategy, folder, rng, reference)
     if fault == "unwritable":
         return trial_unwritable(strategy, folder, rng, mounts)
     if fault == "full":
