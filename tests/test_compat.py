@@ -245,3 +245,21 @@ def test_wandb_logger_reaches(tmp_path):
     assert _compat.wandb_requested_id(logger) == "abc123"
     assert _compat.wandb_init_kwargs(logger)["id"] == "abc123"
     assert _compat.wandb_run_if_started(logger) is None  # nothing started until .experiment
+
+
+def test_route_torchrun_signals_tells_us_first_then_torchrun_raises():
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from lightning_mlopt._compat import route_torchrun_signals
+
+    original = api._terminate_process_handler
+    seen: list[int] = []
+    try:
+        route_torchrun_signals(seen.append)
+        route_torchrun_signals(seen.append)  # twice: still one layer over torchrun's own
+        with pytest.raises(SignalException) as raised:
+            api._terminate_process_handler(signal.SIGTERM, None)
+        assert seen == [signal.SIGTERM] and raised.value.sigval == signal.SIGTERM
+    finally:
+        api._terminate_process_handler = original
