@@ -503,3 +503,24 @@ class SignalAtStep(pl.Callback):
 
         if trainer.global_step == self.step:
             os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+class SlowWrite(pl.Callback):
+    """The checkpoint write of ``step`` takes ``seconds`` longer (a slow disk), in the background writer too."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step = step
+        self.seconds = seconds
+
+    @override
+    def setup(self, trainer, pl_module, stage) -> None:  # type: ignore[override]
+        from lightning_mlopt.checkpoint import saver
+
+        original, name = saver.save_file, f"step-{self.step:09d}"
+
+        def slow(state: Any, path: Any) -> Any:
+            if name in str(path):
+                time.sleep(self.seconds)
+            return original(state, path)
+
+        saver.save_file = slow

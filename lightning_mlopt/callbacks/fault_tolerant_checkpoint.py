@@ -410,8 +410,8 @@ class FaultTolerantCheckpoint(Checkpoint):
     def _exit_without_saving(self, trainer: pl.Trainer, finish_in_flight: bool) -> None:
         """A preempted run whose grace has no room for a save: commit the save in flight if it fits, then exit."""
         assert self.saver is not None and self.store is not None  # made at setup
-        if finish_in_flight:
-            self.saver.wait(trainer)
+        if finish_in_flight:  # it fits by the estimate; if it runs late anyway, it is abandoned at the limit
+            self.saver.finish_in_flight_within(trainer, self._save_budget().seconds_left)
         else:
             self.saver.abandon_in_flight()
         committed = self.store.committed() if trainer.is_global_zero else []

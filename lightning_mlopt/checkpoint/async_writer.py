@@ -72,6 +72,12 @@ class AsyncWriter:
             error, self._error = self._error, None
             raise error
 
+    def join(self, timeout: float | None) -> bool:
+        """Wait at most ``timeout`` seconds (None: no limit) for the write in flight; whether it ended (no raise)."""
+        if self._thread is not None:
+            self._thread.join(None if timeout is None else max(timeout, 0.0))
+        return not self.busy
+
     def abandon(self) -> None:
         """Stop waiting for the write in flight: it goes on until the process exits, and is never waited for.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ class CheckpointSaver:
         self._last_total_bytes = 0  # size of the newest committed checkpoint: the free space the next one needs
         self._last_commit_time: float | None = None  # UNIX time of the newest committed checkpoint (rank zero)
         self._committed: list[tuple[Path, Manifest]] = []
+        self._abandoned = threading.Event()  # set when a preempted rank gives up the write in flight
 
     @property
     def failed(self) -> bool:
@@ -105,14 +107,38 @@ class CheckpointSaver:
         return blocking + (self._writer.longest_seconds or 0.0)
 
     def in_flight_seconds_left(self) -> float:
-        """How long the background write in flight may still take (from the longest one so far); 0 when none is."""
+        """How long the background write in flight may still take; 0 when none is.
+
+        From the longest write so far; one already running longer than that is assumed to need as long again.
+        """
         if not self._writer.busy:
             return 0.0
+        running = self._writer.running_for
         longest = self._writer.longest_seconds or self.expected_save_seconds() or 0.0
-        return max(longest - self._writer.running_for, 0.0)
+        return longest - running if running < longest else running
+
+    def finish_in_flight_within(self, trainer: pl.Trainer, seconds: float | None) -> bool:
+        """Collective: let the background write in flight commit if every rank's ends within ``seconds``.
+
+        ``seconds`` None (a rank that does not know the grace): as long as the write takes.
+
+        Returns whether it did; otherwise it is abandoned on every rank (never committed), so the checkpoint a
+        relaunch resumes from is the newest one committed before it. A failed write raises, as in ``wait``.
+        """
+        finished = self._writer.join(seconds)
+        if first_problem(trainer, None if finished else "the write in flight did not end in time") is None:
+            self.wait(trainer)
+            return True
+        self.abandon_in_flight()
+        return False
 
     def abandon_in_flight(self) -> None:
-        """Leave the background write in flight uncommitted: a preempted rank has no time left for it."""
+        """Leave the background write in flight uncommitted: a preempted rank has no time left for it.
+
+        The write may still finish before the process exits; it is then discarded, never committed, so the
+        checkpoint a relaunch resumes from is the one the exit message named.
+        """
+        self._abandoned.set()
         self._writer.abandon()
 
     def note_resumed(self, manifest: Manifest) -> None:
@@ -270,6 +296,9 @@ class CheckpointSaver:
         def write() -> None:
             try:
                 entry = save_file(staged, staging / STATE_NAME)
+                if self._abandoned.is_set():  # a preempted rank gave up on it: never commit after that
+                    store.discard(staging)
+                    return
                 self._commit_prepared(staging, manifest, self._known_entries(trainer, entry))
             except BaseException:
                 store.discard(staging)
@@ -315,7 +344,9 @@ class CheckpointSaver:
                 if rank == 0:
                     store.discard(staging)
                 raise CheckpointWriteError(problem)
-            if rank == 0:
+            if rank == 0 and self._abandoned.is_set():  # a preempted rank gave up on it: never commit after that
+                store.discard(staging)
+            elif rank == 0:
                 for entries in everyones:
                     known.update(entries)
                 self._commit_prepared(staging, manifest, known)

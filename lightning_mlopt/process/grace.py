@@ -18,7 +18,7 @@ Example::
     >>> grace_from_environment({"LIGHTNING_MLOPT_PREEMPTION_GRACE_S": "30"})
     30.0
     >>> signal_deadline_within(120.0, grace_s=30.0)
-    27.0
+    28.5
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ def signal_deadline_within(deadline_s: float | None, grace_s: float | None) -> f
 
     A process that cannot reach a step boundary (a rank stuck in a collective) exits with the requeue status at
     this deadline; past the grace it would be killed instead, and the scheduler would see a kill, not a
-    preemption.
+    preemption. It keeps half the safety margin: the step boundary's own decisions (:class:`SaveBudget`) keep
+    all of it, so they come first.
     """
     if grace_s is None:
         return deadline_s
-    within = max(grace_s - safety_margin_s(grace_s), 0.5 * grace_s)
+    within = max(grace_s - 0.5 * safety_margin_s(grace_s), 0.5 * grace_s)
     return within if deadline_s is None else min(deadline_s, within)
 
 

@@ -475,3 +475,27 @@ def test_a_grace_that_fits_the_save_saves_the_signalled_step(tmp_path, monkeypat
     assert code == 75, err[-2000:]
     newest = CheckpointStore(tmp_path / "run" / "checkpoints").newest_valid()
     assert newest is not None and newest.step == 5 and newest.manifest.reason == "signal"
+
+
+def test_a_background_save_that_cannot_finish_in_the_grace_is_abandoned_and_never_committed(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_mlopt",
+        "fit",
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        f"--run_dir={tmp_path / 'run'}",
+        *QUICK,
+        "--checkpoint.async_save=true",
+        "--checkpoint.preemption_grace_s=2.5",  # 1.5 s left after the margin: the write in flight needs 3 s
+        "--trainer.callbacks+=tests.helpers.SlowWrite",
+        "--trainer.callbacks.step=4",
+        "--trainer.callbacks.seconds=3",
+        "--trainer.callbacks+=tests.helpers.SignalAtStep",
+        "--trainer.callbacks.step=5",
+    ]
+    done = _run(command, tmp_path, timeout=120)
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert [step for step, _ in CheckpointStore(tmp_path / "run" / "checkpoints").committed()] == [2]
+    assert "step-000000002 (step 2; 3 step(s) redone)" in done.stderr, done.stderr[-3000:]
