@@ -32,7 +32,9 @@ def _run(tmp_path, subcommand: str, strategy: str, *extra: str):  # type: ignore
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+# One strategy per checkpoint layout (one file, DCP shards, ZeRO partitions): ZeRO-1 and -2 write the same
+# partitioned layout as ZeRO-3 through the same code, and the suite's time budget is spent where paths differ.
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_evaluate_from_a_step_folder_and_a_checkpoints_folder(tmp_path, strategy):
     trained = _run(tmp_path, "fit", strategy, "--trainer.max_steps=2", "--trainer.num_sanity_val_steps=0")
     assert trained.returncode == 0, failure_report(trained)

@@ -15,7 +15,9 @@ from tests.strategy_runs import train
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+# One strategy per checkpoint layout (one file, DCP shards, ZeRO partitions): ZeRO-1 and -2 write the same
+# partitioned layout as ZeRO-3 through the same code, and the suite's time budget is spent where paths differ.
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_consolidate_and_export_any_checkpoint(tmp_path, strategy):
     _, expected = train(tmp_path, strategy, strategy, steps=2)
     checkpoints = tmp_path / "runs" / strategy / "checkpoints"
