@@ -45,8 +45,6 @@ PROG = "python -m lightning_mlopt launch"
 FORWARDED = ("SIGTERM", "SIGUSR1", "SIGINT")  # a scheduler's preemption signals, and Ctrl-C
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30  # torchrun's own default: SIGKILL 30 s after forwarding the signal
 
-log = logging.getLogger(__name__)
-
 
 class _Signals:
     """The signals that reach the launcher before torchrun's agent owns them: recorded, then acted on."""
@@ -58,6 +56,9 @@ class _Signals:
         self.received = self.received or signum
 
     def own(self) -> None:
+        """Record the forwarded signals from now on (main thread only, where handlers can be set)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for name in FORWARDED:
             signal.signal(getattr(signal, name), self.record)
 
@@ -79,6 +80,8 @@ class _Signals:
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
         route_torchrun_signals(note)
+        if threading.current_thread() is not threading.main_thread():
+            return
         for name in FORWARDED:
             signal.signal(getattr(signal, name), stop)
 
@@ -159,8 +162,7 @@ class _QuietAfterSignal(logging.Filter):
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt launch``; returns the exit status."""
     signals = _Signals()
-    if threading.current_thread() is threading.main_thread():
-        signals.own()  # before torch is imported: a signal during start-up is remembered, not fatal
+    signals.own()  # before torch is imported: a signal during start-up is remembered, not fatal
     try:
         options = _torchrun_arguments(argv)
     except ValueError as error:
@@ -198,8 +200,7 @@ def _run(options: argparse.Namespace, signals: _Signals, reports: str) -> int:
     except Exception as error:  # rendezvous timeouts, a bad endpoint: torchrun's own errors
         return _say(exit_codes.FAILURE, f"{type(error).__name__}: {error}")
     finally:
-        for name in FORWARDED:
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signals.own()  # a signal after the agent ended is recorded, not raised: the outcome is already known
     return exit_codes.SUCCESS
 
 
