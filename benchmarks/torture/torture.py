@@ -208,7 +208,7 @@ def trial_signal(
     strategy: str, work: Path, rng: random.Random, reference: dict, signum: int, launcher_only: bool = False
 ) -> str | None:
     run_dir = work / "run"
-    cmd = command(run_dir, strategy, launcher=["launch", "--nproc-per-node=2"] if launcher_only else None)
+    cmd = command(run_dir, strategy, launcher=LAUNCH if launcher_only else None)
     process = start(cmd, work / "signalled.log")
     if not wait_for(lambda: has_checkpoint(run_dir), process):
         reap(process)
@@ -422,13 +422,21 @@ def can_mount() -> bool:
     return False
 
 
-def reference_run(strategy: str, work: Path) -> tuple[dict, float]:
-    """The uninterrupted run every trial is compared with, and how long it took."""
-    run_dir = work / f"reference-{strategy}"
+LAUNCH = ["launch", "--nproc-per-node=2"]
+
+
+def reference_run(strategy: str, work: Path, launcher: list[str] | None = None) -> tuple[dict, float]:
+    """The uninterrupted run every trial is compared with, and how long it took.
+
+    Under ``launch`` the reference is a ``launch`` run too: torchrun gives each worker one OpenMP thread
+    (Lightning's launcher does not), and on CPU the thread count changes the order of float reductions.
+    """
+    name = f"reference-{strategy}" + ("-launch" if launcher else "")
+    run_dir = work / name
     started = time.monotonic()
-    status = run(command(run_dir, strategy), work / f"reference-{strategy}.log")
+    status = run(command(run_dir, strategy, launcher=launcher), work / f"{name}.log")
     if status != 0:
-        raise RuntimeError(f"the reference {strategy} run failed: {_last_error(work / f'reference-{strategy}.log')}")
+        raise RuntimeError(f"the reference {strategy} run failed: {_last_error(work / f'{name}.log')}")
     return params(run_dir), time.monotonic() - started
 
 
@@ -439,8 +447,9 @@ def torture(
     cells = {(fault, strategy): Cell() for fault in faults for strategy in strategies}
     mountable = can_mount()
     for strategy in strategies:
-        needs_reference = NEEDS_REFERENCE & set(faults)
+        needs_reference = (NEEDS_REFERENCE - {"sigterm-launcher"}) & set(faults)
         reference, duration = reference_run(strategy, work) if needs_reference else ({}, 0.0)
+        launched = reference_run(strategy, work, LAUNCH)[0] if "sigterm-launcher" in faults else {}
         for fault in faults:
             cell = cells[(fault, strategy)]
             if fault in ("unwritable", "full") and not mountable:
@@ -453,7 +462,8 @@ def torture(
                 folder.mkdir(parents=True)
                 mounts = Mounts()
                 try:
-                    problem = _one(fault, strategy, folder, rng, reference, duration, mounts)
+                    compared = launched if fault == "sigterm-launcher" else reference
+                    problem = _one(fault, strategy, folder, rng, compared, duration, mounts)
                 except Hang as hang:
                     problem = f"HANG: {hang}"
                 finally:

@@ -65,3 +65,42 @@ def test_ranks_report_to_the_launcher_only_under_launch(tmp_path, monkeypatch):
     assert read_reports(tmp_path)[3] == {"rank": 3, "checkpoints": "runs/a/checkpoints"}
     write(status=75)
     assert read_reports(tmp_path)[3]["status"] == 75
+
+
+@pytest.mark.multiprocess
+def test_sigusr1_to_the_launcher_alone_reaches_the_worker_which_saves_and_exits_75(tmp_path):
+    import signal
+    import time
+
+    from lightning_mlopt.checkpoint import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    command = [
+        *[sys.executable, "-m", "lightning_mlopt", "launch", "--nproc-per-node=1", "fit"],
+        *["--config", str(CONFIGS / "quickstart.yaml"), f"--run_dir={run_dir}", "--trainer.max_steps=200"],
+        *["--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--checkpoint.every_n_steps=2"],
+        *["--trainer.callbacks+=tests.helpers.Pace", f"--trainer.callbacks.out_dir={tmp_path / 'pace'}"],
+        "--trainer.callbacks.seconds_per_step=0.1",
+    ]
+    log = tmp_path / "launch.log"
+    with log.open("w") as handle:
+        launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "step-000000002").is_dir():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGUSR1)  # torchrun alone would die of it; SLURM's --signal=USR1@N sends it
+        code = launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    output = log.read_text()
+    assert code == 75, output[-3000:]
+    launcher_lines = [line for line in output.splitlines() if line.startswith("launch:")]
+    assert len(launcher_lines) == 1 and "preempted by SIGUSR1: the workers saved" in launcher_lines[0], output[-2000:]
+    assert "Traceback" not in output
+    newest = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    assert newest is not None and newest.manifest.reason == "signal"
