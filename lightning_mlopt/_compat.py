@@ -16,7 +16,8 @@ The reaches:
   group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
   ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory).
 - DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU.
-- torch: torchrun's ``_terminate_process_handler`` (``launch`` learns which signal stopped the agent),
+- torch: torchrun's ``_terminate_process_handler`` (``launch`` learns which signal stopped the agent) and
+  ``SubprocessHandler.close``/``_stdout``/``_stderr`` (a signal to each worker, not its DataLoader workers),
   ``nn.modules.batchnorm._NormBase`` (per-rank running statistics), the fused ``torch._foreach_*``
   kernels (norms of many tensors in one call), the default store of
   ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint.
@@ -368,27 +369,55 @@ def wandb_requested_id(logger: Any) -> str | None:
     return _require(logger, "_id", "the W&B run id")
 
 
-def route_torchrun_signals(on_signal: Callable[[int], None]) -> None:
-    """Have torchrun's agent call ``on_signal(signum)`` before its own handling of a signal (forward, wait, raise).
+def route_torchrun_signals(on_signal: Callable[[int], bool]) -> None:
+    """Have torchrun's agent ask ``on_signal(signum)`` first; only when it returns True does torchrun act.
 
     torchrun installs its handler when it starts the workers, replacing any earlier one; ``launch`` must still
-    know which signal came (to say so, and to quiet torchrun's shutdown log). Reach: the module-level
+    know which signal came (to say so, and to quiet torchrun's shutdown log), and a second signal must not
+    interrupt torchrun's wait for its workers (it would start the wait again). Reach: the module-level
     ``_terminate_process_handler`` of ``torch.distributed.elastic.multiprocessing.api``, looked up by name when
     the handlers are installed.
     """
     from torch.distributed.elastic.multiprocessing import api
 
     theirs = _require(api, "_terminate_process_handler", "torchrun's signal handler")
-    if getattr(theirs, "routed_by_lightning_mlopt", False):
-        theirs = theirs.__wrapped__
+    theirs = getattr(theirs, "torchrun_handler", theirs)  # routed before: wrap torchrun's own once
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        on_signal(signum)
-        theirs(signum, frame)
+        if on_signal(signum):
+            theirs(signum, frame)
 
-    handler.routed_by_lightning_mlopt = True  # type: ignore[attr-defined]
-    handler.__wrapped__ = theirs  # type: ignore[attr-defined]
+    handler.torchrun_handler = theirs  # type: ignore[attr-defined]
     api._terminate_process_handler = handler
+
+
+def signal_workers_not_their_children() -> None:
+    """Torchrun passes a signal to each worker alone, not to the worker's whole process group.
+
+    torchrun ``killpg``s each worker's session, DataLoader workers included; a DataLoader worker killed by a
+    SIGTERM from anyone but its parent (or by a SIGUSR1, whose default action is to end the process) makes its
+    rank raise "DataLoader worker exited unexpectedly" at an arbitrary point, instead of saving at the next
+    step boundary. The rank's own exit ends its DataLoader workers. SIGKILL (after the grace) still goes to the
+    group. Reach: ``SubprocessHandler.close`` and its ``_stdout``/``_stderr`` files.
+    """
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    cls = _require(subprocess_handler, "SubprocessHandler", "torchrun's worker handle")
+    theirs = getattr(cls.close, "torchrun_close", cls.close)
+
+    def close(self: Any, death_sig: signal.Signals | None = None) -> None:
+        if death_sig is None or death_sig == signal.SIGKILL:
+            theirs(self, death_sig)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(death_sig)
+        for name in ("_stdout", "_stderr"):
+            handle = _require(self, name, "torchrun's worker output files")
+            if handle:
+                handle.close()
+
+    close.torchrun_close = theirs  # type: ignore[attr-defined]
+    cls.close = close
 
 
 # Private methods of Lightning that our subclasses override, extending them where no public hook exists. An

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -247,7 +248,7 @@ def test_wandb_logger_reaches(tmp_path):
     assert _compat.wandb_run_if_started(logger) is None  # nothing started until .experiment
 
 
-def test_route_torchrun_signals_tells_us_first_then_torchrun_raises():
+def test_route_torchrun_signals_asks_us_first_and_only_the_first_signal_reaches_torchrun():
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -256,10 +257,52 @@ def test_route_torchrun_signals_tells_us_first_then_torchrun_raises():
     original = api._terminate_process_handler
     seen: list[int] = []
     try:
-        route_torchrun_signals(seen.append)
-        route_torchrun_signals(seen.append)  # twice: still one layer over torchrun's own
+        route_torchrun_signals(lambda signum: (seen.append(signum), len(seen) == 1)[1])
+        route_torchrun_signals(lambda signum: (seen.append(signum), len(seen) == 1)[1])  # one layer, not two
         with pytest.raises(SignalException) as raised:
             api._terminate_process_handler(signal.SIGTERM, None)
         assert seen == [signal.SIGTERM] and raised.value.sigval == signal.SIGTERM
+        api._terminate_process_handler(signal.SIGINT, None)  # the second: recorded, torchrun not called
+        assert seen == [signal.SIGTERM, signal.SIGINT]
     finally:
         api._terminate_process_handler = original
+
+
+def test_torchrun_signals_the_worker_not_its_children(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    from lightning_mlopt._compat import signal_workers_not_their_children
+
+    original = subprocess_handler.SubprocessHandler.close
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))\n"
+        "time.sleep(60)\n"
+    )
+    try:
+        signal_workers_not_their_children()
+        signal_workers_not_their_children()  # idempotent
+        out = tmp_path / "out"
+        handler = subprocess_handler.SubprocessHandler(
+            sys.executable, ("-c", script), {}, str(out), None, local_rank_id=0, numa_options=None
+        )
+        deadline = time.monotonic() + 30
+        while not out.read_text().strip():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        grandchild = int(out.read_text().split()[0])
+        handler.close(signal.SIGUSR1)
+        assert handler.proc.wait(timeout=30) == 75  # the worker got the signal and handled it
+        subprocess.run(["kill", "-0", str(grandchild)], check=True)  # its child was not signalled
+        handler.close(signal.SIGKILL)  # the group, as torchrun does after the grace
+        time.sleep(0.2)
+        stat = Path(f"/proc/{grandchild}/stat")
+        assert not stat.exists() or stat.read_text().split(")")[1].split()[0] == "Z"  # gone, or a zombie
+    finally:
+        subprocess_handler.SubprocessHandler.close = original

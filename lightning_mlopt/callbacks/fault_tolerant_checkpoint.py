@@ -28,7 +28,7 @@ from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.process import exit_codes, launch_report
-from lightning_mlopt.process.grace import SaveBudget, grace_from_environment, safety_margin_s, signal_deadline_within
+from lightning_mlopt.process.grace import ANY_SIGNAL, SaveBudget, graces_from_environment, safety_margin_s
 from lightning_mlopt.process.phase import phase
 from lightning_mlopt.process.signals import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
@@ -215,9 +215,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.saver = CheckpointSaver(store, self.retention, self.async_save, self.monitor, strategy=contract)
         # Own the signals for the run (flag-only handlers), with Lightning's own kept off them; the last-resort
         # deadline sits below the grace when the grace is known.
-        grace = self.preemption_grace_s or grace_from_environment()
-        deadline = signal_deadline_within(self.signal_deadline_s, grace)
-        preemption.own_for_run(trainer, self.signals, deadline, self.exit_code, grace)
+        graces = {ANY_SIGNAL: self.preemption_grace_s} if self.preemption_grace_s else graces_from_environment()
+        preemption.own_for_run(trainer, self.signals, self.signal_deadline_s, self.exit_code, graces)
         launch_report.note(checkpoints=str(store.root))
         self.saver.check_writable(trainer)
         if self._votes():  # each batch's exchange carries what this rank saw (read in on_train_batch_end)
@@ -319,6 +318,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             self.save(trainer, reason="signal", wait=True)
             self._tell_loggers(trainer)
             rank_zero_warn(f"Preemption signal: saved step {step}; exiting with status {self.exit_code}.")
+            launch_report.note(preempted=True)
             if trainer.is_global_zero:  # the rank that committed it
                 launch_report.note(resume_from=str(self.last_saved), resume_step=step, redo_steps=0)
             self._exiting = True
@@ -404,6 +404,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         assert self.saver is not None  # made at setup
         left = preemption.seconds_left()
         if left is not None:
+            announced = launch_report.announced_seconds_left()  # a cloud notice that `launch` polled
+            if announced is not None:
+                left = min(left, announced)
             left -= safety_margin_s(preemption.grace_s or left)
         return SaveBudget(left, self.saver.expected_save_seconds(), self.saver.in_flight_seconds_left())
 
@@ -428,6 +431,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             f"to {budget.save_s or 0:.1f} s, {max(budget.seconds_left or 0, 0):.1f} s left before the kill); "
             f"{resumes}. Exiting with status {self.exit_code}."
         )
+        launch_report.note(preempted=True)
         if trainer.is_global_zero:
             launch_report.note(resume_from=str(path) if path else None, resume_step=step, redo_steps=redo)
         self._exiting = True

@@ -6,6 +6,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from lightning_mlopt.process.exit import abandon_at_exit
+
 
 class AsyncWriter:
     """Run one write at a time on a background thread; a new write first waits for the previous one.
@@ -83,6 +85,8 @@ class AsyncWriter:
 
         For a preempted process whose grace has no room for it: the write's staging folder is never committed.
         """
+        if self._thread is not None:
+            abandon_at_exit(self._thread)
         self._thread = None
         self._error = None
 

@@ -38,6 +38,7 @@ def exit_after_launcher(code: int | str | None) -> NoReturn:
     """
     status = code if isinstance(code, int) else exit_codes.FAILURE
     launch_report.write(status=status)
+    launch_report.tell_launcher_if_preempted()
     # Every rank agreed on this exit, so none is in a collective: leave the process group now. A gloo group
     # still alive at interpreter exit aborts the process ("terminate called without an active exception",
     # status -6 instead of ours), as 3 of 50 torture trials showed.
@@ -52,15 +53,22 @@ def exit_after_launcher(code: int | str | None) -> NoReturn:
     raise SystemExit(code) from None
 
 
+_ABANDONED: list[threading.Thread] = []
+
+
+def abandon_at_exit(thread: threading.Thread) -> None:
+    """``thread`` (a background checkpoint write a preempted rank gave up on) must not hold the process's exit."""
+    _ABANDONED.append(thread)
+
+
 def _abandoned_writes() -> bool:
-    """A background write is still running: a preempted rank abandoned it (it would not end within the grace).
+    """A write abandoned after a preemption is still running.
 
     The interpreter would wait for it at exit (writer threads are not daemons, so a normal exit never cuts a
     write off); after an abandon that wait is what the grace has no room for. Its staging folder is never
     committed, so leaving now loses nothing that was committed.
     """
-    main = threading.main_thread()
-    return any(t is not main and t.is_alive() and not t.daemon for t in threading.enumerate())
+    return any(thread.is_alive() for thread in _ABANDONED)
 
 
 def leave_without_destructors(code: int) -> NoReturn:

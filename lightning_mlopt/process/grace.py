@@ -28,20 +28,45 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 GRACE_ENV = "LIGHTNING_MLOPT_PREEMPTION_GRACE_S"
-"""Seconds from a preemption signal to the forced kill, set by whoever launches the ranks and knows it."""
+"""Seconds from a preemption signal to the forced kill, set by whoever launches the ranks and knows it: one
+figure for every signal (``30``), or one per signal (``SIGUSR1=120,SIGTERM=30``: SLURM's time-limit warning
+leaves ``--signal`` seconds, its preemption SIGTERM only KillWait)."""
+
+ANY_SIGNAL = "*"
 
 GRACE_SOURCE_ENV = "LIGHTNING_MLOPT_PREEMPTION_GRACE_FROM"
 """Who set :data:`GRACE_ENV` (``launch``, ``sbatch``, ...), for the messages that quote the grace."""
 
 
-def grace_from_environment(env: Mapping[str, str] | None = None) -> float | None:
-    """The grace :data:`GRACE_ENV` announces, or None when nobody said (or said something unusable)."""
-    value = (os.environ if env is None else env).get(GRACE_ENV, "")
-    try:
-        grace = float(value)
-    except ValueError:
-        return None
-    return grace if grace > 0 else None
+def graces_from_environment(env: Mapping[str, str] | None = None) -> dict[str, float]:
+    """The graces :data:`GRACE_ENV` announces: signal name (or ``*``) -> seconds; empty when nobody said.
+
+    Example::
+
+        >>> graces_from_environment({GRACE_ENV: "SIGUSR1=120,SIGTERM=30"})
+        {'SIGUSR1': 120.0, 'SIGTERM': 30.0}
+    """
+    text = (os.environ if env is None else env).get(GRACE_ENV, "").strip()
+    graces: dict[str, float] = {}
+    for part in filter(None, (piece.strip() for piece in text.split(","))):
+        name, _, value = part.rpartition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            return {}  # unusable: unknown, rather than a wrong figure
+        if seconds > 0:
+            graces[name.strip() or ANY_SIGNAL] = seconds
+    return graces
+
+
+def grace_from_environment(env: Mapping[str, str] | None = None, signal_name: str = ANY_SIGNAL) -> float | None:
+    """The grace :data:`GRACE_ENV` announces for ``signal_name``, or None when nobody said."""
+    return grace_for(graces_from_environment(env), signal_name)
+
+
+def grace_for(graces: Mapping[str, float], signal_name: str) -> float | None:
+    """The grace of ``signal_name``: its own, else the one for every signal, else None."""
+    return graces.get(signal_name, graces.get(ANY_SIGNAL))
 
 
 def safety_margin_s(grace_s: float) -> float:

@@ -39,11 +39,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any
 
 from lightning_mlopt.process import exit_codes
+from lightning_mlopt.process.grace import ANY_SIGNAL, grace_for, signal_deadline_within
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 DEFAULT_DEADLINE_S = 120.0
@@ -62,8 +63,8 @@ class PreemptionSignals:
         self._received: int | None = None
         self._received_at = 0.0
         self._notice: str | None = None  # what raised the flag when it was not a signal (a cloud notice)
-        self.deadline_s: float | None = DEFAULT_DEADLINE_S
-        self.grace_s: float | None = None  # seconds from a signal to the forced kill, when known
+        self.deadline_s: float | None = DEFAULT_DEADLINE_S  # before a known grace moves it below
+        self.graces: dict[str, float] = {}  # signal name (or "*") -> seconds from it to the forced kill
         self.exit_code = REQUEUE_EXIT_CODE
         self._lock = threading.Lock()
         self._pipe: tuple[int, int] | None = None
@@ -77,7 +78,7 @@ class PreemptionSignals:
         names: Iterable[str] = DEFAULT_SIGNALS,
         deadline_s: float | None = DEFAULT_DEADLINE_S,
         exit_code: int = REQUEUE_EXIT_CODE,
-        grace_s: float | None = None,
+        graces: Mapping[str, float] | None = None,
     ) -> list[int]:
         """Own exactly the signals ``names`` from now on; signals owned before but not named go back to theirs.
 
@@ -88,7 +89,8 @@ class PreemptionSignals:
             names: signal names, e.g. ``["SIGTERM", "SIGUSR1"]``.
             deadline_s: seconds from a signal to a forced exit; None: no deadline.
             exit_code: the status of that forced exit.
-            grace_s: seconds from a signal to the forced kill (``process/grace.py``); None: unknown.
+            graces: seconds from each signal to the forced kill (``process/grace.py``: name or ``*`` -> s);
+                the deadline moves below the grace of the signal that came. None: unknown.
 
         Returns:
             The signal numbers now owned (empty outside the main thread, where handlers cannot be set).
@@ -99,7 +101,7 @@ class PreemptionSignals:
         wanted = {int(getattr(signal, name)) for name in names}
         self.deadline_s = deadline_s
         self.exit_code = exit_code
-        self.grace_s = grace_s
+        self.graces = dict(graces or {})
         for number in [n for n in self._previous if n not in wanted]:
             self._give_back(number)
         for number in sorted(wanted - set(self._previous)):
@@ -110,7 +112,12 @@ class PreemptionSignals:
         return sorted(self._previous)
 
     def own_for_run(
-        self, trainer: Any, names: Iterable[str], deadline_s: float | None, exit_code: int, grace_s: float | None
+        self,
+        trainer: Any,
+        names: Iterable[str],
+        deadline_s: float | None,
+        exit_code: int,
+        graces: Mapping[str, float] | None,
     ) -> list[int]:
         """:meth:`install` ``names`` for a Trainer's run, and keep Lightning's own handlers off them.
 
@@ -123,7 +130,7 @@ class PreemptionSignals:
             return []
         from lightning_mlopt._compat import keep_lightning_off_signals
 
-        owned = self.install(names, deadline_s=deadline_s, exit_code=exit_code, grace_s=grace_s)
+        owned = self.install(names, deadline_s=deadline_s, exit_code=exit_code, graces=graces)
         keep_lightning_off_signals(trainer, owned)
         return owned
 
@@ -136,6 +143,16 @@ class PreemptionSignals:
         if self._notice is not None:
             return self._notice
         return signal.Signals(self._received).name if self._received else "no signal"
+
+    @property
+    def grace_s(self) -> float | None:
+        """The grace of the signal received (before one: of any signal), or None when unknown."""
+        name = signal.Signals(self._received).name if self._received else ANY_SIGNAL
+        return grace_for(self.graces, name)
+
+    def current_deadline_s(self) -> float | None:
+        """Seconds from the signal received to the last-resort exit: ``deadline_s``, below its grace."""
+        return signal_deadline_within(self.deadline_s, self.grace_s)
 
     def seconds_left(self) -> float | None:
         """Seconds until the forced kill after the flag was raised; None with no flag or no known grace."""
@@ -154,9 +171,8 @@ class PreemptionSignals:
                 return
             self._received, self._received_at = int(signal.SIGTERM), time.monotonic()
             self._notice = description
-            self.grace_s = seconds_left if self.grace_s is None else min(self.grace_s, seconds_left)
-            if self.deadline_s is not None:
-                self.deadline_s = min(self.deadline_s, max(0.5 * seconds_left, seconds_left - 5.0))
+            known = grace_for(self.graces, "SIGTERM")
+            self.graces["SIGTERM"] = seconds_left if known is None else min(known, seconds_left)
         if self._pipe is not None:  # wake the watcher: its deadline starts now
             with contextlib.suppress(OSError):
                 os.write(self._pipe[1], b"\0")
@@ -260,9 +276,10 @@ class PreemptionSignals:
                 self._record(number)
 
     def _seconds_left(self) -> float | None:
-        if self._received is None or self.deadline_s is None:
+        deadline = self.current_deadline_s()
+        if self._received is None or deadline is None:
             return None
-        return self._received_at + self.deadline_s - time.monotonic()
+        return self._received_at + deadline - time.monotonic()
 
     def _expire(self) -> None:
         """The process did not stop in time after a signal: say where it is stuck, then exit."""
@@ -271,8 +288,9 @@ class PreemptionSignals:
         name = self.describe()
         step_phase, step, in_phase = phase.current()
         stack = phase.main_thread_stack()
+        waited = self.current_deadline_s() or 0.0
         sys.stderr.write(
-            f"error: received {name} {self.deadline_s:.0f} s ago and did not reach a step boundary to save and exit "
+            f"error: received {name} {waited:.0f} s ago and did not reach a step boundary to save and exit "
             f"(step {step}, phase '{step_phase}' for {in_phase:.0f} s; most likely waiting in a collective for "
             f"another rank). Exiting with status {self.exit_code} without a new checkpoint; earlier ones are "
             f"intact. Main thread:\n{stack}"

@@ -3,8 +3,9 @@
 The same YAML (and overlays, and ``--a.b=v`` overrides) as ``fit``, checked the same way, becomes a JobSet (or
 a Kubeflow TrainJob, or a PyTorchJob) whose pods run ``python -m lightning_mlopt launch ... fit`` as PID 1,
 restart on preemption without spending their restart budget, fail at once on bad input, and resume from the
-run directory on a PersistentVolumeClaim. The resolved config goes in a ConfigMap beside it (secrets
-redacted). See ``k8s_manifests.py`` for what each scheduler does with the launcher's exit statuses.
+run directory on a PersistentVolumeClaim. The resolved config goes in a ConfigMap beside it, unedited (a
+config holding a secret is refused: secrets go through ``--secret_env``). See ``k8s_manifests.py`` for what
+each scheduler does with the launcher's exit statuses.
 
 Example::
 
@@ -176,7 +177,14 @@ def _spec(options: argparse.Namespace, config: dict[str, Any]) -> ManifestSpec:
         },
         namespace=options.namespace,
         cpu_workers=options.cpu_workers,
+        preemption_notices=_notices(config),
     )
+
+
+def _notices(config: dict[str, Any]) -> str:
+    """The config's ``preemption.notices`` as ``launch --preemption-notices`` takes it (the launcher polls)."""
+    notices = (config.get("preemption") or {}).get("notices", "auto")
+    return notices if isinstance(notices, str) else ",".join(notices) or "off"
 
 
 def _default_name(stems: str, config: dict[str, Any]) -> str:
@@ -188,12 +196,33 @@ def _default_name(stems: str, config: dict[str, Any]) -> str:
 
 
 def _resolved_config_text(fit_args: list[str]) -> str:
-    """The config ``fit`` would resolve, as YAML, with secrets redacted and no run directory (the pods name it)."""
+    """The config ``fit`` would resolve, as YAML, without a run directory (the pods name it).
+
+    It is what the pods run, so it is never edited; a config that holds a secret (a secret environment
+    variable's value, credentials in a URL) is refused instead, pointing to ``--secret_env``.
+    """
     from lightning_mlopt.cli import print_config
 
     resolved = yaml.safe_load(print_config(fit_args))
     resolved.pop("run_dir", None)
-    return yaml.safe_dump(redact(resolved), sort_keys=False)
+    leaks = _keys_holding_secrets(resolved)
+    if leaks:
+        raise BadInputError(
+            f"{', '.join(leaks)} holds a secret, which a ConfigMap would show to anyone who can read it: take it "
+            "out of the config and pass it with --secret_env VAR=SECRET:KEY (a Kubernetes Secret)"
+        )
+    return yaml.safe_dump(resolved, sort_keys=False)
+
+
+def _keys_holding_secrets(node: Any, key: str = "") -> list[str]:
+    """The dotted keys whose string values contain a secret (``redact`` changes them)."""
+    if isinstance(node, dict):
+        return [
+            leak for name, value in node.items() for leak in _keys_holding_secrets(value, f"{key}.{name}".strip("."))
+        ]
+    if isinstance(node, list):
+        return [leak for index, value in enumerate(node) for leak in _keys_holding_secrets(value, f"{key}[{index}]")]
+    return [key] if isinstance(node, str) and redact(node) != node else []
 
 
 def _documents(flavor: str, spec: ManifestSpec, config_text: str) -> list[dict[str, Any]]:

@@ -17,8 +17,8 @@ it on). What each scheduler does with the launcher's statuses:
 
 Every pod mounts the run directory from a PersistentVolumeClaim (``/checkpoints/<name>``), so a restarted
 pod resumes the same run; the run's name is the object's name, which gives the run directory and, through
-it, the tracker's run id. The resolved config travels in a ConfigMap, with secrets redacted; secrets reach
-the pods only through ``secretKeyRef``.
+it, the tracker's run id. The resolved config travels in a ConfigMap, unedited (one holding a secret is
+refused); secrets reach the pods only through ``secretKeyRef``.
 
 Example::
 
@@ -82,6 +82,7 @@ class ManifestSpec:
     secret_env: dict[str, tuple[str, str]] = field(default_factory=dict)
     namespace: str | None = None
     cpu_workers: int = 1
+    preemption_notices: str = "auto"
 
     @property
     def workers_per_pod(self) -> int:
@@ -105,6 +106,7 @@ def launch_command(spec: ManifestSpec, rendezvous: list[str], preempted_exit: in
         *rendezvous,
         f"--shutdown-timeout={spec.grace_s}",
         f"--preempted-exit-code={preempted_exit}",
+        f"--preemption-notices={spec.preemption_notices}",
         "fit",
         *spec.fit_args,
     ]

@@ -30,14 +30,15 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_mlopt.commands import TRAINER_RUNS
 from lightning_mlopt.process import exit_codes
-from lightning_mlopt.process.grace import GRACE_ENV, GRACE_SOURCE_ENV, grace_from_environment
-from lightning_mlopt.process.launch_report import REPORTS_ENV, read_reports
+from lightning_mlopt.process.grace import GRACE_ENV, GRACE_SOURCE_ENV, graces_from_environment
+from lightning_mlopt.process.launch_report import DEADLINE_NAME, LAUNCHER_PID_ENV, REPORTS_ENV, read_reports
 from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, NoticePoller, providers_for
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
 
@@ -47,13 +48,24 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30  # torchrun's own default: SIGKILL 30 s after fo
 
 
 class _Signals:
-    """The signals that reach the launcher before torchrun's agent owns them: recorded, then acted on."""
+    """The launcher's signals: the first stops torchrun's agent (which forwards it and waits); later ones only count.
+
+    A second SIGTERM (a notice, then the kubelet's) must neither restart torchrun's wait nor raise in the middle
+    of the launcher's own summary.
+    """
 
     def __init__(self) -> None:
         self.received: int | None = None
 
+    def first(self, signum: int) -> bool:
+        """Record ``signum``; whether it is the first signal."""
+        if self.received is not None:
+            return False
+        self.received = signum
+        return True
+
     def record(self, signum: int, frame: Any) -> None:
-        self.received = self.received or signum
+        self.first(signum)
 
     def own(self) -> None:
         """Record the forwarded signals from now on (main thread only, where handlers can be set)."""
@@ -63,23 +75,20 @@ class _Signals:
             signal.signal(getattr(signal, name), self.record)
 
     def raise_in_agent(self) -> None:
-        """From now on a signal stops torchrun's agent the way its own handler does (it forwards and waits).
+        """From now on the first signal stops torchrun's agent the way its own handler does.
 
         Before the workers start (rendezvous) our handler raises torchrun's exception; once they started,
-        torchrun's own handler does, and tells us first.
+        torchrun's own handler does, after telling us (and only for the first signal).
         """
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         from lightning_mlopt._compat import route_torchrun_signals
 
-        def note(signum: int) -> None:
-            self.received = self.received or signum
-
         def stop(signum: int, frame: Any) -> None:
-            note(signum)
-            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+            if self.first(signum):
+                raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-        route_torchrun_signals(note)
+        route_torchrun_signals(self.first)
         if threading.current_thread() is not threading.main_thread():
             return
         for name in FORWARDED:
@@ -139,11 +148,14 @@ def _torchrun_arguments(argv: Sequence[str]) -> argparse.Namespace:
 
 def _worker_environment(options: argparse.Namespace, reports: str) -> None:
     """What the workers inherit: the grace they have, where to report, and torchrun's store settings."""
-    outer = grace_from_environment()  # a grace announced to the launcher itself (e.g. by an sbatch script)
+    # A grace announced to the launcher itself (e.g. by an sbatch script), for the shortest-lived of its signals.
+    outer = min(graces_from_environment().values(), default=None)
     grace = float(options.shutdown_timeout) if outer is None else min(outer, float(options.shutdown_timeout))
     os.environ[GRACE_ENV] = f"{grace:g}"
     os.environ[GRACE_SOURCE_ENV] = "launch"
     os.environ[REPORTS_ENV] = reports
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ[NOTICES_BY_LAUNCHER_ENV] = "1"  # the workers leave the polling to the launcher, once per node
     # The workers' own TCP store, not the rendezvous one: an agent restart then never finds a stale store.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
@@ -169,18 +181,11 @@ def main(argv: Sequence[str]) -> int:
         return bad_input(error)
     with tempfile.TemporaryDirectory(prefix="mlopt-launch-") as reports:
         _worker_environment(options, reports)
-        if signals.received is not None:  # before any worker started: nothing to save
-            return _say(options.preempted_exit_code, f"{_name(signals.received)} before the workers started")
-        poller = _poll_notices(options)
         quiet = _QuietAfterSignal(signals)
         for name in ("", "torch", "torch.distributed", "torch.distributed.elastic"):  # where its records end up
             for handler in logging.getLogger(name).handlers:
                 handler.addFilter(quiet)
-        try:
-            return _run(options, signals, reports)
-        finally:
-            if poller is not None:
-                poller.stop()
+        return _run(options, signals, reports)
 
 
 def _run(options: argparse.Namespace, signals: _Signals, reports: str) -> int:
@@ -188,43 +193,63 @@ def _run(options: argparse.Namespace, signals: _Signals, reports: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    from lightning_mlopt._compat import signal_workers_not_their_children
+
+    signal_workers_not_their_children()
     signals.raise_in_agent()
+    if signals.received is not None:  # during start-up, before any worker: nothing to save
+        return _say(options.preempted_exit_code, f"{_name(signals.received)} before the workers started")
+    poller = _poll_notices(options, reports)
     try:
         run(options)
     except SignalException as stop:
-        return _after_signal(options, int(stop.sigval), read_reports(reports))
+        signals.own()
+        return _after_preemption(options, f"preempted by {_name(int(stop.sigval))}", read_reports(reports))
     except ChildFailedError as failed:
+        signals.own()
+        found = read_reports(reports)
+        if any(report.get("preempted") for report in found.values()):  # another node's launcher was signalled
+            return _after_preemption(options, "preempted (the signal reached another node)", found)
         rank, failure = failed.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # -9 -> 137, as a shell says
         return _say(code, f"worker rank {rank} exited with status {code}; its output is above")
     except Exception as error:  # rendezvous timeouts, a bad endpoint: torchrun's own errors
+        signals.own()
         return _say(exit_codes.FAILURE, f"{type(error).__name__}: {error}")
     finally:
         signals.own()  # a signal after the agent ended is recorded, not raised: the outcome is already known
+        if poller is not None:
+            poller.stop()
     return exit_codes.SUCCESS
 
 
-def _after_signal(options: argparse.Namespace, signum: int, reports: dict[int, dict[str, Any]]) -> int:
-    """The launcher's one line after a signal: what the workers did, and what a relaunch resumes from."""
+def _after_preemption(options: argparse.Namespace, cause: str, reports: dict[int, dict[str, Any]]) -> int:
+    """The launcher's one line after a preemption: what the workers did, and what a relaunch resumes from."""
     statuses = [report.get("status") for report in reports.values()]
-    name = _name(signum)
     if statuses and all(status == exit_codes.SUCCESS for status in statuses):
-        return _say(exit_codes.SUCCESS, f"{name} came as the run finished; it finished")
-    failed = [status for status in statuses if status not in (None, exit_codes.SUCCESS, exit_codes.REQUEUE)]
+        return _say(exit_codes.SUCCESS, f"{cause} as the run finished; it finished")
+    failed = [
+        report["status"]
+        for report in reports.values()
+        if report.get("status") not in (None, exit_codes.SUCCESS) and not report.get("preempted")
+    ]
     if failed:
-        return _say(failed[0], f"{name}, and a worker then failed with status {failed[0]}; its output is above")
-    first = reports[min(reports)] if reports else {}  # this node's lowest rank (rank 0 on the first node)
+        return _say(failed[0], f"{cause}, and a worker then failed with status {failed[0]}; its output is above")
+    if not reports:
+        told = "no worker had started its run; a relaunch resumes from the newest committed checkpoint, if any"
+        return _say(options.preempted_exit_code, f"{cause}: {told}")
+    first = reports[min(reports)]  # this node's lowest rank (rank 0 on the first node)
     resume = first.get("resume_from")
     if resume:
         redo = first.get("redo_steps") or 0
         what = "saved" if redo == 0 else f"had no time to save; {redo} step(s) will be redone"
         told = f"the workers {what}; a relaunch resumes from {resume}"
     else:
-        killed = None in statuses
+        stopped = any(report.get("preempted") for report in reports.values())
+        how = "stopped" if stopped else f"did not stop within {options.shutdown_timeout} s and were killed"
         newest = _newest_committed(first.get("checkpoints"))
-        how = f"did not stop within {options.shutdown_timeout} s and were killed" if killed else "stopped"
         told = f"the workers {how}; a relaunch resumes from {newest or 'the start (nothing was committed)'}"
-    return _say(options.preempted_exit_code, f"preempted by {name}: {told}")
+    return _say(options.preempted_exit_code, f"{cause}: {told}")
 
 
 def _newest_committed(folder: str | None) -> str | None:
@@ -236,14 +261,20 @@ def _newest_committed(folder: str | None) -> str | None:
     return str(committed[-1][1]) if committed else None
 
 
-def _poll_notices(options: argparse.Namespace) -> NoticePoller | None:
-    """Poll the cloud's notices here, once per node; a notice is a SIGTERM to this launcher."""
+def _poll_notices(options: argparse.Namespace, reports: str) -> NoticePoller | None:
+    """Poll the cloud's notices here, once per node; a notice is a SIGTERM to this launcher.
+
+    The notice's deadline is written where the workers read it (``launch_report.announced_seconds_left``): it
+    may be shorter than the shutdown timeout they were told.
+    """
     providers = providers_for(options.preemption_notices)
-    os.environ[NOTICES_BY_LAUNCHER_ENV] = "1"  # the workers leave the polling to us, even when we poll nothing
     if not providers:
         return None
 
     def as_sigterm(description: str, seconds_left: float) -> None:
+        deadline = Path(reports) / DEADLINE_NAME
+        deadline.with_suffix(".tmp").write_text(f"{time.time() + seconds_left:.3f}")
+        deadline.with_suffix(".tmp").replace(deadline)
         sys.stderr.write(f"launch: {description}: {seconds_left:.0f} s left; stopping the workers\n")
         os.kill(os.getpid(), signal.SIGTERM)
 

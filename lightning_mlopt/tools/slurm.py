@@ -28,6 +28,7 @@ from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_a
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 _NAME = re.compile(r"^[\w.+-]+$")
+SLURM_KILL_WAIT_S = 30  # slurm.conf KillWait's default: SIGTERM to SIGKILL when a job is cancelled or preempted
 
 
 def time_limit_seconds(limit: str) -> int:
@@ -167,8 +168,10 @@ def sbatch_script(
         *[f"trap 'forward {name}' {name}" for name in ("TERM", "USR1", "USR2", "INT")],
         f"cd {shlex.quote(str((workdir or Path.cwd()).resolve()))}",
         "export PYTHONUNBUFFERED=1",
-        "# The time from SIGUSR1 to the time limit: a signal save that would not end before it is not started.",
-        f"export {GRACE_ENV}={job.signal_seconds} {GRACE_SOURCE_ENV}=sbatch",
+        "# The time from each signal to the kill: SIGUSR1 comes --signal seconds before the time limit; a",
+        "# preemption or scancel SIGTERM is followed by SIGKILL after KillWait (30 s, SLURM's default). A signal",
+        "# save that would not end in time is not started.",
+        f"export {GRACE_ENV}=SIGUSR1={job.signal_seconds},SIGTERM={SLURM_KILL_WAIT_S} {GRACE_SOURCE_ENV}=sbatch",
         f'if [ "${{SLURM_NTASKS:-{job.tasks}}}" != "{job.tasks}" ]; then',
         f'  echo "error: SLURM allocated $SLURM_NTASKS tasks but the run needs {job.nodes} x {job.gpus_per_node} = '
         f'{job.tasks} (one per device); resubmit with matching --nodes/--ntasks-per-node" >&2',

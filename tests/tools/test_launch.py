@@ -62,9 +62,14 @@ def test_ranks_report_to_the_launcher_only_under_launch(tmp_path, monkeypatch):
     monkeypatch.setenv(REPORTS_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
     note(checkpoints="runs/a/checkpoints")
-    assert read_reports(tmp_path)[3] == {"rank": 3, "checkpoints": "runs/a/checkpoints"}
+    assert read_reports(tmp_path)[3]["checkpoints"] == "runs/a/checkpoints"
     write(status=75)
     assert read_reports(tmp_path)[3]["status"] == 75
+    # torchrun restarted the workers: rank 3's report of the first attempt is stale, rank 0's is the newest.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    write()
+    assert list(read_reports(tmp_path)) == [0]
 
 
 @pytest.mark.multiprocess
