@@ -73,7 +73,10 @@ def test_ranks_report_to_the_launcher_only_under_launch(tmp_path, monkeypatch):
 
 
 @pytest.mark.multiprocess
-def test_sigusr1_to_the_launcher_alone_reaches_the_worker_which_saves_and_exits_75(tmp_path):
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_the_launcher_alone_reaches_the_rank_not_its_loader_and_it_saves_and_exits_75(
+    tmp_path, signal_name
+):
     import signal
     import time
 
@@ -88,6 +91,7 @@ def test_sigusr1_to_the_launcher_alone_reaches_the_worker_which_saves_and_exits_
         *["--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--checkpoint.every_n_steps=2"],
         *["--trainer.callbacks+=tests.helpers.Pace", f"--trainer.callbacks.out_dir={tmp_path / 'pace'}"],
         "--trainer.callbacks.seconds_per_step=0.1",
+        "--data.init_args.num_workers=1",  # a DataLoader worker: the signal must reach the rank, not kill it
     ]
     log = tmp_path / "launch.log"
     with log.open("w") as handle:
@@ -97,7 +101,9 @@ def test_sigusr1_to_the_launcher_alone_reaches_the_worker_which_saves_and_exits_
         while not (run_dir / "checkpoints" / "step-000000002").is_dir():
             assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        launcher.send_signal(signal.SIGUSR1)  # torchrun alone would die of it; SLURM's --signal=USR1@N sends it
+        # torchrun alone dies of SIGUSR1 (SLURM's --signal=USR1@N), and passes SIGTERM to the rank's whole process
+        # group, where a DataLoader worker it kills makes the rank fail instead of saving.
+        launcher.send_signal(getattr(signal, signal_name))
         code = launcher.wait(timeout=60)
     finally:
         if launcher.poll() is None:
@@ -105,7 +111,9 @@ def test_sigusr1_to_the_launcher_alone_reaches_the_worker_which_saves_and_exits_
     output = log.read_text()
     assert code == 75, output[-3000:]
     launcher_lines = [line for line in output.splitlines() if line.startswith("launch:")]
-    assert len(launcher_lines) == 1 and "preempted by SIGUSR1: the workers saved" in launcher_lines[0], output[-2000:]
+    assert len(launcher_lines) == 1 and f"preempted by {signal_name}: the workers saved" in launcher_lines[0], output[
+        -2000:
+    ]
     assert "Traceback" not in output
     newest = CheckpointStore(run_dir / "checkpoints").newest_valid()
     assert newest is not None and newest.manifest.reason == "signal"
