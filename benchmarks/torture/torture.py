@@ -49,7 +49,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # metadata_server.py
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 FAULTS = ("kill", "sigterm", "sigusr1", "unwritable", "full", "corrupt", "sigterm-launcher", "grace", "notice")
@@ -204,18 +203,28 @@ def trial_kill(strategy: str, work: Path, rng: random.Random, reference: dict, d
     return equal(run_dir, reference)
 
 
+def start_after_first_checkpoint(
+    cmd: list[str], log: Path, run_dir: Path, pause_s: float, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen | None, str | None]:
+    """Start the job and return it ``pause_s`` after its first checkpoint; or None and why it could not be."""
+    process = start(cmd, log, env)
+    if not wait_for(lambda: has_checkpoint(run_dir), process):
+        reap(process)
+        return None, "the job ended before its first checkpoint: " + _last_error(log)
+    time.sleep(pause_s)
+    if process.poll() is not None:
+        return None, "the job finished before the fault (trial too short)"
+    return process, None
+
+
 def trial_signal(
     strategy: str, work: Path, rng: random.Random, reference: dict, signum: int, launcher_only: bool = False
 ) -> str | None:
     run_dir = work / "run"
     cmd = command(run_dir, strategy, launcher=LAUNCH if launcher_only else None)
-    process = start(cmd, work / "signalled.log")
-    if not wait_for(lambda: has_checkpoint(run_dir), process):
-        reap(process)
-        return "the job ended before its first checkpoint: " + _last_error(work / "signalled.log")
-    time.sleep(rng.uniform(0.0, 1.5))
-    if process.poll() is not None:
-        return "the job finished before the signal (trial too short)"
+    process, problem = start_after_first_checkpoint(cmd, work / "signalled.log", run_dir, rng.uniform(0.0, 1.5))
+    if process is None:
+        return problem
     started = time.monotonic()
     if launcher_only:
         os.kill(process.pid, signum)  # the launcher alone, as the kubelet signals a container's PID 1
@@ -263,13 +272,9 @@ def trial_grace(strategy: str, work: Path, rng: random.Random, reference: dict) 
     run_dir = work / "run"
     slow = ["--trainer.callbacks+=tests.helpers.SlowSaves", f"--trainer.callbacks.seconds={SAVE_S}"]
     cmd = command(run_dir, strategy, f"--checkpoint.preemption_grace_s={GRACE_S}", *slow)
-    process = start(cmd, work / "signalled.log")
-    if not wait_for(lambda: has_checkpoint(run_dir), process):
-        reap(process)
-        return "the job ended before its first checkpoint: " + _last_error(work / "signalled.log")
-    time.sleep(rng.uniform(0.0, 2.0))
-    if process.poll() is not None:
-        return "the job finished before the signal (trial too short)"
+    process, problem = start_after_first_checkpoint(cmd, work / "signalled.log", run_dir, rng.uniform(0.0, 2.0))
+    if process is None:
+        return problem
     from lightning_mlopt.checkpoint import CheckpointStore
 
     before = [step for step, _ in CheckpointStore(run_dir / "checkpoints").committed()]
@@ -294,20 +299,17 @@ def trial_grace(strategy: str, work: Path, rng: random.Random, reference: dict) 
 
 def trial_notice(strategy: str, work: Path, rng: random.Random, reference: dict) -> str | None:
     """An AWS spot notice from a metadata server on loopback stops the run like a SIGTERM, before its deadline."""
-    from metadata_server import FakeMetadataServer
+    from tests.metadata_server import FakeMetadataServer
 
     run_dir = work / "run"
     with FakeMetadataServer() as server:
         notices = ["--preemption.notices=[aws]", "--preemption.poll_interval_s=0.2"]
         cmd = command(run_dir, strategy, *notices)
-        env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": server.url}
-        process = start(cmd, work / "noticed.log", env)
-        if not wait_for(lambda: has_checkpoint(run_dir), process):
-            reap(process)
-            return "the job ended before its first checkpoint: " + _last_error(work / "noticed.log")
-        time.sleep(rng.uniform(0.0, 1.5))
-        if process.poll() is not None:
-            return "the job finished before the notice (trial too short)"
+        env = server.environment()
+        pause = rng.uniform(0.0, 1.5)
+        process, problem = start_after_first_checkpoint(cmd, work / "noticed.log", run_dir, pause, env)
+        if process is None:
+            return problem
         started = time.monotonic()
         server.post_aws_notice(seconds_from_now=NOTICE_S)
         status = finish(process)

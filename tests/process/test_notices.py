@@ -1,14 +1,11 @@
 """Cloud preemption notices, polled from a metadata server on loopback that speaks the AWS (IMDSv2 token
-included) and GCE protocols, and raised as the preemption flag with the notice's deadline."""
+included) and GCE protocols (tests/metadata_server.py), and raised as the preemption flag with the notice's
+deadline."""
 
 from __future__ import annotations
 
-import datetime
-import http.server
-import json
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -17,83 +14,19 @@ import pytest
 from lightning_mlopt.process import notices
 from lightning_mlopt.process.notices import NoticePoller, PreemptionNotices, providers_for
 from lightning_mlopt.process.signals import PreemptionSignals
-
-
-class FakeMetadata(http.server.ThreadingHTTPServer):
-    """AWS IMDSv2 and GCE metadata endpoints; ``aws_notice``/``gce_*`` say what a poll finds."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.aws_notice: dict | None = None
-        self.gce_preempted = "FALSE"
-        self.gce_maintenance = "NONE"
-        self.tokens_issued = 0
-        self.requests_without_token = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: FakeMetadata
-
-    def log_message(self, *args: object) -> None:  # quiet
-        pass
-
-    def _answer(self, code: int, body: str = "") -> None:
-        data = body.encode()
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_PUT(self) -> None:
-        if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
-            self.server.tokens_issued += 1
-            return self._answer(200, "TOKEN-1")
-        return self._answer(400)
-
-    def do_GET(self) -> None:
-        if self.path.startswith("/latest/"):
-            if self.headers.get("X-aws-ec2-metadata-token") != "TOKEN-1":  # IMDSv2: no token, no answer
-                self.server.requests_without_token += 1
-                return self._answer(401)
-            if self.path == "/latest/meta-data/spot/instance-action" and self.server.aws_notice:
-                return self._answer(200, json.dumps(self.server.aws_notice))
-            return self._answer(404)
-        if self.headers.get("Metadata-Flavor") != "Google":
-            return self._answer(403)
-        values = {
-            "/computeMetadata/v1/instance/preempted": self.server.gce_preempted,
-            "/computeMetadata/v1/instance/maintenance-event": self.server.gce_maintenance,
-        }
-        return self._answer(200, values[self.path]) if self.path in values else self._answer(404)
+from tests.metadata_server import FakeMetadataServer
 
 
 @pytest.fixture
-def metadata() -> Iterator[FakeMetadata]:
-    server = FakeMetadata()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-def _env(server: FakeMetadata) -> dict[str, str]:
-    return {"AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://{server.address}", "GCE_METADATA_HOST": server.address}
-
-
-def _in(seconds: float) -> str:
-    when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+def metadata() -> Iterator[FakeMetadataServer]:
+    with FakeMetadataServer() as server:
+        yield server
 
 
 def test_an_aws_spot_notice_is_found_with_its_deadline_and_one_token(metadata):
-    poller = NoticePoller(["aws"], lambda *_: None, env=_env(metadata))
+    poller = NoticePoller(["aws"], lambda *_: None, env=metadata.environment())
     assert poller.poll_once() is None and poller.poll_once() is None  # 404: no notice yet
-    metadata.aws_notice = {"action": "terminate", "time": _in(110)}
+    metadata.post_aws_notice(seconds_from_now=110)
     description, seconds_left = poller.poll_once()
     assert "AWS spot notice (terminate" in description
     assert 105 <= seconds_left <= 111
@@ -101,7 +34,7 @@ def test_an_aws_spot_notice_is_found_with_its_deadline_and_one_token(metadata):
 
 
 def test_gce_preemption_and_maintenance_notices(metadata):
-    poller = NoticePoller(["gce"], lambda *_: None, env=_env(metadata))
+    poller = NoticePoller(["gce"], lambda *_: None, env=metadata.environment())
     assert poller.poll_once() is None
     metadata.gce_maintenance = "TERMINATE_ON_HOST_MAINTENANCE"
     assert poller.poll_once() == ("a GCE maintenance notice (TERMINATE_ON_HOST_MAINTENANCE)", 60.0)
@@ -113,10 +46,10 @@ def test_a_notice_raises_the_preemption_flag_with_its_deadline_as_the_grace(meta
     flag = PreemptionSignals()
     flag.install(["SIGUSR2"], deadline_s=120.0, graces={"*": 300.0})
     try:
-        poller = NoticePoller(["aws", "gce"], flag.notify, interval_s=0.1, env=_env(metadata)).start()
+        poller = NoticePoller(["aws", "gce"], flag.notify, interval_s=0.1, env=metadata.environment()).start()
         time.sleep(0.3)
         assert flag.received() is None
-        metadata.aws_notice = {"action": "stop", "time": _in(40)}
+        metadata.post_aws_notice(seconds_from_now=40, action="stop")
         deadline = time.monotonic() + 10
         while flag.received() is None and time.monotonic() < deadline:
             time.sleep(0.05)
