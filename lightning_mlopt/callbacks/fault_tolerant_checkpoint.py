@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -309,20 +309,15 @@ class FaultTolerantCheckpoint(Checkpoint):
         # on_train_epoch_end restarts the next epoch short.
         epoch_ends = self.save_on_epoch_end and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         signalled, due_by_time, no_time, no_time_in_flight = self._agree_at_step_boundary(trainer)
-        if signalled and no_time:
-            preemption.acknowledge()
-            self._exit_without_saving(trainer, finish_in_flight=not no_time_in_flight)
         if signalled:
             preemption.acknowledge()  # acted on: it must not end the process a second time
+            if no_time:
+                self._exit_without_saving(trainer, finish_in_flight=not no_time_in_flight)
             _before_checkpoint(trainer)
             self.save(trainer, reason="signal", wait=True)
             self._tell_loggers(trainer)
             rank_zero_warn(f"Preemption signal: saved step {step}; exiting with status {self.exit_code}.")
-            launch_report.note(preempted=True)
-            if trainer.is_global_zero:  # the rank that committed it
-                launch_report.note(resume_from=str(self.last_saved), resume_step=step, redo_steps=0)
-            self._exiting = True
-            raise SystemExit(self.exit_code)
+            self._exit_preempted(trainer, self.last_saved, resume_step=step)
         if due_by_steps or due_by_time or epoch_ends:
             reason = "every_n_steps" if due_by_steps else "every_n_minutes" if due_by_time else "epoch_end"
             _before_checkpoint(trainer)
@@ -410,17 +405,17 @@ class FaultTolerantCheckpoint(Checkpoint):
             left -= safety_margin_s(preemption.grace_s or left)
         return SaveBudget(left, self.saver.expected_save_seconds(), self.saver.in_flight_seconds_left())
 
-    def _exit_without_saving(self, trainer: pl.Trainer, finish_in_flight: bool) -> None:
+    def _exit_without_saving(self, trainer: pl.Trainer, finish_in_flight: bool) -> NoReturn:
         """A preempted run whose grace has no room for a save: commit the save in flight if it fits, then exit."""
         assert self.saver is not None and self.store is not None  # made at setup
+        budget = self._save_budget()
         if finish_in_flight:  # it fits by the estimate; if it runs late anyway, it is abandoned at the limit
-            self.saver.finish_in_flight_within(trainer, self._save_budget().seconds_left)
+            self.saver.finish_in_flight_within(trainer, budget.seconds_left)
         else:
             self.saver.abandon_in_flight()
         committed = self.store.committed() if trainer.is_global_zero else []
         step, path = committed[-1] if committed else (0, None)
         redo = trainer.global_step - step
-        budget = self._save_budget()
         resumes = (
             f"a relaunch resumes from {path} (step {step}; {redo} step(s) redone)"
             if path
@@ -431,9 +426,17 @@ class FaultTolerantCheckpoint(Checkpoint):
             f"to {budget.save_s or 0:.1f} s, {max(budget.seconds_left or 0, 0):.1f} s left before the kill); "
             f"{resumes}. Exiting with status {self.exit_code}."
         )
+        self._exit_preempted(trainer, path, resume_step=step)
+
+    def _exit_preempted(self, trainer: pl.Trainer, resume_from: Path | None, resume_step: int) -> NoReturn:
+        """End this rank with the preemption status, telling `launch` what a relaunch resumes from."""
         launch_report.note(preempted=True)
-        if trainer.is_global_zero:
-            launch_report.note(resume_from=str(path) if path else None, resume_step=step, redo_steps=redo)
+        if trainer.is_global_zero:  # the rank that knows what was committed
+            launch_report.note(
+                resume_from=str(resume_from) if resume_from else None,
+                resume_step=resume_step,
+                redo_steps=trainer.global_step - resume_step,
+            )
         self._exiting = True
         raise SystemExit(self.exit_code)
 

@@ -51,13 +51,12 @@ class AsyncWriter:
         self.wait()
 
         def run() -> None:
-            started = time.perf_counter()
             try:
                 write()
             except BaseException as error:
                 self._error = error
             finally:
-                self.last_seconds = time.perf_counter() - started
+                self.last_seconds = time.perf_counter() - self._started
                 self.longest_seconds = max(self.longest_seconds or 0.0, self.last_seconds)
 
         # Not a daemon: the interpreter waits for a write in progress rather than cutting it off.

@@ -296,9 +296,6 @@ class CheckpointSaver:
         def write() -> None:
             try:
                 entry = save_file(staged, staging / STATE_NAME)
-                if self._abandoned.is_set():  # a preempted rank gave up on it: never commit after that
-                    store.discard(staging)
-                    return
                 self._commit_prepared(staging, manifest, self._known_entries(trainer, entry))
             except BaseException:
                 store.discard(staging)
@@ -344,9 +341,7 @@ class CheckpointSaver:
                 if rank == 0:
                     store.discard(staging)
                 raise CheckpointWriteError(problem)
-            if rank == 0 and self._abandoned.is_set():  # a preempted rank gave up on it: never commit after that
-                store.discard(staging)
-            elif rank == 0:
+            if rank == 0:
                 for entries in everyones:
                     known.update(entries)
                 self._commit_prepared(staging, manifest, known)
@@ -394,6 +389,9 @@ class CheckpointSaver:
 
     def _commit_prepared(self, staging: Path, manifest: Manifest, known: dict[str, FileEntry]) -> None:
         """Rank zero (or the background writer): manifest, rename into place, ``latest``, retention."""
+        if self._abandoned.is_set():  # a preempted rank gave up on this save: never commit after that
+            self.store.discard(staging)
+            return
         manifest.files = describe_files(staging, known, manifest.checksum)
         manifest.versions = library_versions()
         manifest.created = time.time()

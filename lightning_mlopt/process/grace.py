@@ -15,7 +15,7 @@ Standard library only.
 
 Example::
 
-    >>> grace_from_environment({"LIGHTNING_MLOPT_PREEMPTION_GRACE_S": "30"})
+    >>> grace_for(graces_from_environment({"LIGHTNING_MLOPT_PREEMPTION_GRACE_S": "30"}), "SIGTERM")
     30.0
     >>> signal_deadline_within(120.0, grace_s=30.0)
     28.5
@@ -33,9 +33,6 @@ figure for every signal (``30``), or one per signal (``SIGUSR1=120,SIGTERM=30``:
 leaves ``--signal`` seconds, its preemption SIGTERM only KillWait)."""
 
 ANY_SIGNAL = "*"
-
-GRACE_SOURCE_ENV = "LIGHTNING_MLOPT_PREEMPTION_GRACE_FROM"
-"""Who set :data:`GRACE_ENV` (``launch``, ``sbatch``, ...), for the messages that quote the grace."""
 
 
 def graces_from_environment(env: Mapping[str, str] | None = None) -> dict[str, float]:
@@ -57,11 +54,6 @@ def graces_from_environment(env: Mapping[str, str] | None = None) -> dict[str, f
         if seconds > 0:
             graces[name.strip() or ANY_SIGNAL] = seconds
     return graces
-
-
-def grace_from_environment(env: Mapping[str, str] | None = None, signal_name: str = ANY_SIGNAL) -> float | None:
-    """The grace :data:`GRACE_ENV` announces for ``signal_name``, or None when nobody said."""
-    return grace_for(graces_from_environment(env), signal_name)
 
 
 def grace_for(graces: Mapping[str, float], signal_name: str) -> float | None:

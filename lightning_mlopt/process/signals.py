@@ -140,15 +140,15 @@ class PreemptionSignals:
 
     def describe(self) -> str:
         """What raised the flag, for messages: ``SIGTERM``, or the notice (``an AWS spot notice``)."""
-        if self._notice is not None:
-            return self._notice
-        return signal.Signals(self._received).name if self._received else "no signal"
+        return self._notice or self._received_name() or "no signal"
 
     @property
     def grace_s(self) -> float | None:
         """The grace of the signal received (before one: of any signal), or None when unknown."""
-        name = signal.Signals(self._received).name if self._received else ANY_SIGNAL
-        return grace_for(self.graces, name)
+        return grace_for(self.graces, self._received_name() or ANY_SIGNAL)
+
+    def _received_name(self) -> str | None:
+        return signal.Signals(self._received).name if self._received else None
 
     def current_deadline_s(self) -> float | None:
         """Seconds from the signal received to the last-resort exit: ``deadline_s``, below its grace."""

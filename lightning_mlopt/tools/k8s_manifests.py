@@ -167,9 +167,10 @@ def _checkpoint_volume(spec: ManifestSpec) -> dict[str, Any]:
     return {"emptyDir": {}}
 
 
-def _metadata(spec: ManifestSpec, name: str | None = None) -> dict[str, Any]:
+def _metadata(spec: ManifestSpec, name: str | None = None, queued: bool = True) -> dict[str, Any]:
+    """``queued``: the object Kueue admits (the workload itself), which alone carries the queue label."""
     labels = dict(MANAGED_BY)
-    if spec.queue:
+    if spec.queue and queued:
         labels[QUEUE_LABEL] = spec.queue
     metadata: dict[str, Any] = {"name": name or spec.name, "labels": labels}
     if spec.namespace:
@@ -269,7 +270,7 @@ def trainjob_manifests(spec: ManifestSpec) -> list[dict[str, Any]]:
     runtime = {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainingRuntime",
-        "metadata": _metadata(spec, runtime_name) | {"labels": dict(MANAGED_BY)},
+        "metadata": _metadata(spec, runtime_name, queued=False),
         "spec": {
             "mlPolicy": {"numNodes": spec.nodes, "torch": {}},
             "template": {"spec": jobset_spec},
@@ -326,6 +327,6 @@ def config_map_manifest(spec: ManifestSpec, config_yaml: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(spec, spec.config_map) | {"labels": dict(MANAGED_BY)},
+        "metadata": _metadata(spec, spec.config_map, queued=False),
         "data": {"config.yaml": config_yaml},
     }

@@ -37,7 +37,7 @@ from typing import Any
 
 from lightning_mlopt.commands import TRAINER_RUNS
 from lightning_mlopt.process import exit_codes
-from lightning_mlopt.process.grace import GRACE_ENV, GRACE_SOURCE_ENV, graces_from_environment
+from lightning_mlopt.process.grace import GRACE_ENV, graces_from_environment
 from lightning_mlopt.process.launch_report import DEADLINE_NAME, LAUNCHER_PID_ENV, REPORTS_ENV, read_reports
 from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, NoticePoller, providers_for
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
@@ -152,7 +152,6 @@ def _worker_environment(options: argparse.Namespace, reports: str) -> None:
     outer = min(graces_from_environment().values(), default=None)
     grace = float(options.shutdown_timeout) if outer is None else min(outer, float(options.shutdown_timeout))
     os.environ[GRACE_ENV] = f"{grace:g}"
-    os.environ[GRACE_SOURCE_ENV] = "launch"
     os.environ[REPORTS_ENV] = reports
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ[NOTICES_BY_LAUNCHER_ENV] = "1"  # the workers leave the polling to the launcher, once per node
@@ -200,27 +199,27 @@ def _run(options: argparse.Namespace, signals: _Signals, reports: str) -> int:
     if signals.received is not None:  # during start-up, before any worker: nothing to save
         return _say(options.preempted_exit_code, f"{_name(signals.received)} before the workers started")
     poller = _poll_notices(options, reports)
+    ended: Exception | None = None
     try:
         run(options)
-    except SignalException as stop:
-        signals.own()
-        return _after_preemption(options, f"preempted by {_name(int(stop.sigval))}", read_reports(reports))
-    except ChildFailedError as failed:
-        signals.own()
+    except Exception as error:  # a signal, a failed worker, torchrun's own errors (rendezvous timeouts, ...)
+        ended = error
+    finally:
+        signals.own()  # from here a signal is recorded, not raised: the outcome is already known
+        if poller is not None:
+            poller.stop()
+    if ended is None:
+        return exit_codes.SUCCESS
+    if isinstance(ended, SignalException):
+        return _after_preemption(options, f"preempted by {_name(int(ended.sigval))}", read_reports(reports))
+    if isinstance(ended, ChildFailedError):
         found = read_reports(reports)
         if any(report.get("preempted") for report in found.values()):  # another node's launcher was signalled
             return _after_preemption(options, "preempted (the signal reached another node)", found)
-        rank, failure = failed.get_first_failure()
+        rank, failure = ended.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # -9 -> 137, as a shell says
         return _say(code, f"worker rank {rank} exited with status {code}; its output is above")
-    except Exception as error:  # rendezvous timeouts, a bad endpoint: torchrun's own errors
-        signals.own()
-        return _say(exit_codes.FAILURE, f"{type(error).__name__}: {error}")
-    finally:
-        signals.own()  # a signal after the agent ended is recorded, not raised: the outcome is already known
-        if poller is not None:
-            poller.stop()
-    return exit_codes.SUCCESS
+    return _say(exit_codes.FAILURE, f"{type(ended).__name__}: {ended}")
 
 
 def _after_preemption(options: argparse.Namespace, cause: str, reports: dict[int, dict[str, Any]]) -> int:

@@ -22,7 +22,7 @@ from lightning_mlopt._bad_input import config_paths
 from lightning_mlopt.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.process import exit_codes
-from lightning_mlopt.process.grace import GRACE_ENV, GRACE_SOURCE_ENV
+from lightning_mlopt.process.grace import GRACE_ENV
 from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments, without_options
 
@@ -171,7 +171,7 @@ def sbatch_script(
         "# The time from each signal to the kill: SIGUSR1 comes --signal seconds before the time limit; a",
         "# preemption or scancel SIGTERM is followed by SIGKILL after KillWait (30 s, SLURM's default). A signal",
         "# save that would not end in time is not started.",
-        f"export {GRACE_ENV}=SIGUSR1={job.signal_seconds},SIGTERM={SLURM_KILL_WAIT_S} {GRACE_SOURCE_ENV}=sbatch",
+        f"export {GRACE_ENV}=SIGUSR1={job.signal_seconds},SIGTERM={SLURM_KILL_WAIT_S}",
         f'if [ "${{SLURM_NTASKS:-{job.tasks}}}" != "{job.tasks}" ]; then',
         f'  echo "error: SLURM allocated $SLURM_NTASKS tasks but the run needs {job.nodes} x {job.gpus_per_node} = '
         f'{job.tasks} (one per device); resubmit with matching --nodes/--ntasks-per-node" >&2',
