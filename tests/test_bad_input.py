@@ -161,3 +161,21 @@ def test_reversed_profile_window_names_the_key(tmp_path, monkeypatch, capsys):
 def test_unknown_performance_key_suggests_the_right_one(tmp_path, monkeypatch, capsys):
     message = _fails(tmp_path, monkeypatch, capsys, "--performance.stall_treshold=0.2")
     assert "performance.stall_threshold" in message
+
+
+@pytest.mark.parametrize("url", ["s3://ckpt/runs/q", "gs://bucket/run"])
+def test_a_url_as_checkpoint_dirpath_is_refused_not_taken_for_a_local_folder(tmp_path, monkeypatch, capsys, url):
+    # pathlib reads s3://ckpt/runs/q as the relative folder s3:/ckpt/runs/q: the checkpoints would vanish with the node
+    message = _fails(tmp_path, monkeypatch, capsys, f"--checkpoint.dirpath={url}")
+    assert f"checkpoint.dirpath: '{url}' is an {url.split(':')[0]}:// URL; checkpoints live in folders" in message
+    assert not (tmp_path / f"{url.split(':')[0]}:").exists()
+
+
+def test_the_checkpoint_tool_refuses_a_url(tmp_path, monkeypatch, capsys):
+    from lightning_mlopt.tools.checkpoint import main as checkpoint_tool
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        checkpoint_tool(["verify", "s3://ckpt/runs/q"])
+    assert exit_info.value.code == 2
+    assert "'s3://ckpt/runs/q' is an s3:// URL" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from lightning_mlopt.checkpoint.layout import ONE_FILE
 from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
+from lightning_mlopt.checkpoint.store import refuse_url
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.process import exit_codes, launch_report
@@ -145,6 +146,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             raise ValueError(f"signal_deadline_s must be > 0 or null, got {signal_deadline_s}")
         if preemption_grace_s is not None and preemption_grace_s <= 0:
             raise ValueError(f"preemption_grace_s must be > 0 or null, got {preemption_grace_s}")
+        if dirpath is not None:
+            refuse_url(dirpath, "checkpoint.dirpath")
         signal_names = ["SIGTERM", "SIGUSR1"] if signals is None else list(signals)
         unknown = [name for name in signal_names if not hasattr(signal, name)]
         if unknown:

@@ -18,7 +18,7 @@ import torch
 
 from lightning_mlopt.checkpoint.layout import consolidator, layout_of_folder
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
-from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
+from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore, refuse_url
 from lightning_mlopt.checkpoint.trust import check_trusted
 from lightning_mlopt.exceptions import CheckpointInvalidError, UntrustedCheckpointError
 from lightning_mlopt.run_dir import CONFIG_NAME
@@ -157,18 +157,28 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _folder(text: str) -> Path:
+    """A checkpoint path argument: a file or folder, never a URL (pathlib would take ``s3://b`` for ``s3:/b``)."""
+    try:
+        refuse_url(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return Path(text)
+
+
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt checkpoint``; returns the exit status."""
     parser = ToolArgumentParser(prog="python -m lightning_mlopt checkpoint", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="step, time, size and validity of each checkpoint").add_argument("dir", type=Path)
-    commands.add_parser("verify", help="check checksums; non-zero exit when invalid").add_argument("path", type=Path)
+    listing = commands.add_parser("list", help="step, time, size and validity of each checkpoint")
+    listing.add_argument("dir", type=_folder)
+    commands.add_parser("verify", help="check checksums; non-zero exit when invalid").add_argument("path", type=_folder)
     merge = commands.add_parser("consolidate", help="any checkpoint into one Lightning .ckpt")
-    merge.add_argument("checkpoint", type=Path)
-    merge.add_argument("output", type=Path)
+    merge.add_argument("checkpoint", type=_folder)
+    merge.add_argument("output", type=_folder)
     out = commands.add_parser("export", help="any checkpoint's weights as safetensors, with the model's config")
-    out.add_argument("checkpoint", type=Path)
-    out.add_argument("out_dir", type=Path)
+    out.add_argument("checkpoint", type=_folder)
+    out.add_argument("out_dir", type=_folder)
     out.add_argument("--format", choices=["safetensors"], default="safetensors")
     out.add_argument("--max-shard-size", type=_byte_size, default="5GB", help="shard above this (e.g. 5GB, 500MB)")
     for loader in (merge, out):
