@@ -28,6 +28,21 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; earlier checkpoints are intact. The message names the path and cause."""
 
 
+class ObjectStoreError(CheckpointWriteError):
+    """An object store (S3 and its kin) refused or failed a request; the message names the URL and the cause.
+
+    Never a credential: the cause is the service's error code, or what could not be reached.
+    """
+
+
+class ConcurrentWriterError(ObjectStoreError):
+    """Another writer changed what this one relied on (``latest``, a commit): two runs share one prefix."""
+
+
+class MissingObjectError(ObjectStoreError):
+    """No object has the key: a read of something that may legitimately be absent (``latest`` before any commit)."""
+
+
 class CheckpointInvalidError(Exception):
     """A checkpoint failed verification; the message says which file and why."""
 

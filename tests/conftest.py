@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,3 +95,24 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     yield mount
     for point in reversed(mounted):
         subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[Any]:
+    """moto's S3-compatible server on loopback, for the whole session (started on first use, killed by pid)."""
+    from tests.s3_server import MotoServer
+
+    with MotoServer() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(moto_server: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the loopback S3 server, with this process's AWS environment pointed at it; its name."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    moto_server.create_bucket(name)
+    for variable in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in moto_server.environment().items():
+        monkeypatch.setenv(variable, value)
+    return name
