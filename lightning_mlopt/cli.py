@@ -28,11 +28,7 @@ from lightning_mlopt import strategies
 from lightning_mlopt._bad_input import check_config_files, config_paths, explain_parser_error
 from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subcommand_parsers
 from lightning_mlopt._quiet import silence_known_noise
-from lightning_mlopt.callbacks import (
-    FaultTolerantCheckpoint,
-    PerformanceMonitor,
-    ThroughputProgressBar,
-)
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor, ThroughputProgressBar
 from lightning_mlopt.cli_support import SaveResolvedConfig, StartupComplete, describe_outputs, poll_preemption_notices
 from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
@@ -152,6 +148,7 @@ class MLOptCLI(LightningCLI):
         """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best (verified)."""
         from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
         from lightning_mlopt.checkpoint.store import STATE_NAME
+        from lightning_mlopt.checkpoint.tiers import local_folder
         from lightning_mlopt.checkpoint.trust import check_trusted
 
         value = config.get("ckpt_path")
@@ -159,8 +156,8 @@ class MLOptCLI(LightningCLI):
             return
         assert self.run_dir is not None
         checkpoint = config.get("checkpoint") or {}
-        own = Path(checkpoint.get("dirpath") or self.run_dir / CHECKPOINTS_DIR)
-        path, described = resolve_checkpoint_path(str(value), own, mode=checkpoint.get("mode") or "min")
+        own = local_folder(checkpoint.get("dirpath"), checkpoint.get("local_dirpath")) or self.run_dir / CHECKPOINTS_DIR
+        path, described = resolve_checkpoint_path(str(value), Path(own), mode=checkpoint.get("mode") or "min")
         # Every pickle in it (our step folder whole, RNG files included) is checked before Lightning loads it.
         target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
         if target.exists():

@@ -163,11 +163,12 @@ def test_unknown_performance_key_suggests_the_right_one(tmp_path, monkeypatch, c
     assert "performance.stall_threshold" in message
 
 
-@pytest.mark.parametrize("url", ["s3://ckpt/runs/q", "gs://bucket/run"])
+@pytest.mark.parametrize("url", ["gs://bucket/run", "file:///tmp/run"])
 def test_a_url_as_checkpoint_dirpath_is_refused_not_taken_for_a_local_folder(tmp_path, monkeypatch, capsys, url):
     # pathlib reads s3://ckpt/runs/q as the relative folder s3:/ckpt/runs/q: the checkpoints would vanish with the node
     message = _fails(tmp_path, monkeypatch, capsys, f"--checkpoint.dirpath={url}")
-    assert f"checkpoint.dirpath: '{url}' is an {url.split(':')[0]}:// URL; checkpoints live in folders" in message
+    assert f"checkpoint.dirpath: '{url}' is an {url.split(':')[0]}:// URL where a folder is expected" in message
+    assert "or an S3-compatible store: s3://bucket/prefix" in message
     assert not (tmp_path / f"{url.split(':')[0]}:").exists()
 
 

@@ -31,7 +31,8 @@ PINNED = {
     FSDPStrategy: "wrap_classes min_params_to_wrap reshard_after_forward replicate_group_size activation_checkpointing "
     "param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes process_group_backend",
     DeepSpeedStrategy: "preset config offload_optimizer offload_parameters timeout_minutes process_group_backend",
-    FaultTolerantCheckpoint: "dirpath every_n_steps every_n_minutes save_on_epoch_end save_on_train_end "
+    FaultTolerantCheckpoint: "dirpath local_dirpath remote_every_n_steps remote_every_n_minutes every_n_steps "
+    "every_n_minutes save_on_epoch_end save_on_train_end "
     "save_on_exception signals exit_code signal_deadline_s preemption_grace_s keep_last keep_every_n_steps monitor "
     "mode keep_best "
     "async_save auto_resume resume_final trust_pickles",

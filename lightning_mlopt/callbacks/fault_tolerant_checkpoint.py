@@ -22,10 +22,12 @@ from lightning_mlopt.checkpoint import (
     RetentionPolicy,
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE
+from lightning_mlopt.checkpoint.object_store import is_object_url
+from lightning_mlopt.checkpoint.replicator import Replicator
 from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
-from lightning_mlopt.checkpoint.store import refuse_url
+from lightning_mlopt.checkpoint.tiers import attach_remote, check_tier_settings, local_folder
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.process import exit_codes, launch_report
@@ -68,7 +70,20 @@ class FaultTolerantCheckpoint(Checkpoint):
     DistributedSampler of every multi-process run) the resumed run is bitwise identical on CPU.
 
     Args:
-        dirpath: where checkpoints go. None: ``<trainer.default_root_dir>/checkpoints`` (the CLI's run dir).
+        dirpath: where checkpoints go: a folder, or an S3-compatible object store (``s3://bucket/prefix``, with
+            the standard AWS configuration: ``AWS_*`` variables including ``AWS_ENDPOINT_URL``, profiles,
+            instance roles). On a store, each save commits to the local tier first (``local_dirpath``) and is
+            copied up in the background, committed there by a create-only manifest (no rename); a copy that
+            fails stops the run (exit 74) unless ``local_dirpath`` is set. None:
+            ``<trainer.default_root_dir>/checkpoints`` (the CLI's run dir).
+        local_dirpath: with ``dirpath`` on an object store: the fast local tier (node-local disk, tmpfs), saved
+            every time; the store gets a copy when ``remote_every_n_steps`` / ``remote_every_n_minutes`` say,
+            and a failing copy is said once while training goes on. Resume takes the newest checkpoint that
+            verifies across both tiers. None: ``<trainer.default_root_dir>/checkpoints``, and every save is
+            copied.
+        remote_every_n_steps: copy to the object store when at least N steps passed since the last copy.
+        remote_every_n_minutes: copy to the object store when at least T minutes passed since the last copy.
+            With neither, every save is copied; the final and the signal save always are.
         every_n_steps: save every N optimizer steps; None: never by step count.
         every_n_minutes: save when T minutes passed since the last save; None: never by time.
         save_on_epoch_end: save at the end of every training epoch.
@@ -117,6 +132,9 @@ class FaultTolerantCheckpoint(Checkpoint):
     def __init__(
         self,
         dirpath: str | None = None,
+        local_dirpath: str | None = None,
+        remote_every_n_steps: int | None = None,
+        remote_every_n_minutes: float | None = None,
         every_n_steps: int | None = None,
         every_n_minutes: float | None = None,
         save_on_epoch_end: bool = True,
@@ -146,14 +164,16 @@ class FaultTolerantCheckpoint(Checkpoint):
             raise ValueError(f"signal_deadline_s must be > 0 or null, got {signal_deadline_s}")
         if preemption_grace_s is not None and preemption_grace_s <= 0:
             raise ValueError(f"preemption_grace_s must be > 0 or null, got {preemption_grace_s}")
-        if dirpath is not None:
-            refuse_url(dirpath, "checkpoint.dirpath")
+        check_tier_settings(dirpath, local_dirpath, remote_every_n_steps, remote_every_n_minutes)
         signal_names = ["SIGTERM", "SIGUSR1"] if signals is None else list(signals)
         unknown = [name for name in signal_names if not hasattr(signal, name)]
         if unknown:
             raise ValueError(f"signals: unknown signal name(s) {unknown}; e.g. SIGTERM, SIGUSR1, SIGUSR2")
         self.retention = RetentionPolicy(keep_last, keep_every_n_steps, keep_best if monitor else 0, mode)
         self.dirpath = dirpath
+        self.local_dirpath = local_dirpath
+        self.remote_every_n_steps = remote_every_n_steps
+        self.remote_every_n_minutes = remote_every_n_minutes
         self.every_n_steps = every_n_steps
         self.every_n_minutes = every_n_minutes
         self.save_on_epoch_end = save_on_epoch_end
@@ -202,9 +222,15 @@ class FaultTolerantCheckpoint(Checkpoint):
     def state_key(self) -> str:
         return callback_state_key(self, dirpath=self.dirpath, every_n_steps=self.every_n_steps)
 
+    @property
+    def remote_url(self) -> str | None:
+        """The object store holding the checkpoints (``dirpath`` when it is one), else None."""
+        return self.dirpath if self.dirpath is not None and is_object_url(self.dirpath) else None
+
     def checkpoint_dir(self, trainer: pl.Trainer) -> Path:
-        """Where checkpoints go: ``dirpath``, or ``<trainer.default_root_dir>/checkpoints``."""
-        return Path(self.dirpath or os.path.join(trainer.default_root_dir, CHECKPOINTS_DIR))
+        """The folder saves commit to: ``dirpath`` (a folder), else ``local_dirpath``, else the run dir's."""
+        folder = local_folder(self.dirpath, self.local_dirpath)
+        return Path(folder or os.path.join(trainer.default_root_dir, CHECKPOINTS_DIR))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,7 +241,15 @@ class FaultTolerantCheckpoint(Checkpoint):
         # Every rank must write to and resume from the same place: rank zero's path decides.
         store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
         contract = contract_of(trainer.strategy)
-        self.saver = CheckpointSaver(store, self.retention, self.async_save, self.monitor, strategy=contract)
+        remote = attach_remote(trainer, self.remote_url, self.retention, required=self.local_dirpath is None)
+        replicator = None
+        if remote is not None:
+            replicator = Replicator(
+                remote, self.remote_every_n_steps, self.remote_every_n_minutes, must_succeed=self.local_dirpath is None
+            )
+        self.saver = CheckpointSaver(
+            store, self.retention, self.async_save, self.monitor, strategy=contract, replicator=replicator
+        )
         # Own the signals for the run (flag-only handlers), with Lightning's own kept off them; the last-resort
         # deadline sits below the grace when the grace is known.
         graces = {ANY_SIGNAL: self.preemption_grace_s} if self.preemption_grace_s else graces_from_environment()
@@ -227,7 +261,14 @@ class FaultTolerantCheckpoint(Checkpoint):
         choice = None
         if self.auto_resume and trainer.is_global_zero:
             current = (type(trainer.strategy).__name__, contract.checkpoint_layout)
-            choice = choose_checkpoint(store, current, self.trust_pickles, self.resume_final)
+            choice = choose_checkpoint(
+                store,
+                current,
+                self.trust_pickles,
+                self.resume_final,
+                remote,
+                remote_required=self.local_dirpath is None,
+            )
             if choice is not None and choice.manifest is not None:
                 self.saver.note_resumed(choice.manifest)
         # Rank zero chose; every rank gets its choice, or its refusal, and acts on it alike.
@@ -235,6 +276,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.resumed_from, self._resume_final = choice.path, choice.stays_final
         if choice.refusal is not None:
             raise BadInputError(choice.refusal)
+        if choice.failure is not None:
+            raise CheckpointWriteError(choice.failure)
         if self.resumed_from is not None and not trainer.strategy.restore_checkpoint_after_setup:
             self._preloaded_path = preload(trainer, self.resumed_from, self.trust_pickles)
 
@@ -334,6 +377,7 @@ class FaultTolerantCheckpoint(Checkpoint):
             self.save(trainer, reason="final", final=True, wait=True)
         assert self.saver is not None  # made at setup
         self.saver.wait(trainer)
+        self.saver.finish_copies(trainer)  # the final checkpoint is in the remote tier before the run ends
         self._tell_loggers(trainer)
 
     @override
@@ -432,7 +476,17 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._exit_preempted(trainer, path, resume_step=step)
 
     def _exit_preempted(self, trainer: pl.Trainer, resume_from: Path | None, resume_step: int) -> NoReturn:
-        """End this rank with the preemption status, telling `launch` what a relaunch resumes from."""
+        """End this rank with the preemption status, telling `launch` what a relaunch resumes from.
+
+        A remote copy still running gets what is left of the grace; if it does not land, the local tier has
+        the checkpoint (a relaunch on this node resumes from it) and the store keeps its previous one.
+        """
+        assert self.saver is not None  # made at setup
+        if not self.saver.finish_copies(trainer, self._save_budget().seconds_left):
+            rank_zero_warn(
+                f"Preemption: the copy to {self.remote_url} did not finish within the grace; {resume_from} is in "
+                "the local tier, the object store keeps its previous checkpoint."
+            )
         launch_report.note(preempted=True)
         if trainer.is_global_zero:  # the rank that knows what was committed
             launch_report.note(

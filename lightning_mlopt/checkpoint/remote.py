@@ -75,7 +75,6 @@ class RemoteCheckpoints:
         self._latest_etag: str | None = None
         self._attached = False
         self._manifests: dict[int, Manifest] = {}  # read or written by this process: small, and never change
-        self._committed_here: set[int] = set()
 
     @property
     def url(self) -> str:
@@ -95,29 +94,35 @@ class RemoteCheckpoints:
         """Copy a committed local checkpoint folder up and commit it; return the commit's URL.
 
         The files are checked against the local manifest as they stream; a file that changed (or a disk
-        that returned other bytes) fails the upload before anything is committed.
+        that returned other bytes) fails the upload before anything is committed. The same step saved again
+        with other contents (the final save right after a periodic one) replaces the commit by
+        compare-and-swap: a reader sees the old commit or the new one, never neither.
         """
         manifest = Manifest.from_json((local / MANIFEST_NAME).read_text())
         name = CheckpointStore.name_for(manifest.step)
-        if manifest.step in self._committed_here:  # saved twice at one step (a signal after a periodic save)
-            return str(self.store.url.child(name))
+        manifest_key, folder = f"{name}/{MANIFEST_NAME}", data_folder(manifest)
         if not self._attached:
             self.attach()
-        folder = f"{name}/{data_folder(manifest)}"
-        self._upload_files(local, manifest, folder)
-        try:
-            self.store.put_bytes(f"{name}/{MANIFEST_NAME}", manifest.to_json().encode(), create_only=True)
-        except ConcurrentWriterError:
-            existing = self.read_manifest(manifest.step)
-            if existing is None or data_folder(existing) != data_folder(manifest):
+        found = self.store.get_bytes(manifest_key)
+        previous = _parse(found[0]) if found else None
+        if previous is not None and data_folder(previous) == folder:
+            return str(self.store.url.child(name))  # these very files are committed (a relaunch after its commit)
+        self._upload_files(local, manifest, f"{name}/{folder}")
+        if found is None:
+            try:
+                self.store.put_bytes(manifest_key, manifest.to_json().encode(), create_only=True)  # the commit
+            except ConcurrentWriterError:
                 raise ConcurrentWriterError(
                     f"{self.store.url.child(name)}: another writer committed this step first: two runs are writing "
                     f"to {self.url}. Give each run its own checkpoint.dirpath"
                 ) from None
-            # The same files, committed before (this run, relaunched after its commit): nothing to do.
+            self._move_latest(name)
+        else:
+            self._move_latest(name)  # first: a second writer is found before its commit is touched
+            self.store.put_bytes(manifest_key, manifest.to_json().encode(), if_match=found[1])
+            stale = [key for key in self.store.list_keys(f"{name}/") if not key.startswith(f"{name}/{folder}/")]
+            self.store.delete_keys([key for key in stale if key != manifest_key])
         self._manifests[manifest.step] = manifest
-        self._committed_here.add(manifest.step)
-        self._move_latest(name)
         self._apply_retention(protected=manifest.step)
         return str(self.store.url.child(name))
 
@@ -189,10 +194,10 @@ class RemoteCheckpoints:
             found = self.store.get_bytes(f"{CheckpointStore.name_for(step)}/{MANIFEST_NAME}")
             if found is None:
                 return None
-            try:
-                self._manifests[step] = Manifest.from_json(found[0].decode())
-            except (CheckpointInvalidError, UnicodeDecodeError):
+            manifest = _parse(found[0])
+            if manifest is None:
                 return None
+            self._manifests[step] = manifest
         return self._manifests[step]
 
     def download(self, step: int, local: CheckpointStore) -> CheckpointEntry:
@@ -245,4 +250,12 @@ class RemoteCheckpoints:
                 return entry
             if skipped is not None:
                 skipped.append(entry)
+        return None
+
+
+def _parse(data: bytes) -> Manifest | None:
+    """A manifest read from the store; None when it is malformed (not a commit a reader may take)."""
+    try:
+        return Manifest.from_json(data.decode())
+    except (CheckpointInvalidError, UnicodeDecodeError):
         return None

@@ -23,37 +23,58 @@ from torch.utils.data import DataLoader, Sampler
 from lightning_mlopt._compat import epoch_loaders, preload_checkpoint, resume_start
 from lightning_mlopt.checkpoint.layout import can_resume, layout_of_manifest
 from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.checkpoint.trust import check_trusted
-from lightning_mlopt.exceptions import UntrustedCheckpointError
+from lightning_mlopt.exceptions import ObjectStoreError, UntrustedCheckpointError
 
 RNG_DIR = "rng"  # rng/rank-<r>.pt in every checkpoint folder
 
 
 @dataclass(frozen=True)
 class ResumeChoice:
-    """What rank zero chose: a checkpoint and whether it stays finished, or a refusal (then ``path`` is None)."""
+    """What rank zero chose: a checkpoint and whether it stays finished, or why not (then ``path`` is None).
+
+    ``refusal``: bad input (the checkpoint does not fit this run); ``failure``: the remote tier could not be read.
+    """
 
     path: Path | None
     stays_final: bool = False
     refusal: str | None = None
     manifest: Manifest | None = None
+    failure: str | None = None
 
 
 def choose_checkpoint(
-    store: CheckpointStore, strategy: tuple[str, str], trust_pickles: bool, resume_final: bool
+    store: CheckpointStore,
+    strategy: tuple[str, str],
+    trust_pickles: bool,
+    resume_final: bool,
+    remote: RemoteCheckpoints | None = None,
+    remote_required: bool = True,
 ) -> ResumeChoice | None:
     """Rank zero: clean interrupted saves, take the newest checkpoint that verifies, check it fits and is trusted.
 
-    ``strategy`` is the run's strategy as ``(class name, checkpoint layout)``. None when there is nothing to
+    ``strategy`` is the run's strategy as ``(class name, checkpoint layout)``. ``remote``: a remote tier whose
+    newer checkpoints are downloaded (verified) into ``store`` first; ``remote_required``: a remote that cannot
+    be read fails the resume (else the local tier is used, with a warning). None when there is nothing to
     resume from.
     """
     for leftover in store.clean_staging():
         rank_zero_info(f"Removed an interrupted save: {leftover}")
     skipped: list[Any] = []
     entry = store.newest_valid(skipped)
+    if remote is not None:
+        try:
+            entry = (
+                remote.download_newest_valid(store, newer_than=entry.step if entry else -1, skipped=skipped) or entry
+            )
+        except ObjectStoreError as error:
+            if remote_required:
+                return ResumeChoice(None, failure=f"cannot resume from the remote tier: {error}")
+            rank_zero_warn(f"The remote tier could not be read ({error}); resuming from the local tier.")
     for bad in skipped:
         rank_zero_warn(f"Checkpoint {bad.path} failed verification ({bad.problem}); trying an older one.")
     if entry is None:

@@ -86,11 +86,20 @@ def translate_error(error: BaseException, url: str, what: str, attempts: int = M
         return ObjectStoreError(f"{url}: {what} failed: {cause}")
     if isinstance(error, boto.ReadTimeoutError):
         return ObjectStoreError(f"{url}: {what} failed: the endpoint stopped answering ({READ_TIMEOUT_S:.0f} s)")
+    if isinstance(error, boto.ConnectionClosedError):
+        return ObjectStoreError(
+            f"{url}: {what} failed: {_endpoint(error)} closed the connection before answering ({attempts} attempts)"
+        )
     if isinstance(error, boto.ConnectionError):
-        address = urllib.parse.urlsplit(getattr(error, "kwargs", {}).get("endpoint_url") or "")
-        endpoint = f"{address.scheme}://{address.netloc}" if address.netloc else "the endpoint"
+        endpoint = _endpoint(error)
         return ObjectStoreError(
             f"{url}: {what} failed: cannot reach {endpoint} (check AWS_ENDPOINT_URL and the network)"
         )
     first_line = (str(error).strip().splitlines() or [""])[0][:200]
     return ObjectStoreError(f"{url}: {what} failed: {type(error).__name__}: {first_line}")
+
+
+def _endpoint(error: BaseException) -> str:
+    """``scheme://host:port`` of the request that failed (botocore's message names the whole object URL)."""
+    address = urllib.parse.urlsplit(getattr(error, "kwargs", {}).get("endpoint_url") or "")
+    return f"{address.scheme}://{address.netloc}" if address.netloc else "the endpoint"

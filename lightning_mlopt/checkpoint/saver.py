@@ -38,6 +38,7 @@ from lightning_mlopt.checkpoint.errors import (
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointingStrategy
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, describe_files, library_versions
+from lightning_mlopt.checkpoint.replicator import Replicator
 from lightning_mlopt.checkpoint.resume import RNG_DIR
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.rng import capture_rng_state
@@ -59,6 +60,7 @@ class CheckpointSaver:
         monitor: a logged metric recorded in each manifest (for retention by best value).
         strategy: what the run's strategy answers about saving (``strategies.contract.contract_of``): its layout
             and whether it saves in the background.
+        replicator: copies committed checkpoints to a remote tier in the background (rank zero; None: none).
 
     """
 
@@ -70,8 +72,10 @@ class CheckpointSaver:
         monitor: str | None = None,
         *,
         strategy: CheckpointingStrategy,
+        replicator: Replicator | None = None,
     ) -> None:
         self.store = store
+        self.replicator = replicator
         self.strategy = strategy
         self.retention = retention
         self.async_save = async_save
@@ -88,8 +92,8 @@ class CheckpointSaver:
 
     @property
     def failed(self) -> bool:
-        """True when a background write failed and ``wait`` has not raised it yet (never blocks)."""
-        return self._writer.failed
+        """True when a background write or a must-succeed remote copy failed, not raised by ``wait`` yet."""
+        return self._writer.failed or (self.replicator is not None and self.replicator.failed)
 
     @property
     def last_background_seconds(self) -> float | None:
@@ -140,6 +144,8 @@ class CheckpointSaver:
         """
         self._abandoned.set()
         self._writer.abandon()
+        if self.replicator is not None:
+            self.replicator.abandon()
 
     def note_resumed(self, manifest: Manifest) -> None:
         """The run resumes from a checkpoint with this manifest: the next save needs its size free."""
@@ -152,8 +158,21 @@ class CheckpointSaver:
         return committed
 
     def close(self) -> None:
-        """Wait for the write in flight (its error is raised)."""
-        self._writer.close()
+        """Wait for the write in flight (its error is raised) and the remote copies."""
+        try:
+            self._writer.close()
+        finally:
+            if self.replicator is not None:
+                self.replicator.close()
+
+    def finish_copies(self, trainer: pl.Trainer, seconds: float | None = None) -> bool:
+        """Collective: wait up to ``seconds`` (None: no limit) for the remote copies; whether they all landed.
+
+        A copy that had to succeed and failed raises on every rank, as a failed write does in ``wait``.
+        """
+        done = self.replicator.flush(seconds) if self.replicator is not None else True
+        self.wait(trainer)
+        return first_problem(trainer, None if done else "a remote copy is still running") is None
 
     def save(self, trainer: pl.Trainer, reason: str, final: bool = False, wait: bool = False) -> None:
         """Save on every rank (collective), following the commit protocol; ``wait``: until committed."""
@@ -364,6 +383,9 @@ class CheckpointSaver:
             agreed = f"the background checkpoint write failed: {error}"
         except Exception as error:
             problem = f"the background checkpoint write failed: {describe_write_error(error, self.store.root)}"
+        copy_error = self.replicator.take_error() if self.replicator is not None else None
+        if copy_error is not None and problem is None:
+            problem = f"the remote checkpoint copy failed: {copy_error}"
         if trainer is not None:
             problem = first_problem(trainer, problem)  # reached by every rank, whatever happened here
         problem = agreed or problem
@@ -398,6 +420,8 @@ class CheckpointSaver:
         self.last_saved = self.store.commit(staging, manifest)
         self._last_commit_time = manifest.created
         self._last_total_bytes = manifest.total_bytes
+        if self.replicator is not None:  # the final and the signal save are copied whatever the schedule
+            self.replicator.offer(self.last_saved, manifest.step, force=manifest.final or manifest.reason == "signal")
         self._apply_retention(protected=manifest.step)
         self._committed.append((self.last_saved, manifest))  # loggers hear of it on the main thread
 
@@ -412,7 +436,8 @@ class CheckpointSaver:
             metric = manifest.metric
             scored.append((step, None if metric is None else metric.get("value")))
             paths[step] = path
-        for step in self.retention.to_delete(scored, protected=[protected]):
+        copying = self.replicator.busy_steps() if self.replicator is not None else set()
+        for step in self.retention.to_delete(scored, protected=[protected, *copying]):
             shutil.rmtree(paths[step], ignore_errors=True)
 
     def _metric(self, trainer: pl.Trainer) -> dict[str, float] | None:

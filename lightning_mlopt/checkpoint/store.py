@@ -30,27 +30,27 @@ _STAGING_PREFIX = ".staging-"
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def refuse_url(location: str, key: str | None = None) -> None:
-    """Raise ValueError when ``location`` is a URL (``s3://...``): checkpoints live in folders on a filesystem.
+def refuse_url(location: str, key: str | None = None, alternative: str = "") -> None:
+    """Raise ValueError when ``location`` is a URL where a folder is expected (``alternative``: what else fits).
 
     Without it, ``pathlib`` takes ``s3://bucket/x`` for the relative folder ``s3:/bucket/x``, and the
     checkpoints a user believes are in a bucket vanish with the node.
 
     Example::
 
-        >>> refuse_url("/mnt/shared/run/checkpoints", "checkpoint.dirpath")
-        >>> refuse_url("s3://bucket/run", "checkpoint.dirpath")
+        >>> refuse_url("/mnt/shared/run/checkpoints", "checkpoint.local_dirpath")
+        >>> refuse_url("s3://bucket/run", "checkpoint.local_dirpath")
         Traceback (most recent call last):
         ...
-        ValueError: checkpoint.dirpath: 's3://bucket/run' is an s3:// URL; checkpoints live in folders ...
+        ValueError: checkpoint.local_dirpath: 's3://bucket/run' is an s3:// URL where a folder is expected: ...
     """
     found = _URL.match(location)
     if found:
         named = f"{key}: " if key else ""
         raise ValueError(
-            f"{named}{location!r} is an {found.group(1)}:// URL; checkpoints live in folders (a local disk, or a "
-            "shared filesystem mounted on every node) in this version. Give a folder path, e.g. "
-            "/mnt/shared/runs/<name>/checkpoints"
+            f"{named}{location!r} is an {found.group(1)}:// URL where a folder is expected: give a folder (a local "
+            "disk, or a shared filesystem mounted on every node, e.g. /mnt/shared/runs/<name>/checkpoints)"
+            f"{alternative}"
         )
 
 

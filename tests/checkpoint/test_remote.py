@@ -122,12 +122,20 @@ def test_two_writers_racing_on_one_step_exactly_one_commits(s3_bucket, tmp_path)
     assert entry is not None and (entry.path / "state.ckpt").read_bytes() == (winner / "state.ckpt").read_bytes()
 
 
-def test_saving_one_step_twice_and_re_uploading_a_commit_are_no_ops(s3_bucket, tmp_path):
+def test_one_step_saved_again_replaces_its_commit_and_re_uploading_a_commit_is_a_no_op(s3_bucket, tmp_path):
     remote = _remote(s3_bucket)
-    local = _local_checkpoint(tmp_path, 4)
-    remote.upload(local)
-    remote.upload(local)  # a signal save right after the periodic one, at the same step
+    periodic = _local_checkpoint(tmp_path / "a", 4)
+    remote.upload(periodic)
+    final = _local_checkpoint(tmp_path / "b", 4)  # the final save right after the periodic one, at the same step
+    remote.upload(final)
     relaunched = _remote(s3_bucket)  # the same run after a kill between its commit and its exit
-    relaunched.upload(local)
+    relaunched.upload(final)
     assert remote.committed() == [4]
-    assert MANIFEST_NAME in {key.rsplit("/", 1)[-1] for key in remote.store.list_keys("step-000000004/")}
+    folder = data_folder(verify(final))
+    assert sorted(remote.store.list_keys("step-000000004/")) == [
+        f"step-000000004/{folder}/rng/rank-0.pt",
+        f"step-000000004/{folder}/state.ckpt",
+        f"step-000000004/{MANIFEST_NAME}",
+    ]  # the replaced commit's files are gone
+    entry = _remote(s3_bucket).download_newest_valid(CheckpointStore(tmp_path / "c"))
+    assert entry is not None and (entry.path / "state.ckpt").read_bytes() == (final / "state.ckpt").read_bytes()

@@ -1,0 +1,101 @@
+"""Where a run's checkpoints live: one folder, or a fast local tier and an object store behind it.
+
+With ``dirpath`` a folder, saves commit there. With ``dirpath: s3://bucket/prefix``, saves commit to a local
+folder (``local_dirpath``, else the run dir's) and a :class:`~lightning_mlopt.checkpoint.replicator.Replicator`
+copies them up; resume takes the newest checkpoint that verifies across both. These helpers check the
+settings when the callback is made and reach the store before training starts.
+
+Example::
+
+    check_tier_settings("s3://ckpt/run", None, None, None)            # when the callback is made
+    remote = attach_remote(trainer, "s3://ckpt/run", RetentionPolicy(), required=True)   # collective
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_mlopt.checkpoint.errors import first_problem
+from lightning_mlopt.checkpoint.object_store import ObjectStore, ObjectURL, is_object_url
+from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+from lightning_mlopt.checkpoint.retention import RetentionPolicy
+from lightning_mlopt.checkpoint.store import refuse_url
+from lightning_mlopt.exceptions import CheckpointWriteError, ObjectStoreError
+
+
+def check_tier_settings(
+    dirpath: str | None,
+    local_dirpath: str | None,
+    remote_every_n_steps: int | None,
+    remote_every_n_minutes: float | None,
+) -> None:
+    """ValueError for tier settings that cannot work: a URL no store here writes, a remote rule without a store.
+
+    Example::
+
+        >>> check_tier_settings("s3://ckpt/run", "/local/ckpt", remote_every_n_steps=500, remote_every_n_minutes=None)
+        >>> check_tier_settings("/shared/ckpt", "/local/ckpt", None, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: checkpoint.local_dirpath sets the local tier of an object store, and checkpoint.dirpath is not ...
+    """
+    if dirpath is not None:
+        if is_object_url(dirpath):
+            ObjectURL.parse(dirpath)  # names the bucket
+        else:
+            refuse_url(dirpath, "checkpoint.dirpath", alternative=", or an S3-compatible store: s3://bucket/prefix")
+    if local_dirpath is not None:
+        refuse_url(local_dirpath, "checkpoint.local_dirpath")
+    if remote_every_n_steps is not None and remote_every_n_steps < 1:
+        raise ValueError(f"remote_every_n_steps must be >= 1, got {remote_every_n_steps}")
+    if remote_every_n_minutes is not None and remote_every_n_minutes <= 0:
+        raise ValueError(f"remote_every_n_minutes must be > 0, got {remote_every_n_minutes}")
+    remote_only = {
+        "local_dirpath": local_dirpath,
+        "remote_every_n_steps": remote_every_n_steps,
+        "remote_every_n_minutes": remote_every_n_minutes,
+    }
+    given = [key for key, value in remote_only.items() if value is not None]
+    if given and not (dirpath is not None and is_object_url(dirpath)):
+        raise ValueError(
+            f"checkpoint.{given[0]} sets the local tier of an object store, and checkpoint.dirpath is not one: "
+            "set checkpoint.dirpath: s3://bucket/prefix, or remove it"
+        )
+
+
+def local_folder(dirpath: str | None, local_dirpath: str | None) -> str | None:
+    """The folder saves commit to: ``dirpath`` when it is one, else ``local_dirpath`` (None: the run dir's).
+
+    Example::
+
+        >>> local_folder("s3://ckpt/run", "/local/ckpt"), local_folder("/shared/ckpt", None)
+        ('/local/ckpt', '/shared/ckpt')
+    """
+    return local_dirpath if dirpath is not None and is_object_url(dirpath) else dirpath
+
+
+def attach_remote(
+    trainer: Any, url: str | None, retention: RetentionPolicy, required: bool
+) -> RemoteCheckpoints | None:
+    """Collective: rank zero's remote tier at ``url``, reached before training (None on other ranks, or no URL).
+
+    ``required``: a store that cannot be reached stops every rank with :class:`CheckpointWriteError` (exit
+    74) before the first step; else the first due copy tries again (and says once if it fails).
+    """
+    if url is None:
+        return None
+    remote, problem = None, None
+    if trainer.is_global_zero:
+        remote = RemoteCheckpoints(ObjectStore.for_url(url), retention)
+        try:
+            remote.attach()
+        except ObjectStoreError as error:
+            if required:
+                problem = str(error)
+            # else the first due copy tries again, and says it once if the store still fails
+    problem = first_problem(trainer, problem)
+    if problem is not None:
+        raise CheckpointWriteError(
+            f"cannot save checkpoints: {problem}; stopped before training, earlier checkpoints are intact"
+        )
+    return remote
