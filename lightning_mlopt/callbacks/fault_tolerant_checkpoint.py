@@ -377,7 +377,8 @@ class FaultTolerantCheckpoint(Checkpoint):
             self.save(trainer, reason="final", final=True, wait=True)
         assert self.saver is not None  # made at setup
         self.saver.wait(trainer)
-        self.saver.finish_copies(trainer)  # the final checkpoint is in the remote tier before the run ends
+        if self.remote_url is not None:  # every rank knows: the final checkpoint is in the store before the end
+            self.saver.finish_copies(trainer)
         self._tell_loggers(trainer)
 
     @override
@@ -482,7 +483,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         the checkpoint (a relaunch on this node resumes from it) and the store keeps its previous one.
         """
         assert self.saver is not None  # made at setup
-        if not self.saver.finish_copies(trainer, self._save_budget().seconds_left):
+        if self.remote_url is not None and not self.saver.finish_copies(trainer, self._save_budget().seconds_left):
             rank_zero_warn(
                 f"Preemption: the copy to {self.remote_url} did not finish within the grace; {resume_from} is in "
                 "the local tier, the object store keeps its previous checkpoint."
