@@ -1,5 +1,6 @@
-"""The torture harness itself keeps working: one short trial of a kill at a random instant (DDP: the relaunch
-ends bitwise equal to an uninterrupted run) and of an unwritable folder."""
+"""The torture harness itself keeps working: one short trial of a kill at a random instant (DDP, checkpoints in a
+loopback S3 store: the relaunch ends bitwise equal to an uninterrupted run, the store's newest checkpoint is the
+final one) and of an unwritable folder."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def test_the_torture_script_runs_its_trials_and_reports_the_cells(tmp_path):
             "--trials=1",
             "--strategies=ddp",
             "--faults=kill,unwritable",
+            "--store=s3",
             "--no-publish",
             f"--work={tmp_path}",
         ],
@@ -35,4 +37,4 @@ def test_the_torture_script_runs_its_trials_and_reports_the_cells(tmp_path):
     }
     assert rows["kill"] == "1/1"
     assert rows["unwritable"] in ("1/1", "skipped (needs root to mount a tmpfs)")
-    assert "No failures." in result.stdout
+    assert "No failures." in result.stdout and "Store: s3" in result.stdout

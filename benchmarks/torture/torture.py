@@ -27,8 +27,14 @@ own process group and delivers one fault:
 
 A trial the harness has to end by its own timeout is a hang and fails, whatever else happened.
 
+``--store s3`` runs the ``kill`` fault with ``checkpoint.dirpath: s3://...`` on a real S3-compatible server on
+loopback (moto): SIGKILL lands anywhere, background uploads included; half the relaunches find their local tier
+deleted (a new VM) and must resume from the store. A pass also needs the store's newest checkpoint to verify as
+the final one.
+
     python benchmarks/torture/torture.py --trials 20                      # every fault x every strategy
     python benchmarks/torture/torture.py --trials 2 --strategies ddp --faults sigusr1,unwritable --no-publish
+    python benchmarks/torture/torture.py --trials 20 --strategies ddp,fsdp --faults kill --store s3
 
 Needs root for the tmpfs faults (skipped otherwise, and said so in the table).
 """
@@ -46,6 +52,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -191,16 +198,46 @@ def has_checkpoint(run_dir: Path) -> bool:
 # ---------------------------------------------------------------------- faults
 
 
-def trial_kill(strategy: str, work: Path, rng: random.Random, reference: dict, duration: float) -> str | None:
+def trial_kill(
+    strategy: str, work: Path, rng: random.Random, reference: dict, duration: float, store: Any = None
+) -> str | None:
     run_dir = work / "run"
-    cmd = command(run_dir, strategy)
-    process = start(cmd, work / "killed.log")
+    extra, env = _on_store(store, work)
+    cmd = command(run_dir, strategy, *extra)
+    process = start(cmd, work / "killed.log", env)
     time.sleep(rng.uniform(0.0, duration))  # anywhere: imports, rendezvous, DeepSpeed's op load, steps, saves
     reap(process)
     process.wait()
-    if run(cmd, work / "relaunch.log") != 0:
+    if store is not None and rng.random() < 0.5:  # a new VM: only the store has the checkpoints
+        import shutil
+
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    if run(cmd, work / "relaunch.log", env=env) != 0:
         return "relaunch failed: " + _last_error(work / "relaunch.log")
-    return equal(run_dir, reference)
+    return equal(run_dir, reference) or (_store_has_final(extra, work, env) if store is not None else None)
+
+
+def _on_store(store: Any, work: Path) -> tuple[list[str], dict[str, str]]:
+    """With the loopback S3 server: a bucket of the trial's own, the dirpath naming it, and the environment."""
+    if store is None:
+        return [], {}
+    bucket = f"torture-{work.name}".lower().replace("_", "-")[:63]
+    store.create_bucket(bucket)
+    return [f"--checkpoint.dirpath=s3://{bucket}/run"], store.environment()
+
+
+def _store_has_final(extra: list[str], work: Path, env: dict[str, str]) -> str | None:
+    """The store's newest checkpoint downloads, verifies, and is the final one."""
+    from lightning_mlopt.checkpoint import CheckpointStore
+    from lightning_mlopt.checkpoint.object_store import ObjectStore
+    from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+
+    os.environ.update(env)
+    url = extra[0].split("=", 1)[1]
+    entry = RemoteCheckpoints(ObjectStore.for_url(url)).download_newest_valid(CheckpointStore(work / "from-store"))
+    if entry is None or entry.step != MAX_STEPS or not (entry.manifest and entry.manifest.final):
+        return f"the store's newest valid checkpoint is not the final one (step {entry.step if entry else None})"
+    return None
 
 
 def start_after_first_checkpoint(
@@ -443,7 +480,7 @@ def reference_run(strategy: str, work: Path, launcher: list[str] | None = None) 
 
 
 def torture(
-    strategies: list[str], faults: list[str], trials: int, seed: int, work: Path
+    strategies: list[str], faults: list[str], trials: int, seed: int, work: Path, store: Any = None
 ) -> dict[tuple[str, str], Cell]:
     """Run every trial; return the cells."""
     cells = {(fault, strategy): Cell() for fault in faults for strategy in strategies}
@@ -465,7 +502,7 @@ def torture(
                 mounts = Mounts()
                 try:
                     compared = launched if fault == "sigterm-launcher" else reference
-                    problem = _one(fault, strategy, folder, rng, compared, duration, mounts)
+                    problem = _one(fault, strategy, folder, rng, compared, duration, mounts, store)
                 except Hang as hang:
                     problem = f"HANG: {hang}"
                 finally:
@@ -479,9 +516,9 @@ def torture(
     return cells
 
 
-def _one(fault, strategy, folder, rng, reference, duration, mounts) -> str | None:  # type: ignore[no-untyped-def]
+def _one(fault, strategy, folder, rng, reference, duration, mounts, store) -> str | None:  # type: ignore[no-untyped-def]
     if fault == "kill":
-        return trial_kill(strategy, folder, rng, reference, duration)
+        return trial_kill(strategy, folder, rng, reference, duration, store)
     if fault in ("sigterm", "sigusr1"):
         return trial_signal(strategy, folder, rng, reference, signal.SIGTERM if fault == "sigterm" else signal.SIGUSR1)
     if fault == "sigterm-launcher":
@@ -520,6 +557,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="folder for the trials (default: a temporary one)")
     parser.add_argument("--no-publish", action="store_true", help="print the table; write no result file")
+    parser.add_argument(
+        "--store",
+        choices=["local", "s3"],
+        default="local",
+        help="where the kill fault's runs save (the other faults: a local folder)",
+    )
     options = parser.parse_args()
     strategies = options.strategies.split(",")
     faults = options.faults.split(",")
@@ -529,8 +572,13 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         work = options.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="torture-")))
         started = time.monotonic()
-        cells = torture(strategies, faults, options.trials, options.seed, work)
-        body = table(cells, strategies, faults)
+        store = None
+        if options.store == "s3":
+            from tests.s3_server import MotoServer
+
+            store = stack.enter_context(MotoServer())  # one server for every trial, a bucket per trial
+        cells = torture(strategies, faults, options.trials, options.seed, work, store)
+        body = ("Store: s3 (moto on loopback)\n\n" if store is not None else "") + table(cells, strategies, faults)
         body += f"\n{options.trials} trial(s) per cell, {time.monotonic() - started:.0f} s in all.\n"
     if options.no_publish:
         print(body)
