@@ -164,16 +164,20 @@ class ObjectStore:
 
     def list_keys(self, prefix: str = "") -> list[str]:
         """Every key under ``prefix`` (relative to the store's prefix), sorted."""
-        keys: list[str] = []
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every key under ``prefix`` (relative to the store's prefix) with its size in bytes."""
+        sizes: dict[str, int] = {}
         paginator = self.client.get_paginator("list_objects_v2")
         base = self._key(prefix)
 
         def pages() -> None:
             for page in paginator.paginate(Bucket=self.url.bucket, Prefix=base):
-                keys.extend(self._relative(item["Key"]) for item in page.get("Contents", []))
+                sizes.update((self._relative(item["Key"]), int(item["Size"])) for item in page.get("Contents", []))
 
         self._call(prefix, "list", pages)
-        return sorted(keys)
+        return sizes
 
     def delete_keys(self, keys: list[str]) -> None:
         """Delete objects (a thousand per request, S3's limit); a key already gone is not an error."""

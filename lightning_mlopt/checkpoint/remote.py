@@ -200,6 +200,21 @@ class RemoteCheckpoints:
             self._manifests[step] = manifest
         return self._manifests[step]
 
+    def incomplete(self, step: int) -> str | None:
+        """Why ``step``'s commit is not whole, from one listing (sizes, not checksums), or None when it is."""
+        name = CheckpointStore.name_for(step)
+        manifest = self.read_manifest(step)
+        if manifest is None:
+            return f"no readable {MANIFEST_NAME}"
+        folder = f"{name}/{data_folder(manifest)}"
+        sizes = self.store.list_sizes(f"{folder}/")
+        for relative, entry in sorted(manifest.files.items()):
+            size = sizes.get(f"{folder}/{relative}")
+            if size != entry.size:
+                found = "missing" if size is None else f"{size} bytes"
+                return f"{relative}: {found}, the manifest says {entry.size} bytes"
+        return None
+
     def download(self, step: int, local: CheckpointStore) -> CheckpointEntry:
         """Copy one remote checkpoint into ``local`` (verified while it streams) and commit it there.
 

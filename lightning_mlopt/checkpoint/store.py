@@ -27,7 +27,7 @@ LATEST_NAME = "latest"
 STATE_NAME = "state.ckpt"  # what the strategy writes: a file (DDP) or a folder of shards (FSDP, DeepSpeed)
 _COMMITTED = re.compile(r"^step-(\d{9})$")
 _STAGING_PREFIX = ".staging-"
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def refuse_url(location: str, key: str | None = None, alternative: str = "") -> None:
@@ -42,13 +42,13 @@ def refuse_url(location: str, key: str | None = None, alternative: str = "") -> 
         >>> refuse_url("s3://bucket/run", "checkpoint.local_dirpath")
         Traceback (most recent call last):
         ...
-        ValueError: checkpoint.local_dirpath: 's3://bucket/run' is an s3:// URL where a folder is expected: ...
+        ValueError: checkpoint.local_dirpath: 's3://bucket/run' is a URL where a folder is expected: ...
     """
     found = _URL.match(location)
     if found:
         named = f"{key}: " if key else ""
         raise ValueError(
-            f"{named}{location!r} is an {found.group(1)}:// URL where a folder is expected: give a folder (a local "
+            f"{named}{location!r} is a URL where a folder is expected: give a folder (a local "
             "disk, or a shared filesystem mounted on every node, e.g. /mnt/shared/runs/<name>/checkpoints)"
             f"{alternative}"
         )

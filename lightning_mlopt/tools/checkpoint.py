@@ -2,15 +2,17 @@
 
 ``list`` and ``verify`` read manifests and checksums only: they never unpickle anything. ``consolidate``
 and ``export`` check every pickle of the checkpoint against the allowlist before loading it
-(:mod:`lightning_mlopt.checkpoint.trust`); ``--trust-pickles`` lifts that for a checkpoint you trust.
+(:mod:`lightning_mlopt.checkpoint.trust`); ``--trust-pickles`` lifts that for a checkpoint you trust. Each
+takes a folder or an object-store URL (``s3://bucket/run``, ``s3://bucket/run/step-N``; see
+``checkpoint_store.py``); a store that cannot be read ends with one line and exit 74.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,14 @@ import torch
 
 from lightning_mlopt.checkpoint.layout import consolidator, layout_of_folder
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
+from lightning_mlopt.checkpoint.object_store import ObjectURL, is_object_url
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore, refuse_url
 from lightning_mlopt.checkpoint.trust import check_trusted
-from lightning_mlopt.exceptions import CheckpointInvalidError, UntrustedCheckpointError
+from lightning_mlopt.exceptions import CheckpointInvalidError, ObjectStoreError, UntrustedCheckpointError
+from lightning_mlopt.process import exit_codes
 from lightning_mlopt.run_dir import CONFIG_NAME
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
+from lightning_mlopt.tools.checkpoint_store import LIST_HEADER, list_remote, list_row, local_copy, verify_remote
 
 
 def _size(path: Path) -> int:
@@ -45,16 +50,11 @@ def list_checkpoints(directory: Path) -> int:
         print(f"no checkpoints in {directory}")
         return 1
     latest = store.latest_name()
-    print(f"{'step':>10}  {'saved (UTC)':19}  {'size':>10}  {'reason':13}  status")
+    print(LIST_HEADER)
     for entry in entries:
-        when = "-"
-        reason = "-"
-        if entry.manifest is not None:
-            when = dt.datetime.fromtimestamp(entry.manifest.created, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-            reason = entry.manifest.reason + (" (final)" if entry.manifest.final else "")
         status = "valid" if entry.valid else f"INVALID: {entry.problem}"
-        marker = "  <- latest" if entry.path.name == latest else ""
-        print(f"{entry.step:>10}  {when:19}  {_human(_size(entry.path)):>10}  {reason:13}  {status}{marker}")
+        size = _human(_size(entry.path))
+        print(list_row(entry.step, entry.manifest, size, status, latest=entry.path.name == latest))
     return 0 if any(entry.valid for entry in entries) else 1
 
 
@@ -166,18 +166,31 @@ def _folder(text: str) -> Path:
     return Path(text)
 
 
+def _location(text: str) -> Path | str:
+    """A checkpoint to read: a file or folder, or an object-store URL (``s3://bucket/run[/step-N]``)."""
+    if is_object_url(text):
+        try:
+            ObjectURL.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+    return _folder(text)
+
+
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt checkpoint``; returns the exit status."""
     parser = ToolArgumentParser(prog="python -m lightning_mlopt checkpoint", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="step, time, size and validity of each checkpoint")
-    listing.add_argument("dir", type=_folder)
-    commands.add_parser("verify", help="check checksums; non-zero exit when invalid").add_argument("path", type=_folder)
+    listing.add_argument("dir", type=_location)
+    commands.add_parser("verify", help="check checksums; non-zero exit when invalid").add_argument(
+        "path", type=_location
+    )
     merge = commands.add_parser("consolidate", help="any checkpoint into one Lightning .ckpt")
-    merge.add_argument("checkpoint", type=_folder)
+    merge.add_argument("checkpoint", type=_location)
     merge.add_argument("output", type=_folder)
     out = commands.add_parser("export", help="any checkpoint's weights as safetensors, with the model's config")
-    out.add_argument("checkpoint", type=_folder)
+    out.add_argument("checkpoint", type=_location)
     out.add_argument("out_dir", type=_folder)
     out.add_argument("--format", choices=["safetensors"], default="safetensors")
     out.add_argument("--max-shard-size", type=_byte_size, default="5GB", help="shard above this (e.g. 5GB, 500MB)")
@@ -189,13 +202,11 @@ def main(argv: Sequence[str]) -> int:
         )
     args = parser.parse_args(list(argv))
     try:
-        if args.command == "list":
-            return list_checkpoints(args.dir)
-        if args.command == "verify":
-            return verify_checkpoints(args.path)
-        if args.command == "export":
-            return export(args.checkpoint, args.out_dir, args.max_shard_size, args.trust_pickles)
-        return consolidate(args.checkpoint, args.output, args.trust_pickles)
+        with ExitStack() as stack:
+            return _run(args, stack)
+    except ObjectStoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return exit_codes.CHECKPOINT_WRITE  # 74, EX_IOERR: the store could not be read
     except UntrustedCheckpointError as error:
         return bad_input(error)
     except CheckpointInvalidError as error:
@@ -203,6 +214,17 @@ def main(argv: Sequence[str]) -> int:
         return 1
     except FileNotFoundError as error:
         return bad_input(error)
+
+
+def _run(args: argparse.Namespace, stack: ExitStack) -> int:
+    if args.command == "list":
+        return list_remote(args.dir, _human) if isinstance(args.dir, str) else list_checkpoints(args.dir)
+    if args.command == "verify":
+        return verify_remote(args.path) if isinstance(args.path, str) else verify_checkpoints(args.path)
+    checkpoint = local_copy(args.checkpoint, stack) if isinstance(args.checkpoint, str) else args.checkpoint
+    if args.command == "export":
+        return export(checkpoint, args.out_dir, args.max_shard_size, args.trust_pickles)
+    return consolidate(checkpoint, args.output, args.trust_pickles)
 
 
 if __name__ == "__main__":

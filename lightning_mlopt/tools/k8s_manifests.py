@@ -136,7 +136,10 @@ def pod_spec(spec: ManifestSpec, command: list[str], container: str = CONTAINER)
         {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
         for name, (secret, key) in sorted(spec.secret_env.items())
     ]
-    mounts = [{"name": "checkpoints", "mountPath": spec.checkpoint_mount}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [
+        {"name": "checkpoints", "mountPath": spec.checkpoint_mount},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
     volumes: list[dict[str, Any]] = [
         {"name": "checkpoints", **_checkpoint_volume(spec)},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # data loader workers share tensors through /dev/shm

@@ -7,11 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.checkpoint.object_store import ObjectStore
 from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
 from lightning_mlopt.cli import main
+from lightning_mlopt.tools.checkpoint import main as checkpoint_tool
 from tests.conftest import CONFIGS
 from tests.s3_server import SECRET_KEY, FaultyProxy, free_port
 
@@ -38,6 +40,15 @@ def test_checkpoints_in_a_bucket_survive_the_loss_of_the_node(s3_bucket, tmp_pat
     remote = _remote(url)
     assert remote.committed() == [2, 4]
     assert remote.read_manifest(4).final and remote.latest_name() == "step-000000004"
+    # The checkpoint tool reads the store: list, verify, consolidate.
+    capsys.readouterr()
+    assert checkpoint_tool(["list", url]) == 0
+    listed = capsys.readouterr().out
+    assert listed.count("complete (verify reads the checksums)") == 2 and "<- latest" in listed
+    assert checkpoint_tool(["verify", f"{url}/step-000000004"]) == 0
+    assert f"OK       {url}/step-000000004 (step 4, " in capsys.readouterr().out
+    assert checkpoint_tool(["consolidate", url, str(tmp_path / "q.ckpt")]) == 0
+    assert torch.load(tmp_path / "q.ckpt", weights_only=False)["global_step"] == 4
 
     shutil.rmtree(tmp_path / "run" / "checkpoints")  # a new VM: the local tier is gone
     capsys.readouterr()
@@ -99,5 +110,5 @@ def test_tier_settings_that_cannot_work_are_refused(tmp_path):
         FaultTolerantCheckpoint(remote_every_n_steps=10)
     with pytest.raises(ValueError, match="names no bucket"):
         FaultTolerantCheckpoint(dirpath="s3://")
-    with pytest.raises(ValueError, match=r"checkpoint\.local_dirpath: 's3://b/x' is an s3:// URL"):
+    with pytest.raises(ValueError, match=r"checkpoint\.local_dirpath: 's3://b/x' is a URL where a folder"):
         FaultTolerantCheckpoint(dirpath="s3://b/run", local_dirpath="s3://b/x")

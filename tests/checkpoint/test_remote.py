@@ -58,7 +58,7 @@ def test_an_upload_commits_with_its_manifest_and_another_node_downloads_it_verif
     assert other_node.latest_name() == "step-000000005"
 
 
-def test_a_corrupted_or_half_written_remote_step_is_skipped_for_the_older_one(moto_server, s3_bucket, tmp_path):
+def test_a_corrupted_or_half_written_remote_step_is_skipped_for_the_older_one(moto_server, s3_bucket, tmp_path, capsys):
     remote = _remote(s3_bucket)
     for step in (1, 2, 3):
         remote.upload(_local_checkpoint(tmp_path / "a", step))
@@ -71,6 +71,17 @@ def test_a_corrupted_or_half_written_remote_step_is_skipped_for_the_older_one(mo
     assert [s.step for s in skipped] == [3]
     assert "state.ckpt has 7 bytes" in skipped[0].problem
     assert [step for step, _ in CheckpointStore(tmp_path / "b").committed()] == [2]  # the bad one left nothing
+    assert remote.incomplete(3) == "state.ckpt: 7 bytes, the manifest says 1000 bytes"
+    assert remote.incomplete(2) is None
+
+    from lightning_mlopt.tools.checkpoint import main as checkpoint_tool
+
+    url = f"s3://{s3_bucket}/runs/gpt"
+    assert checkpoint_tool(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert out.count("OK       ") == 2 and f"INVALID  {url}/step-000000003: " in out
+    assert checkpoint_tool(["list", url]) == 0
+    assert "INCOMPLETE: state.ckpt: 7 bytes" in capsys.readouterr().out
 
 
 def test_retention_deletes_older_steps_manifest_first_only_after_the_new_commit(s3_bucket, tmp_path):
