@@ -1,6 +1,7 @@
 """The torture harness itself keeps working: one short trial of a kill at a random instant (DDP, checkpoints in a
 loopback S3 store: the relaunch ends bitwise equal to an uninterrupted run, the store's newest checkpoint is the
-final one) and of an unwritable folder."""
+final one). The other faults' trials run in the benchmark script (an unwritable folder is also a test of its own
+in test_fault_tolerant_checkpoint)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_the_torture_script_runs_its_trials_and_reports_the_cells(tmp_path):
             str(REPO / "benchmarks" / "torture" / "torture.py"),
             "--trials=1",
             "--strategies=ddp",
-            "--faults=kill,unwritable",
+            "--faults=kill",
             "--store=s3",
             "--no-publish",
             f"--work={tmp_path}",
@@ -35,6 +36,5 @@ def test_the_torture_script_runs_its_trials_and_reports_the_cells(tmp_path):
         for line in result.stdout.splitlines()
         if line.startswith("| ") and "fault" not in line
     }
-    assert rows["kill"] == "1/1"
-    assert rows["unwritable"] in ("1/1", "skipped (needs root to mount a tmpfs)")
+    assert rows == {"kill": "1/1"}
     assert "No failures." in result.stdout and "Store: s3" in result.stdout

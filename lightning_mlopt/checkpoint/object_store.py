@@ -176,7 +176,7 @@ class ObjectStore:
             for page in paginator.paginate(Bucket=self.url.bucket, Prefix=base):
                 sizes.update((self._relative(item["Key"]), int(item["Size"])) for item in page.get("Contents", []))
 
-        self._call(prefix, "list", pages)
+        self._call("", "list", pages)  # named by the store URL: a key prefix such as "step-" reads oddly
         return sizes
 
     def delete_keys(self, keys: list[str]) -> None:
