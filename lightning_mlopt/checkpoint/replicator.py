@@ -113,6 +113,8 @@ class Replicator:
         """Wait until nothing is copying or waiting, or ``timeout`` seconds (None: no limit); whether it is done."""
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         with self._changed:
+            if self._abandoned:  # given up: nothing is waited for any more
+                return self._pending is None and self._in_flight is None
             while self._pending is not None or self._in_flight is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
