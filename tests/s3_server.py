@@ -40,10 +40,14 @@ def free_port() -> int:
 
 
 class MotoServer:
-    """``python -m moto.server`` on ``127.0.0.1:<free port>``, ready when entered, killed on exit."""
+    """``python -m moto.server`` on ``127.0.0.1:<free port>``, ready when entered, killed on exit.
 
-    def __init__(self) -> None:
+    ``check_credentials``: the server refuses keys it does not know (moto's IAM authentication), as S3 does.
+    """
+
+    def __init__(self, check_credentials: bool = False) -> None:
         self.port = free_port()
+        self.check_credentials = check_credentials
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -76,6 +80,7 @@ class MotoServer:
     def __enter__(self) -> MotoServer:
         self._process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env={**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if self.check_credentials else {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,

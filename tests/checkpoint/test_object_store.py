@@ -11,7 +11,7 @@ import pytest
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.object_store import ObjectStore, ObjectURL
 from lightning_mlopt.exceptions import ConcurrentWriterError, ObjectStoreError
-from tests.s3_server import SECRET_KEY, FaultyProxy, free_port
+from tests.s3_server import SECRET_KEY, FaultyProxy, MotoServer, free_port
 
 MiB = 2**20
 ATTEMPTS = 3  # botocore's back-off doubles: 3 attempts keep each failing test to seconds
@@ -131,3 +131,17 @@ def test_stale_multipart_uploads_are_aborted_and_deletes_go_in_batches(moto_serv
         store.put_bytes(key, b"x")
     store.delete_keys([*keys, "already-gone"])
     assert store.list_keys() == []
+
+
+def test_refused_credentials_end_in_one_line_that_holds_no_secret(monkeypatch):
+    with MotoServer(check_credentials=True) as server:  # refuses keys it does not know, as S3 does
+        for variable, value in server.environment().items():
+            monkeypatch.setenv(variable, value)
+        with pytest.raises(ObjectStoreError) as failure:
+            _store("ckpt").put_bytes("latest", b"step-000000001")
+    message = str(failure.value)
+    assert (
+        message
+        == "s3://ckpt/runs/a/latest: write failed: the access key was refused: check AWS_ACCESS_KEY_ID / the profile"
+    )
+    assert SECRET_KEY not in message
