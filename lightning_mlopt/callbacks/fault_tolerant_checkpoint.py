@@ -22,12 +22,11 @@ from lightning_mlopt.checkpoint import (
     RetentionPolicy,
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE
-from lightning_mlopt.checkpoint.object_store import is_object_url
 from lightning_mlopt.checkpoint.replicator import Replicator
 from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
-from lightning_mlopt.checkpoint.tiers import attach_remote, check_tier_settings, local_folder
+from lightning_mlopt.checkpoint.tiers import attach_remote, check_tier_settings, local_folder, store_url
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.process import exit_codes, launch_report
@@ -225,7 +224,7 @@ class FaultTolerantCheckpoint(Checkpoint):
     @property
     def remote_url(self) -> str | None:
         """The object store holding the checkpoints (``dirpath`` when it is one), else None."""
-        return self.dirpath if self.dirpath is not None and is_object_url(self.dirpath) else None
+        return store_url(self.dirpath)
 
     def checkpoint_dir(self, trainer: pl.Trainer) -> Path:
         """The folder saves commit to: ``dirpath`` (a folder), else ``local_dirpath``, else the run dir's."""

@@ -322,9 +322,9 @@ class ObjectStore:
             try:
                 while ahead:
                     data = ahead.popleft().result()
-                    for start in starts:  # one more in flight for the one taken
-                        ahead.append(pool.submit(fetch, start))
-                        break
+                    following = next(starts, None)  # one more in flight for the one taken
+                    if following is not None:
+                        ahead.append(pool.submit(fetch, following))
                     yield data
             finally:
                 for future in ahead:

@@ -23,6 +23,17 @@ from lightning_mlopt.checkpoint.store import refuse_url
 from lightning_mlopt.exceptions import CheckpointWriteError, ObjectStoreError
 
 
+def store_url(dirpath: str | None) -> str | None:
+    """``dirpath`` when it names an object store (``s3://...``), else None.
+
+    Example::
+
+        >>> store_url("s3://ckpt/run"), store_url("/shared/ckpt"), store_url(None)
+        ('s3://ckpt/run', None, None)
+    """
+    return dirpath if dirpath is not None and is_object_url(dirpath) else None
+
+
 def check_tier_settings(
     dirpath: str | None,
     local_dirpath: str | None,
@@ -39,11 +50,11 @@ def check_tier_settings(
         ...
         ValueError: checkpoint.local_dirpath sets the local tier of an object store, and checkpoint.dirpath is not ...
     """
-    if dirpath is not None:
-        if is_object_url(dirpath):
-            ObjectURL.parse(dirpath)  # names the bucket
-        else:
-            refuse_url(dirpath, "checkpoint.dirpath", alternative=", or an S3-compatible store: s3://bucket/prefix")
+    url = store_url(dirpath)
+    if url is not None:
+        ObjectURL.parse(url)  # names the bucket
+    elif dirpath is not None:
+        refuse_url(dirpath, "checkpoint.dirpath", alternative=", or an S3-compatible store: s3://bucket/prefix")
     if local_dirpath is not None:
         refuse_url(local_dirpath, "checkpoint.local_dirpath")
     if remote_every_n_steps is not None and remote_every_n_steps < 1:
@@ -56,7 +67,7 @@ def check_tier_settings(
         "remote_every_n_minutes": remote_every_n_minutes,
     }
     given = [key for key, value in remote_only.items() if value is not None]
-    if given and not (dirpath is not None and is_object_url(dirpath)):
+    if given and store_url(dirpath) is None:
         raise ValueError(
             f"checkpoint.{given[0]} sets the local tier of an object store, and checkpoint.dirpath is not one: "
             "set checkpoint.dirpath: s3://bucket/prefix, or remove it"
@@ -71,7 +82,7 @@ def local_folder(dirpath: str | None, local_dirpath: str | None) -> str | None:
         >>> local_folder("s3://ckpt/run", "/local/ckpt"), local_folder("/shared/ckpt", None)
         ('/local/ckpt', '/shared/ckpt')
     """
-    return local_dirpath if dirpath is not None and is_object_url(dirpath) else dirpath
+    return local_dirpath if store_url(dirpath) is not None else dirpath
 
 
 def attach_remote(
