@@ -97,6 +97,29 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
         subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
+# Steps of the session's shared strategy runs, and a clip value small enough to be active at every step (it
+# checks each strategy's global norm too).
+SHARED_RUN_STEPS = 20
+SHARED_RUN_CLIP = "--trainer.gradient_clip_val=0.05"
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The GPT demo trained under DDP, FSDP and ZeRO-1/2/3 on 2 CPU processes, once per session.
+
+    Maps each strategy to ``(records, params, run_dir)`` (``tests.strategy_runs.TrainedRun``). The strategy
+    equivalence tests compare them; the checkpoint tool's tests read their checkpoints (read-only: a test that
+    would write into a run directory trains its own run). Sharing saves five launches of the suite's budget.
+    """
+    from tests.strategy_runs import train
+
+    root = tmp_path_factory.mktemp("strategy_runs")
+    return {
+        name: train(root, name, name, SHARED_RUN_STEPS, extra=(SHARED_RUN_CLIP,))
+        for name in ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+    }
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[Any]:
     """moto's S3-compatible server on loopback, for the whole session (started on first use, killed by pid)."""

@@ -68,7 +68,7 @@ class RecordEverything(RecordTraining):
     """RecordTraining plus what the strategy tests compare: full parameters and per-rank state bytes.
 
     Writes ``params.pt`` (rank 0, the unsharded parameters after fit) and adds ``state_bytes`` (measured
-    after the first optimizer step) to each rank's record.
+    after the first optimizer step) and the rank's CPU thread count to each rank's record.
     """
 
     def __init__(self, out_dir: str) -> None:
@@ -116,6 +116,7 @@ class RecordEverything(RecordTraining):
         record["state_bytes"] = self.state_bytes
         record["bytes_before_step"] = self.bytes_before_step
         record["num_params"] = sum(p.numel() for p in params.values())
+        record["num_threads"] = torch.get_num_threads()
         path.write_text(json.dumps(record))
         if trainer.global_rank == 0:
             torch.save(params, self.out_dir / "params.pt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -11,10 +12,23 @@ from tests.conftest import failure_report, run_cli
 from tests.helpers import read_records
 
 
+class TrainedRun(NamedTuple):
+    """What a run recorded: one dict per rank, the full parameters at the end, and its run directory."""
+
+    records: list[dict]
+    params: dict[str, torch.Tensor]
+    run_dir: Path
+
+
 def train(
     tmp_path: Path, name: str, strategy: str, steps: int, devices: int = 2, extra: tuple[str, ...] = ()
-) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """Fit ``steps`` steps with a strategy name or overlay file; return the per-rank records and full params."""
+) -> TrainedRun:
+    """Fit ``steps`` steps with a strategy name or overlay file under ``tmp_path/runs/name``.
+
+    Example::
+
+        records, params, run_dir = train(tmp_path, "first", "fsdp", steps=3)
+    """
     out = tmp_path / name
     result = run_cli(
         fit_args(
@@ -33,4 +47,4 @@ def train(
     assert result.returncode == 0, f"{name} failed (exit {result.returncode}):\n{failure_report(result)}"
     records = read_records(out)
     assert [r["rank"] for r in records] == list(range(devices))
-    return records, torch.load(out / "params.pt")
+    return TrainedRun(records, torch.load(out / "params.pt"), tmp_path / "runs" / name)

@@ -103,15 +103,16 @@ def test_a_bit_flipped_on_rank_1_under_zero2_is_reported_and_training_goes_on_un
 
 
 @pytest.mark.multiprocess
+# ZeRO-1 is left out: it holds whole parameters on every rank exactly as ZeRO-2 does (the stages differ only in
+# gradient partitioning), so the fingerprints compared are the same, and the suite's time is spent elsewhere.
 @pytest.mark.parametrize(
     ("strategy", "extra"),
     [
         ("ddp", ()),
-        ("zero1", ()),
         ("zero2", ()),
         ("fsdp", ("--trainer.strategy.init_args.replicate_group_size=2",)),
     ],
-    ids=["ddp", "zero1", "zero2", "hsdp"],
+    ids=["ddp", "zero2", "hsdp"],
 )
 def test_no_false_alarm_over_50_clean_steps(tmp_path, strategy, extra):
     result = _run(tmp_path, strategy, 50, None, *extra)

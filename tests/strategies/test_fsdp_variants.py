@@ -12,7 +12,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def ddp_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    records, _ = train(tmp_path_factory.mktemp("ddp"), "ddp", "ddp", STEPS)
+    records = train(tmp_path_factory.mktemp("ddp"), "ddp", "ddp", STEPS).records
     return records[0]["losses"]
 
 
@@ -30,7 +30,7 @@ def ddp_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     ids=["hsdp", "activation_checkpointing", "no_reshard_cpu_offload"],
 )
 def test_fsdp_knob_trains_like_ddp(tmp_path, ddp_losses, knobs):
-    records, params = train(tmp_path, "fsdp", "fsdp", STEPS, extra=knobs)
+    records, params, _ = train(tmp_path, "fsdp", "fsdp", STEPS, extra=knobs)
     torch.testing.assert_close(torch.tensor(records[0]["losses"]), torch.tensor(ddp_losses), rtol=1e-4, atol=0)
     assert all(torch.isfinite(value).all() for value in params.values())
 
@@ -38,7 +38,7 @@ def test_fsdp_knob_trains_like_ddp(tmp_path, ddp_losses, knobs):
 @pytest.mark.multiprocess
 def test_fsdp_bf16_mixed_precision_trains(tmp_path, ddp_losses):
     knobs = ("--trainer.strategy.init_args.param_dtype=bfloat16", "--trainer.strategy.init_args.reduce_dtype=float32")
-    records, _ = train(tmp_path, "fsdp", "fsdp", STEPS, extra=knobs)
+    records = train(tmp_path, "fsdp", "fsdp", STEPS, extra=knobs).records
     losses = records[0]["losses"]
     # bf16 compute: close to the fp32 curve, not equal (8 bits of mantissa).
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ddp_losses), rtol=2e-2, atol=0)

@@ -30,11 +30,11 @@ def _assert_resumed_from(out_dir: Path, saved_params: dict[str, torch.Tensor], s
 # partitioned layout through the same code (the suite's time goes where paths differ): ZeRO-3 is the rest.
 @pytest.mark.parametrize("strategy", ["zero3"])
 def test_save_and_resume_at_the_same_world_size(tmp_path, strategy):
-    _, saved = train(tmp_path, "first", strategy, steps=3)
+    saved = train(tmp_path, "first", strategy, steps=3).params
     checkpoint = _saved_checkpoint(tmp_path, "first")
     if strategy != "ddp":
         assert checkpoint.is_dir(), "sharded strategies write a folder of shards"
-    records, _ = train(tmp_path, "resumed", strategy, steps=5, extra=(f"--ckpt_path={checkpoint}",))
+    records = train(tmp_path, "resumed", strategy, steps=5, extra=(f"--ckpt_path={checkpoint}",)).records
     _assert_resumed_from(tmp_path / "resumed", saved, step=3)
     assert len(records[0]["losses"]) == 2  # steps 4 and 5 only
 
@@ -42,10 +42,12 @@ def test_save_and_resume_at_the_same_world_size(tmp_path, strategy):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("save_devices", "load_devices"), [(2, 1), (1, 2)])
 def test_fsdp_checkpoint_loads_at_another_world_size(tmp_path, save_devices, load_devices):
-    _, saved = train(tmp_path, "first", "fsdp", steps=3, devices=save_devices)
+    saved = train(tmp_path, "first", "fsdp", steps=3, devices=save_devices).params
     checkpoint = _saved_checkpoint(tmp_path, "first")
     assert checkpoint.is_dir() and any(checkpoint.glob("*.distcp")), "a torch.distributed.checkpoint folder"
-    records, _ = train(tmp_path, "resumed", "fsdp", steps=5, devices=load_devices, extra=(f"--ckpt_path={checkpoint}",))
+    records = train(
+        tmp_path, "resumed", "fsdp", steps=5, devices=load_devices, extra=(f"--ckpt_path={checkpoint}",)
+    ).records
     _assert_resumed_from(tmp_path / "resumed", saved, step=3)
     assert len(records) == load_devices
     assert all(len(record["losses"]) == 2 for record in records)

@@ -10,24 +10,24 @@ from safetensors.torch import load_file
 
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.demos import GPTLanguageModel
-from tests.conftest import run_cli
-from tests.strategy_runs import train
+from tests.conftest import SHARED_RUN_STEPS, run_cli
 
 
 @pytest.mark.multiprocess
 # One strategy per checkpoint layout (one file, DCP shards, ZeRO partitions): ZeRO-1 and -2 write the same
 # partitioned layout as ZeRO-3 through the same code, and the suite's time budget is spent where paths differ.
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
-def test_consolidate_and_export_any_checkpoint(tmp_path, strategy):
-    _, expected = train(tmp_path, strategy, strategy, steps=2)
-    checkpoints = tmp_path / "runs" / strategy / "checkpoints"
+def test_consolidate_and_export_any_checkpoint(tmp_path, strategy_runs, strategy):
+    # The session's run (tests/conftest.py), read only: every output goes under tmp_path.
+    _, expected, run_dir = strategy_runs[strategy]
+    checkpoints = run_dir / "checkpoints"
     newest = CheckpointStore(checkpoints).newest_valid()
     assert newest is not None
     output = tmp_path / "consolidated.ckpt"
     result = run_cli(["checkpoint", "consolidate", str(newest.path), str(output)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     consolidated = torch.load(output, weights_only=False)
-    assert consolidated["global_step"] == 2
+    assert consolidated["global_step"] == SHARED_RUN_STEPS
     plain = GPTLanguageModel()  # the demo's defaults are gpt.yaml's model
     plain.load_state_dict(consolidated["state_dict"], strict=True)
     for name, value in plain.named_parameters():
