@@ -56,6 +56,19 @@ def test_a_multipart_upload_and_a_ranged_download_checksum_the_bytes_they_move(s
     assert downloaded == uploaded
     assert copy.read_bytes() == source.read_bytes()
     assert store.list_keys() == ["step-000000001/state.ckpt"]
+    # The parts were sent with CRC32s the store checked, and it kept their composite (as boto3's own uploads).
+    head = store.client.head_object(Bucket=s3_bucket, Key="runs/a/step-000000001/state.ckpt", ChecksumMode="ENABLED")
+    assert "ChecksumCRC32" in head and "ChecksumCRC64NVME" not in head, head  # not a full-object CRC64
+
+
+def test_a_store_without_checksums_gets_an_upload_that_declares_none(s3_bucket, tmp_path, monkeypatch):
+    # What a user of an S3-compatible store that lacks them configures (botocore reads it when the client is made).
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    store = _store(s3_bucket, part_bytes=5 * MiB, concurrency=2)
+    source = _random_file(tmp_path / "state.ckpt", 11 * MiB)
+    assert store.upload_file(source, "state.ckpt").digest == digest_of(source)
+    head = store.client.head_object(Bucket=s3_bucket, Key="runs/a/state.ckpt", ChecksumMode="ENABLED")
+    assert "ChecksumCRC32" not in head, head
 
 
 def test_an_upload_whose_connection_drops_mid_way_is_aborted_and_leaves_no_object(
