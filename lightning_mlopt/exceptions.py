@@ -39,6 +39,13 @@ class ConcurrentWriterError(ObjectStoreError):
     """Another writer changed what this one relied on (``latest``, a commit): two runs share one prefix."""
 
 
+class SupersededCopyError(ObjectStoreError):
+    """A local checkpoint was committed again (the same step saved anew) while it was being copied up.
+
+    Not a failure of the store: the copy of the older save is dropped, and the newer save is the one to copy.
+    """
+
+
 class MissingObjectError(ObjectStoreError):
     """No object has the key: a read of something that may legitimately be absent (``latest`` before any commit)."""
 

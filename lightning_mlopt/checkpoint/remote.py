@@ -40,7 +40,12 @@ from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.object_store import ObjectStore
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.store import LATEST_NAME, CheckpointEntry, CheckpointStore
-from lightning_mlopt.exceptions import CheckpointInvalidError, ConcurrentWriterError, ObjectStoreError
+from lightning_mlopt.exceptions import (
+    CheckpointInvalidError,
+    ConcurrentWriterError,
+    ObjectStoreError,
+    SupersededCopyError,
+)
 
 _MANIFEST_KEY = re.compile(r"^step-(\d{9})/" + re.escape(MANIFEST_NAME) + "$")
 
@@ -94,9 +99,10 @@ class RemoteCheckpoints:
         """Copy a committed local checkpoint folder up and commit it; return the commit's URL.
 
         The files are checked against the local manifest as they stream; a file that changed (or a disk
-        that returned other bytes) fails the upload before anything is committed. The same step saved again
-        with other contents (the final save right after a periodic one) replaces the commit by
-        compare-and-swap: a reader sees the old commit or the new one, never neither.
+        that returned other bytes) fails the upload before anything is committed: ``SupersededCopyError``
+        where the step was committed locally again meanwhile (the newer save is the one to copy). The same
+        step saved again with other contents (the final save right after a periodic one) replaces the commit
+        by compare-and-swap: a reader sees the old commit or the new one, never neither.
         """
         manifest = Manifest.from_json((local / MANIFEST_NAME).read_text())
         name = CheckpointStore.name_for(manifest.step)
@@ -107,7 +113,12 @@ class RemoteCheckpoints:
         previous = _parse(found[0]) if found else None
         if previous is not None and data_folder(previous) == folder:
             return str(self.store.url.child(name))  # these very files are committed (a relaunch after its commit)
-        self._upload_files(local, manifest, f"{name}/{folder}")
+        try:
+            self._upload_files(local, manifest, f"{name}/{folder}")
+        except ObjectStoreError:
+            if _saved_again(local, manifest):  # the final save after a periodic one of the same step, mid-copy
+                raise SupersededCopyError(f"{local}: saved again while it was copied") from None
+            raise
         if found is None:
             try:
                 self.store.put_bytes(manifest_key, manifest.to_json().encode(), create_only=True)  # the commit
@@ -266,6 +277,14 @@ class RemoteCheckpoints:
             if skipped is not None:
                 skipped.append(entry)
         return None
+
+
+def _saved_again(local: Path, started_with: Manifest) -> bool:
+    """Whether the local checkpoint's manifest is no longer the one a copy started from (or is gone)."""
+    try:
+        return Manifest.from_json((local / MANIFEST_NAME).read_text()).to_json() != started_with.to_json()
+    except (OSError, ValueError):
+        return True
 
 
 def _parse(data: bytes) -> Manifest | None:

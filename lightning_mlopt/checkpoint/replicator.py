@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
-from lightning_mlopt.exceptions import ObjectStoreError
+from lightning_mlopt.exceptions import ObjectStoreError, SupersededCopyError
 from lightning_mlopt.process.exit import abandon_at_exit
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,12 @@ class Replicator:
             started = time.monotonic()
             try:
                 url = self.remote.upload(path)
+            except SupersededCopyError:
+                # The step was saved again while it was copied: copy the newer save (unless a newer one waits).
+                log.info("The checkpoint of step %d was saved again while it was copied: copying the newer save", step)
+                with self._changed:
+                    if self._pending is None and not self._abandoned:
+                        self._pending = (path, step)
             except ObjectStoreError as error:
                 self._failed_copy(step, error)
             except Exception as error:  # a local file gone or unreadable: the copy failed, the same way

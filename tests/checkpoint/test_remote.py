@@ -150,3 +150,31 @@ def test_one_step_saved_again_replaces_its_commit_and_re_uploading_a_commit_is_a
     ]  # the replaced commit's files are gone
     entry = _remote(s3_bucket).download_newest_valid(CheckpointStore(tmp_path / "c"))
     assert entry is not None and (entry.path / "state.ckpt").read_bytes() == (final / "state.ckpt").read_bytes()
+
+
+def test_a_step_saved_again_while_it_is_copied_ends_with_the_newer_save_committed(s3_bucket, tmp_path):
+    # The final save right after a periodic one of the same step: the local folder is committed anew while the
+    # replicator streams the older files (the torture's kill trials met it). Not a failure: the newer save is
+    # copied, and the store ends with it.
+    from lightning_mlopt.checkpoint.replicator import Replicator
+
+    local = _local_checkpoint(tmp_path / "node", step=12, state_bytes=9 * MiB)
+    remote = _remote(s3_bucket)
+    upload_file = remote.store.upload_file
+    resaved = threading.Event()
+
+    def upload_while_saved_again(path, key, algorithm="xxh3_128"):  # type: ignore[no-untyped-def]
+        if not resaved.is_set():  # the first file's copy starts, then the saver commits step 12 again
+            resaved.set()
+            _local_checkpoint(tmp_path / "node", step=12, state_bytes=9 * MiB)
+        return upload_file(path, key, algorithm)
+
+    remote.store.upload_file = upload_while_saved_again  # type: ignore[method-assign]
+    replicator = Replicator(remote)  # must succeed: dirpath is the store
+    replicator.offer(local, 12)
+    assert replicator.flush(timeout=60)
+    replicator.close()
+    assert not replicator.failed, replicator.take_error()
+    newest = verify(local)
+    remote_manifest = Manifest.from_json(remote.store.get_bytes("step-000000012/manifest.json")[0].decode())
+    assert remote_manifest.files == newest.files, "the store holds the newer save"
