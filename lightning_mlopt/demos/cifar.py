@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_mlopt.demos._loader import LoaderDataModule
+from lightning_mlopt.demos._loader import InMemoryTensors, LoaderDataModule
 
 _TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 _TEST_FILE = "test_batch"
@@ -137,8 +137,8 @@ class CIFAR10DataModule(LoaderDataModule):
     @override
     def setup(self, stage: str) -> None:
         if self.folder is None:
-            self.train_set = TensorDataset(*synthetic_images(self.synthetic_size, seed=1))
-            self.val_set = TensorDataset(*synthetic_images(max(1, self.synthetic_size // 5), seed=2))
+            self.train_set = InMemoryTensors(*synthetic_images(self.synthetic_size, seed=1))
+            self.val_set = InMemoryTensors(*synthetic_images(max(1, self.synthetic_size // 5), seed=2))
             return
         parts = [load_cifar_batch(self.folder / name) for name in _TRAIN_FILES]
         train_images = torch.cat([images for images, _ in parts])

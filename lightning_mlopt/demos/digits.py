@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import TensorDataset
 from typing_extensions import override
 
-from lightning_mlopt.demos._loader import LoaderDataModule
+from lightning_mlopt.demos._loader import InMemoryTensors, LoaderDataModule
 
 
 class DigitsDataModule(LoaderDataModule):
@@ -45,5 +44,5 @@ class DigitsDataModule(LoaderDataModule):
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
         n_val = int(len(labels) * self.val_fraction)
         val, train = order[:n_val], order[n_val:]
-        self.train_set = TensorDataset(images[train], labels[train])
-        self.val_set = TensorDataset(images[val], labels[val])
+        self.train_set = InMemoryTensors(images[train], labels[train])
+        self.val_set = InMemoryTensors(images[val], labels[val])

@@ -6,10 +6,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import TensorDataset
 from typing_extensions import override
 
-from lightning_mlopt.demos._loader import LoaderDataModule
+from lightning_mlopt.demos._loader import InMemoryTensors, LoaderDataModule
 
 
 def markov_sequences(num_sequences: int, length: int, vocab_size: int, branching: int, seed: int) -> Tensor:
@@ -66,9 +65,9 @@ class TokenDataModule(LoaderDataModule):
         self.num_sequences = num_sequences
         self.branching = branching
 
-    def _split(self, num_sequences: int, seed: int) -> TensorDataset:
+    def _split(self, num_sequences: int, seed: int) -> InMemoryTensors:
         tokens = markov_sequences(num_sequences, self.block_size + 1, self.vocab_size, self.branching, seed)
-        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        return InMemoryTensors(tokens[:, :-1], tokens[:, 1:])
 
     @override
     def setup(self, stage: str) -> None:
