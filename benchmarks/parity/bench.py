@@ -1,0 +1,178 @@
+"""Step-time parity: our strategies through the CLI against a hand-written loop and Lightning's own strategy.
+
+    python benchmarks/parity/bench.py                                    # every strategy, both models
+    python benchmarks/parity/bench.py --strategies ddp,fsdp --models gpt --repeats 3 --no-publish
+
+For each strategy and model, three arms, each a fresh 2-process job on CPU (gloo):
+
+- ``ours``: ``python -m lightning_mlopt fit --config configs/gpt.yaml --config configs/strategies/<s>.yaml``
+  with its default callbacks (FaultTolerantCheckpoint as configured, PerformanceMonitor, the tracker the
+  config names; the progress bar off, as in a batch job);
+- ``hand``: ``benchmarks/parity/hand_loop.py`` under torchrun: the library alone (``DistributedDataParallel``,
+  ``fully_shard``, ``deepspeed.initialize``), the same seed, data order, AdamW groups, warm-up and clipping;
+- ``lightning``: ``benchmarks/parity/lightning_loop.py``: a plain Lightning Trainer with Lightning's ``ddp`` or
+  ``ModelParallelStrategy`` (its DeepSpeedStrategy refuses CPU).
+
+The figure is the marginal cost of a step, measured the way that cancels start-up: (wall time of a
+``--long``-step job - wall time of a ``--short``-step job) / (long - short), per repeat, arms interleaved
+(the order alternates between repeats, so drift hits every arm); medians over repeats. The final weights of
+``ours`` (consolidated from its final checkpoint) are compared bit for bit with the hand loop's.
+
+Models: ``gpt`` (configs/gpt.yaml) and ``gpt-tiny`` (2 layers, d_model 32, 16 tokens, batch 4: a short step,
+so fixed per-step costs show). Goals (issue 27): ours <= 1.02 x the hand loop, <= 1.00 x Lightning's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _common import median, publish  # noqa: E402
+
+STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+LIGHTNING_RUNS = {"ddp", "fsdp"}
+MODELS: dict[str, list[str]] = {
+    "gpt": [],
+    "gpt-tiny": [
+        "model.init_args.n_layer=2",
+        "model.init_args.d_model=32",
+        "model.init_args.n_head=2",
+        "model.init_args.block_size=16",
+        "data.init_args.block_size=16",
+        "data.init_args.batch_size=4",
+    ],
+}
+HAND_GOAL, LIGHTNING_GOAL = 1.02, 1.00
+
+
+def _command(arm: str, strategy: str, model: str, steps: int, work: Path) -> list[str]:
+    overrides = MODELS[model]
+    if arm == "ours":
+        return [
+            *[sys.executable, "-m", "lightning_mlopt", "fit", "--config", str(REPO / "configs" / "gpt.yaml")],
+            *["--config", str(REPO / "configs" / "strategies" / f"{strategy}.yaml")],
+            *["--trainer.accelerator=cpu", "--trainer.devices=2", f"--trainer.max_steps={steps}"],
+            *[f"--run_dir={work / 'run'}", "--trainer.enable_progress_bar=false"],
+            *[f"--{item}" for item in overrides],
+        ]
+    sets = [f"--set={item}" for item in overrides]
+    if arm == "hand":
+        return [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+            *[str(HERE / "hand_loop.py"), f"--strategy={strategy}", f"--steps={steps}"],
+            *[f"--out={work / 'hand_params.pt'}", *sets],
+        ]
+    return [
+        *[sys.executable, str(HERE / "lightning_loop.py"), f"--strategy={strategy}", f"--steps={steps}"],
+        *[f"--root={work / 'lightning'}", *sets],
+    ]
+
+
+def _timed_job(arm: str, strategy: str, model: str, steps: int, work: Path) -> float:
+    """Wall seconds of one job, from its start to its exit; a failing job stops the benchmark, saying why."""
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    for name in ("MASTER_PORT", "MASTER_ADDR", "OMP_NUM_THREADS"):
+        env.pop(name, None)  # each launcher chooses, as on a fresh shell
+    started = time.perf_counter()
+    command = _command(arm, strategy, model, steps, work)
+    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+        raise RuntimeError(f"{arm} {strategy} {model} ({steps} steps) exited {done.returncode}:\n{tail}")
+    return seconds
+
+
+def _bitwise(work_ours: Path, work_hand: Path) -> str:
+    """Whether our final weights equal the hand loop's bit for bit; else the largest difference."""
+    import torch
+
+    consolidated = work_ours / "consolidated.ckpt"
+    subprocess.run(
+        [sys.executable, "-m", "lightning_mlopt", "checkpoint", "consolidate", str(work_ours / "run" / "checkpoints"),
+         str(consolidated)],
+        check=True, capture_output=True, cwd=REPO,
+    )  # fmt: skip
+    ours = torch.load(consolidated, weights_only=False)["state_dict"]
+    hand = torch.load(work_hand / "hand_params.pt")
+    if ours.keys() != hand.keys():
+        return f"different parameter names ({sorted(set(ours) ^ set(hand))[:3]})"
+    worst = max(float((ours[name] - hand[name]).abs().max()) for name in ours)
+    return "yes" if worst == 0 else f"no (max abs difference {worst:.1e})"
+
+
+def measure(strategy: str, model: str, args: argparse.Namespace, scratch: Path) -> dict[str, object]:
+    arms = ["ours", "hand"] + (["lightning"] if strategy in LIGHTNING_RUNS else [])
+    per_step: dict[str, list[float]] = {arm: [] for arm in arms}
+    last_long: dict[str, Path] = {}
+    for repeat in range(args.repeats):
+        for arm in arms if repeat % 2 == 0 else arms[::-1]:
+            times = {}
+            for steps in (args.short, args.long):
+                work = scratch / f"{strategy}-{model}-{arm}-{repeat}-{steps}"
+                times[steps] = _timed_job(arm, strategy, model, steps, work)
+                last_long[arm] = work
+            per_step[arm].append((times[args.long] - times[args.short]) / (args.long - args.short))
+            print(f"{strategy} {model} {arm} repeat {repeat}: {per_step[arm][-1] * 1e3:.1f} ms/step", flush=True)
+    result: dict[str, object] = {arm: per_step[arm] for arm in arms}
+    result["bitwise"] = _bitwise(last_long["ours"], last_long["hand"])
+    return result
+
+
+def _row(strategy: str, model: str, result: dict[str, object]) -> str:
+    def cell(arm: str) -> str:
+        runs = result.get(arm)
+        if runs is None:
+            return "not run (refuses CPU)"
+        return f"{median(runs) * 1e3:.1f} ({', '.join(f'{t * 1e3:.1f}' for t in runs)})"  # type: ignore[arg-type]
+
+    ours = median(result["ours"])  # type: ignore[arg-type]
+    hand_ratio = ours / median(result["hand"])  # type: ignore[arg-type]
+    lightning = result.get("lightning")
+    lightning_ratio = f"{ours / median(lightning):.2f}" if lightning else "-"  # type: ignore[arg-type]
+    return (
+        f"| {strategy} | {model} | {cell('ours')} | {cell('hand')} | {cell('lightning')} | **{hand_ratio:.2f}** | "
+        f"{lightning_ratio} | {result['bitwise']} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--short", type=int, default=20)
+    parser.add_argument("--long", type=int, default=60)
+    parser.add_argument("--no-publish", action="store_true", help="print the table; write no result file")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="parity_") as scratch:
+        for model in args.models.split(","):
+            for strategy in args.strategies.split(","):
+                rows.append(_row(strategy, model, measure(strategy, model, args, Path(scratch))))
+    body = (
+        f"Marginal step time (ms) = (wall time of a {args.long}-step job - of a {args.short}-step job) / "
+        f"{args.long - args.short}, {args.repeats} interleaved repeats (median, then each repeat), 2 CPU processes "
+        "(gloo). Goals: ours <= 1.02 x the hand-written loop, <= 1.00 x Lightning's own strategy.\n\n"
+        "| strategy | model | ours (CLI, default callbacks) | hand-written loop | Lightning's own | ours / hand | "
+        "ours / Lightning | final weights bitwise equal to the hand loop's |\n|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+    if args.no_publish:
+        print(body)
+    else:
+        publish("parity", "cpu-2proc", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The parity baseline: a hand-written training loop of the GPT demo, launched by torchrun.
+
+    torchrun --nproc-per-node=2 benchmarks/parity/hand_loop.py --strategy fsdp --steps 60 --out /tmp/params.pt
+
+What a careful user writes with the library alone (``DistributedDataParallel``; ``fully_shard`` per block and
+on the model; ``deepspeed.initialize`` with the preset's config), doing what ``configs/gpt.yaml`` asks of the
+Trainer: the same seed, model, data order (a ``DistributedSampler`` seeded as Lightning seeds it), AdamW groups
+and warm-up (the demo's own ``configure_optimizers``), and gradient clipping at the config's value. Rank 0
+writes the full final parameters to ``--out`` (for the bitwise comparison) after the last step.
+
+``--set key=value`` overrides the config as the CLI's ``--model.init_args.n_layer=2`` would (the benchmark's
+short-step model). Each rank uses ``cpus // processes`` threads, as Lightning's launcher sets them (torchrun
+would give 1), so both sides run the same thread count on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+
+
+def load_config(overrides: list[str]) -> dict[str, Any]:
+    """``configs/gpt.yaml`` with ``model.init_args.X=V`` / ``data.init_args.X=V`` overrides applied."""
+    config = yaml.safe_load((REPO / "configs" / "gpt.yaml").read_text())
+    for item in overrides:
+        key, value = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = yaml.safe_load(value)
+    return config
+
+
+def _deepspeed_config(strategy: str, micro_batch: int, clip: float) -> dict[str, Any]:
+    """The preset's DeepSpeed block (the overlay's), with what Lightning's Trainer settings put in it."""
+    from lightning_mlopt.strategies.deepspeed import _COMMON, PRESETS, merge_config
+
+    config = merge_config(_COMMON, PRESETS[strategy])
+    config.update(
+        train_micro_batch_size_per_gpu=micro_batch,
+        gradient_accumulation_steps=1,
+        gradient_clipping=clip,
+    )
+    return config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", choices=STRATEGIES, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="rank 0 writes the final full parameters here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args = parser.parse_args()
+
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))  # what Lightning's launcher sets
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    from lightning.fabric.utilities.seed import seed_everything
+
+    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
+    from lightning_mlopt.demos._loader import already_batched
+
+    config = load_config(args.set)
+    seed = int(config["seed_everything"])
+    seed_everything(seed, verbose=False)
+    module = GPTLanguageModel(**config["model"]["init_args"])
+    data = TokenDataModule(**config["data"]["init_args"])
+    data.setup("fit")
+    sampler = DistributedSampler(data.train_set, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(0)
+    batch_size = int(config["data"]["init_args"]["batch_size"])
+    # The demo's batches are gathered whole (InMemoryTensors), as a careful user's in-memory pipeline does.
+    loader = DataLoader(
+        data.train_set, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=already_batched
+    )
+    clip = float(config["trainer"]["gradient_clip_val"])
+
+    if args.strategy.startswith("zero"):
+        train = _deepspeed_loop(module, args.strategy, batch_size, clip, rank)
+    else:
+        train = _torch_loop(module, args.strategy, clip)
+    batches = iter(loader)
+    for _ in range(args.steps):
+        try:
+            batch = next(batches)
+        except StopIteration:  # a new epoch, as Lightning's loop does it
+            sampler.set_epoch(sampler.epoch + 1)
+            batches = iter(loader)
+            batch = next(batches)
+        train(batch)
+
+    from lightning_mlopt.distributed import full_parameters
+
+    params = full_parameters(module)  # a collective under FSDP and ZeRO-3: every rank calls it
+    if rank == 0 and args.out is not None:
+        torch.save(params, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The demo's loss (``GPTLanguageModel._loss``) on logits computed through the wrapped model."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _optimizer(module: Any) -> tuple[torch.optim.Optimizer, Any]:
+    configured = module.configure_optimizers()
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured, None
+    return configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+
+
+def _torch_loop(module: Any, strategy: str, clip: float) -> Any:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_mlopt.demos.gpt import TransformerBlock
+
+    if strategy == "ddp":
+        model: nn.Module = DistributedDataParallel(module, bucket_cap_mb=25, gradient_as_bucket_view=True)
+    else:
+        for block in module.modules():
+            if isinstance(block, TransformerBlock):
+                fully_shard(block, reshard_after_forward=True)
+        fully_shard(module.model, reshard_after_forward=True)
+        model = module
+    optimizer, scheduler = _optimizer(module)  # after sharding: its groups hold the sharded parameters
+
+    def train(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        inputs, targets = batch
+        loss = _loss(model(inputs), targets)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+
+    return train
+
+
+def _deepspeed_loop(module: Any, strategy: str, batch_size: int, clip: float, rank: int) -> Any:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    optimizer, scheduler = _optimizer(module)
+    engine, _, _, _ = deepspeed.initialize(
+        args=argparse.Namespace(device_rank=rank),
+        config=_deepspeed_config(strategy, batch_size, clip),
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        dist_init_required=False,
+    )
+
+    def train(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        inputs, targets = batch
+        loss = _loss(engine(inputs), targets)
+        engine.backward(loss)
+        engine.step()  # clips, steps the optimizer and the scheduler, zeroes the gradients
+
+    return train
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Lightning's own strategy on the GPT demo, as a user of plain Lightning runs it: the second parity baseline.
+
+    python benchmarks/parity/lightning_loop.py --strategy ddp --steps 60
+
+``configs/gpt.yaml``'s model, data and Trainer settings in a plain ``lightning.pytorch.Trainer`` (Lightning's
+own defaults for the rest: its ``ModelCheckpoint``, no progress bar as in a batch job), with Lightning's
+``ddp`` or ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` per block and on the model in
+``configure_model``, as Lightning's docs show). Lightning's ``DeepSpeedStrategy`` is not run: it refuses a
+CPU accelerator ("DeepSpeed strategy is only supported on GPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hand_loop import load_config
+
+
+def _fully_sharded(model_args: dict[str, Any]) -> Any:
+    from lightning_mlopt.demos import GPTLanguageModel
+
+    class FullyShardedGPT(GPTLanguageModel):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.layers:  # the same units as our overlay's wrap_classes
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    return FullyShardedGPT(**model_args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--root", default=None, help="Lightning's default_root_dir (default: a temporary one)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args = parser.parse_args()
+
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.demos import GPTLanguageModel, TokenDataModule
+
+    config = load_config(args.set)
+    pl.seed_everything(int(config["seed_everything"]), verbose=False)
+    settings = {key: value for key, value in config["trainer"].items() if key not in ("accelerator", "devices")}
+    settings["max_steps"] = args.steps
+    fsdp = args.strategy == "fsdp"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=pl.strategies.ModelParallelStrategy() if fsdp else "ddp",
+        default_root_dir=args.root or tempfile.mkdtemp(prefix="lightning_parity_"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **settings,
+    )
+    model_args = config["model"]["init_args"]
+    model = _fully_sharded(model_args) if fsdp else GPTLanguageModel(**model_args)
+    trainer.fit(model, TokenDataModule(**config["data"]["init_args"]))
+
+
+if __name__ == "__main__":
+    main()
