@@ -79,6 +79,26 @@ def keep_lightning_off_signals(trainer: Any, signums: Iterable[int]) -> None:
     connector.register_signal_handlers = register_keeping_ours
 
 
+def skip_per_batch_sigterm_broadcast(trainer: Any) -> bool:
+    """Drop the SIGTERM flag broadcast Lightning runs at the start of every training batch; True if there was one.
+
+    Lightning 2.6 broadcasts ``trainer.received_sigterm`` from rank 0 before each batch (a collective, and on a
+    GPU a device-to-host sync, every step: Lightning issue #21487). Only Lightning's own SIGTERM handler sets
+    that flag; where ours owns SIGTERM (:func:`keep_lightning_off_signals`) it is always 0, and the step-boundary
+    exchange already carries the signal to every rank. Reach: ``trainer.fit_loop.epoch_loop
+    ._broadcast_sigterm_tensor`` (Lightning >= 2.6; earlier versions have no broadcast, nothing to skip).
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(loop, "_broadcast_sigterm_tensor", None)):
+        return False
+    loop._broadcast_sigterm_tensor = _no_broadcast
+    return True
+
+
+def _no_broadcast() -> None:
+    """What replaces Lightning's per-batch SIGTERM broadcast: nothing (see skip_per_batch_sigterm_broadcast)."""
+
+
 @contextlib.contextmanager
 def deepspeed_initialize_on_rank(device_rank: int) -> Iterator[None]:
     """Within the block, ``deepspeed.initialize`` gets ``args.device_rank = device_rank`` whatever it is passed.

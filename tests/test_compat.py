@@ -306,3 +306,18 @@ def test_torchrun_signals_the_worker_not_its_children(tmp_path):
         assert not stat.exists() or stat.read_text().split(")")[1].split()[0] == "Z"  # gone, or a zombie
     finally:
         subprocess_handler.SubprocessHandler.close = original
+
+
+def test_the_per_batch_sigterm_broadcast_is_skipped(monkeypatch):
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    broadcasts = []
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src: broadcasts.append(int(tensor)))
+    loop = trainer.fit_loop.epoch_loop
+    loop._broadcast_sigterm_tensor()  # Lightning 2.6's own: a broadcast of the flag each batch
+    assert broadcasts == [0]
+    assert _compat.skip_per_batch_sigterm_broadcast(trainer)
+    loop._broadcast_sigterm_tensor()
+    assert broadcasts == [0], "the skipped broadcast still ran"

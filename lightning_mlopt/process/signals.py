@@ -122,16 +122,20 @@ class PreemptionSignals:
         """:meth:`install` ``names`` for a Trainer's run, and keep Lightning's own handlers off them.
 
         Lightning registers its SIGTERM (and, under SLURM, SIGUSR1) handlers in ``Trainer._run`` after the
-        callbacks' ``setup``; they run collectives inside the handler. A signal that came before this (the
-        entry point owns them from its first second) stays recorded and is acted on at the first step boundary.
+        callbacks' ``setup``; they run collectives inside the handler. With SIGTERM ours, Lightning's per-batch
+        broadcast of its SIGTERM flag is skipped too (a collective every step for a flag nothing sets). A signal
+        that came before this (the entry point owns them from its first second) stays recorded and is acted on at
+        the first step boundary.
         """
         names = list(names)
         if not names or threading.current_thread() is not threading.main_thread():
             return []
-        from lightning_mlopt._compat import keep_lightning_off_signals
+        from lightning_mlopt._compat import keep_lightning_off_signals, skip_per_batch_sigterm_broadcast
 
         owned = self.install(names, deadline_s=deadline_s, exit_code=exit_code, graces=graces)
         keep_lightning_off_signals(trainer, owned)
+        if signal.SIGTERM in owned:  # Lightning's flag can no longer be raised: its per-batch broadcast is waste
+            skip_per_batch_sigterm_broadcast(trainer)
         return owned
 
     def received(self) -> int | None:
