@@ -15,7 +15,8 @@ The reaches:
   strategies' ``_timeout``, ``_setup_distributed``/``_init_deepspeed_distributed`` and ``_device_mesh`` (process
   group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
   ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory).
-- DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU.
+- DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU; ZeRO-3's start-of-step hook
+  (``parameter_offload.fwd_pre_hook``: a step starts at the outermost call of the root module).
 - torch: torchrun's ``_terminate_process_handler`` (``launch`` learns which signal stopped the agent) and
   ``SubprocessHandler.close``/``_stdout``/``_stderr`` (a signal to each worker, not its DataLoader workers),
   ``nn.modules.batchnorm._NormBase`` (per-rank running statistics), the fused ``torch._foreach_*``
@@ -374,6 +375,55 @@ def restore_zero_state(strategy: Any, checkpoint: Any, strict: bool) -> None:
     Reach: ``DeepSpeedStrategy._restore_zero_state`` (Lightning 2.x).
     """
     _require(strategy, "_restore_zero_state", "loading full weights into ZeRO-3")(checkpoint, strict=strict)
+
+
+def zero3_step_starts_at_the_outermost_forward(engine: Any) -> bool:
+    """Make ZeRO-3 begin a new step at the engine's forward only, not at every call of the root module.
+
+    DeepSpeed resets its parameter-fetch trace in a forward pre-hook on the root module, meaning "a new
+    forward pass". Lightning runs ``training_step`` through that root module (its forward redirected), and a
+    LightningModule that calls ``self(x)`` inside ``training_step`` (most do) calls the root again: a second
+    reset mid-step, so the trace never completes. Every step then re-records (no prefetch; 36 more collectives
+    per step on the GPT demo: 92 instead of the hand-written loop's 56). Here the reset runs only when no
+    call of the root is already in progress. True if the engine had the hook (ZeRO-3), False otherwise.
+
+    Reach: ``engine.optimizer.parameter_offload`` (training) or the engine's ``DeepSpeedZeRoOffload`` optimizer
+    (inference), its ``fwd_pre_hook`` handle and ``get_param_coordinator().reset_step`` (DeepSpeed 0.1x).
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    offload: Any = getattr(optimizer, "parameter_offload", optimizer)
+    handle = getattr(offload, "fwd_pre_hook", None)
+    if handle is None:
+        return False
+    coordinator = _require(offload, "get_param_coordinator", "ZeRO-3's step reset")
+    root = _require(offload, "module", "ZeRO-3's root module")
+    handle.remove()
+    depth = [0]
+
+    def start_of_step(module: Any, *args: Any) -> None:
+        if depth[0] == 0:
+            coordinator().reset_step()
+        depth[0] += 1
+
+    def end_of_call(module: Any, *args: Any) -> None:
+        depth[0] -= 1
+
+    offload.fwd_pre_hook = _BothHandles(
+        root.register_forward_pre_hook(start_of_step, prepend=True),  # before DeepSpeed's own fetch hooks
+        root.register_forward_hook(end_of_call, always_call=True),  # a forward that raised ends its call too
+    )
+    return True
+
+
+class _BothHandles:
+    """Two hook handles that DeepSpeed's ``fwd_pre_hook.remove()`` removes together."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def deepspeed_micro_batch_size(strategy: Any) -> int:

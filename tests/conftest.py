@@ -109,15 +109,31 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     Maps each strategy to ``(records, params, run_dir)`` (``tests.strategy_runs.TrainedRun``). The strategy
     equivalence tests compare them; the checkpoint tool's tests read their checkpoints (read-only: a test that
-    would write into a run directory trains its own run). Sharing saves five launches of the suite's budget.
+    would write into a run directory trains its own run); the collective budget test reads the collectives each
+    rank counted in batches ``COUNTED_STEPS`` (``collectives-rank<N>.json`` beside the records). Sharing saves
+    five launches of the suite's budget.
     """
     from tests.strategy_runs import train
 
     root = tmp_path_factory.mktemp("strategy_runs")
     return {
-        name: train(root, name, name, SHARED_RUN_STEPS, extra=(SHARED_RUN_CLIP,))
+        name: train(root, name, name, SHARED_RUN_STEPS, extra=(SHARED_RUN_CLIP, *_count_collectives(root / name)))
         for name in ["ddp", "fsdp", "zero1", "zero2", "zero3"]
     }
+
+
+# The batches whose collectives the shared runs record (tests/strategies/test_collective_budget.py): warm,
+# and clear of the first and last steps' one-off work.
+COUNTED_STEPS = (8, 14)
+
+
+def _count_collectives(out: Path) -> tuple[str, ...]:
+    return (
+        "--trainer.callbacks+=tests.helpers.CountCollectives",
+        f"--trainer.callbacks.out_dir={out}",
+        f"--trainer.callbacks.first_step={COUNTED_STEPS[0]}",
+        f"--trainer.callbacks.last_step={COUNTED_STEPS[1]}",
+    )
 
 
 @pytest.fixture(scope="session")

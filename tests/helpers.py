@@ -525,3 +525,50 @@ class SlowWrite(pl.Callback):
             return original(state, path)
 
         saver.save_file = slow
+
+
+class CountCollectives(pl.Callback):
+    """Writes ``collectives-rank<N>.json``: each training batch's collectives by issuer, for batches in a range.
+
+    A batch runs from its ``on_train_batch_start`` to the next one's (its end hooks and the next batch's
+    start-of-batch work included), so every per-batch cost is counted once per batch.
+
+    Args:
+        out_dir: folder for the per-rank files.
+        first_step: the first batch recorded (by ``trainer.global_step`` at its start).
+        last_step: the batch after the last one recorded.
+    """
+
+    def __init__(self, out_dir: str, first_step: int, last_step: int) -> None:
+        self.out_dir = Path(out_dir)
+        self.first_step, self.last_step = first_step, last_step
+        self.batches: list[dict[str, Any]] = []
+        self._counting: tuple[int, Any] | None = None
+
+    def _stop(self) -> None:
+        if self._counting is not None:
+            step, counter = self._counting
+            self._counting = None
+            counter.__exit__(None, None, None)
+            self.batches.append(
+                {
+                    "step": step,
+                    "by_issuer": counter.by_issuer(),
+                    "sites": {issuer: counter.by_site(issuer) for issuer in counter.by_issuer()},
+                }
+            )
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[override]
+        from lightning_mlopt.diagnosis.collectives import CollectiveCounter
+
+        self._stop()
+        if self.first_step <= trainer.global_step < self.last_step:
+            self._counting = (trainer.global_step, CollectiveCounter().__enter__())
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        record = {"log_every_n_steps": trainer.log_every_n_steps, "batches": self.batches}
+        (self.out_dir / f"collectives-rank{trainer.global_rank}.json").write_text(json.dumps(record))

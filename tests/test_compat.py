@@ -321,3 +321,48 @@ def test_the_per_batch_sigterm_broadcast_is_skipped(monkeypatch):
     assert _compat.skip_per_batch_sigterm_broadcast(trainer)
     loop._broadcast_sigterm_tensor()
     assert broadcasts == [0], "the skipped broadcast still ran"
+
+
+def test_zero3_starts_a_step_at_the_outermost_call_of_the_root_module_only():
+    from types import SimpleNamespace
+
+    import torch
+
+    resets = []
+
+    class Root(torch.nn.Module):  # Lightning's redirected forward: training_step calls self(x) inside
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = False
+            self.fail = False
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            if self.fail:
+                raise ValueError("a forward that raised")
+            if not self.inner:
+                self.inner = True
+                try:
+                    return self(x)
+                finally:
+                    self.inner = False
+            return x
+
+    root = Root()
+    original = root.register_forward_pre_hook(lambda *_: resets.append("deepspeed's own"))
+    coordinator = SimpleNamespace(reset_step=lambda: resets.append("reset"))
+    offload = SimpleNamespace(module=root, fwd_pre_hook=original, get_param_coordinator=lambda: coordinator)
+    engine = SimpleNamespace(optimizer=SimpleNamespace(parameter_offload=offload))
+
+    assert _compat.zero3_step_starts_at_the_outermost_forward(engine)
+    root(torch.ones(1))
+    assert resets == ["reset"], "one reset per step, and DeepSpeed's own hook is gone"
+    root.fail = True
+    with pytest.raises(ValueError):
+        root(torch.ones(1))
+    root.fail = False
+    root(torch.ones(1))
+    assert resets == ["reset", "reset", "reset"], "a forward that raised still ended its call"
+    offload.fwd_pre_hook.remove()  # what DeepSpeed's destroy does: both hooks go
+    root(torch.ones(1))
+    assert len(resets) == 3
+    assert not _compat.zero3_step_starts_at_the_outermost_forward(SimpleNamespace(optimizer=None))

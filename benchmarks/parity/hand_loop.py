@@ -16,6 +16,7 @@ would give 1), so both sides run the same thread count on any machine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+COUNTED_STEPS = (8, 14)  # warm steps, none of them a logging step of configs/gpt.yaml on our side
 
 
 def load_config(overrides: list[str]) -> dict[str, Any]:
@@ -65,6 +67,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, default=None, help="rank 0 writes the final full parameters here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument(
+        "--count-collectives",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="rank 0 writes each step's collectives by issuer here (steps 8 to 13, as the budget test counts)",
+    )
     args = parser.parse_args()
 
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -97,14 +106,24 @@ def main() -> None:
     else:
         train = _torch_loop(module, args.strategy, clip)
     batches = iter(loader)
-    for _ in range(args.steps):
+    counted: list[dict[str, Any]] = []
+    for step in range(args.steps):
         try:
             batch = next(batches)
         except StopIteration:  # a new epoch, as Lightning's loop does it
             sampler.set_epoch(sampler.epoch + 1)
             batches = iter(loader)
             batch = next(batches)
-        train(batch)
+        if args.count_collectives is not None and COUNTED_STEPS[0] <= step < COUNTED_STEPS[1]:
+            from lightning_mlopt.diagnosis.collectives import CollectiveCounter
+
+            with CollectiveCounter() as counter:
+                train(batch)
+            counted.append({"step": step, "by_issuer": counter.by_issuer(), "sites": counter.by_site("strategy")})
+        else:
+            train(batch)
+    if args.count_collectives is not None and rank == 0:
+        args.count_collectives.write_text(json.dumps({"batches": counted}))
 
     from lightning_mlopt.distributed import full_parameters
 

@@ -25,6 +25,7 @@ from lightning_mlopt._compat import (
     deepspeed_micro_batch_size,
     init_deepspeed_distributed,
     restore_zero_state,
+    zero3_step_starts_at_the_outermost_forward,
 )
 from lightning_mlopt.checkpoint.layout import CheckpointLayout, register_layout
 from lightning_mlopt.checkpoint.manifest import FileEntry
@@ -190,6 +191,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        zero3_step_starts_at_the_outermost_forward(engine)  # ZeRO-3: self(x) in training_step keeps the trace
         return engine, ds_optimizer
 
     @override
@@ -263,10 +265,11 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
     def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
         if self.root_device.index is not None:
             super()._initialize_deepspeed_inference(model)
-            return
-        # On CPU Lightning passes device_rank=None, which DeepSpeed cannot compare: give it the local rank.
-        with deepspeed_initialize_on_rank(self.local_rank):
-            super()._initialize_deepspeed_inference(model)
+        else:
+            # On CPU Lightning passes device_rank=None, which DeepSpeed cannot compare: give it the local rank.
+            with deepspeed_initialize_on_rank(self.local_rank):
+                super()._initialize_deepspeed_inference(model)
+        zero3_step_starts_at_the_outermost_forward(self.deepspeed_engine)  # validate/test/predict: the same
 
     @override
     def _format_config(self) -> None:
