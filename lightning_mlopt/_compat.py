@@ -10,7 +10,8 @@ The reaches:
 - Lightning: ``Trainer._signal_connector`` (keeping our signal handlers), ``Trainer._checkpoint_connector``
   (``dump_checkpoint``: the state a save writes; ``resume_start``, ``_ckpt_path``, ``_loaded_checkpoint``:
   resuming from a checkpoint we loaded or checked ourselves), ``fit_loop._data_fetcher`` and
-  ``fit_loop._combined_loader`` (repositioning a resumed epoch), checkpoint migration,
+  ``fit_loop._combined_loader`` (repositioning a resumed epoch), the data fetcher's ``_start_profiler`` (where
+  a batch's fetch starts: PerformanceMonitor's data wait), checkpoint migration,
   ``Callback._generate_state_key`` (callbacks' state keys), ``LightningCLI._parser`` (the resolved config),
   strategies' ``_timeout``, ``_setup_distributed``/``_init_deepspeed_distributed`` and ``_device_mesh`` (process
   group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
@@ -167,6 +168,33 @@ def epoch_loaders(trainer: Any) -> tuple[Any, Any]:
     loop = trainer.fit_loop
     what = "resuming in the middle of an epoch"
     return _require(loop, "_data_fetcher", what), _require(loop, "_combined_loader", what)
+
+
+def mark_dataloader_fetches(trainer: Any, starting: Callable[[], None]) -> bool:
+    """Call ``starting`` each time the fit loop asks the training dataloader for a batch; False before it exists.
+
+    Lightning's data fetcher calls ``_start_profiler`` right before ``next()`` on the loaders (its profiler's
+    ``train_dataloader_next``); ``starting`` runs there, then Lightning's own. Idempotent per fetcher. Reach:
+    ``trainer.fit_loop._data_fetcher._start_profiler`` (Lightning 2.x).
+    """
+    fetcher = _require(trainer.fit_loop, "_data_fetcher", "marking the dataloader's fetches")
+    if fetcher is None:
+        return False
+    original = _require(fetcher, "_start_profiler", "marking the dataloader's fetches")
+    if not isinstance(original, _BeforeFetch):
+        fetcher._start_profiler = _BeforeFetch(starting, original)
+    return True
+
+
+class _BeforeFetch:
+    """``starting``, then the fetcher's own start-of-fetch hook (see :func:`mark_dataloader_fetches`)."""
+
+    def __init__(self, starting: Callable[[], None], original: Callable[[], None]) -> None:
+        self.starting, self.original = starting, original
+
+    def __call__(self) -> None:
+        self.starting()
+        self.original()
 
 
 def default_store() -> Any | None:

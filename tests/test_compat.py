@@ -366,3 +366,47 @@ def test_zero3_starts_a_step_at_the_outermost_call_of_the_root_module_only():
     root(torch.ones(1))
     assert len(resets) == 3
     assert not _compat.zero3_step_starts_at_the_outermost_forward(SimpleNamespace(optimizer=None))
+
+
+def test_each_training_batch_fetch_is_marked_where_the_loop_asks_the_dataloader(tmp_path):
+    import lightning.pytorch as pl
+    import torch
+
+    events: list[str] = []
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            events.append("getitem")
+            return torch.ones(2)
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            events.append("step")
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            return torch.utils.data.DataLoader(Data(), batch_size=4)
+
+    class Mark(pl.Callback):  # from a batch's start: Lightning sets its own hook when each epoch's loop starts
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            assert _compat.mark_dataloader_fetches(trainer, lambda: events.append("fetch"))
+            assert _compat.mark_dataloader_fetches(trainer, lambda: events.append("twice")), "idempotent"
+
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[Mark()],
+    )  # fmt: skip
+    assert not _compat.mark_dataloader_fetches(trainer, lambda: None), "no fetcher before fit"
+    trainer.fit(Model())
+    fetched = ["getitem"] * 4
+    assert events == [*fetched, "step", "fetch", *fetched, "step"], "the second batch's fetch is marked, once"

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, default=None, help="rank 0 writes the final full parameters here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--step-times", type=Path, default=None, help="rank 0 writes each step's seconds here")
     parser.add_argument(
         "--count-collectives",
         type=Path,
@@ -107,6 +109,8 @@ def main() -> None:
         train = _torch_loop(module, args.strategy, clip)
     batches = iter(loader)
     counted: list[dict[str, Any]] = []
+    step_s: list[float] = []
+    last: float | None = None
     for step in range(args.steps):
         try:
             batch = next(batches)
@@ -114,6 +118,10 @@ def main() -> None:
             sampler.set_epoch(sampler.epoch + 1)
             batches = iter(loader)
             batch = next(batches)
+        now = time.perf_counter()  # where StepClock stamps a Lightning step: the batch fetched, before the step
+        if last is not None:
+            step_s.append(now - last)
+        last = now
         if args.count_collectives is not None and COUNTED_STEPS[0] <= step < COUNTED_STEPS[1]:
             from lightning_mlopt.diagnosis.collectives import CollectiveCounter
 
@@ -122,6 +130,8 @@ def main() -> None:
             counted.append({"step": step, "by_issuer": counter.by_issuer(), "sites": counter.by_site("strategy")})
         else:
             train(batch)
+    if args.step_times is not None and rank == 0:
+        args.step_times.write_text(json.dumps({"step_s": step_s}))
     if args.count_collectives is not None and rank == 0:
         args.count_collectives.write_text(json.dumps({"batches": counted}))
 
@@ -166,8 +176,8 @@ def _torch_loop(module: Any, strategy: str, clip: float) -> Any:
         inputs, targets = batch
         loss = _loss(model(inputs), targets)
         loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        if clip > 0:  # over the optimizer's parameters in its groups' order, as Lightning's clip_gradients does
+            torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:

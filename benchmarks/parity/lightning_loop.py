@@ -19,6 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hand_loop import load_config
+from step_clock import StepClock
 
 
 def _fully_sharded(model_args: dict[str, Any]) -> Any:
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--root", default=None, help="Lightning's default_root_dir (default: a temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--step-times", default=None, help="rank 0 writes each step's seconds here (StepClock)")
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -60,6 +62,7 @@ def main() -> None:
         default_root_dir=args.root or tempfile.mkdtemp(prefix="lightning_parity_"),
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[StepClock(args.step_times)] if args.step_times else None,
         **settings,
     )
     model_args = config["model"]["init_args"]

@@ -40,7 +40,9 @@ class PerformanceMonitor(PhaseMarkers):
     - ``perf/samples_per_sec`` (the job's) and ``perf/samples_per_sec_rank_min|median|max``; the same for
       ``tokens`` when ``tokens_per_sample`` is given or the LightningModule has a ``tokens_per_sample``
       attribute;
-    - ``perf/frac_data_wait``, ``perf/frac_forward``, ``perf/frac_backward``, ``perf/frac_optimizer``,
+    - ``perf/frac_data_wait`` (from the loop asking the dataloader for a batch to the batch's start),
+      ``perf/frac_forward``, ``perf/frac_backward``, ``perf/frac_optimizer``, ``perf/frac_loop`` (between
+      batches outside the dataloader: Lightning's loop, logging, other callbacks' batch-end hooks),
       ``perf/frac_checkpoint`` (fractions of the step, mean over ranks), ``perf/frac_data_wait_max`` and its
       rank ``perf/data_wait_max_rank``, ``perf/step_time_s``, and ``perf/slowest_rank`` (longest forward);
     - ``perf/mfu`` against the device's published dense peak for the run's precision (only for boards in

@@ -9,7 +9,12 @@ import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
 
+from lightning_mlopt._compat import mark_dataloader_fetches
 from lightning_mlopt.process.phase import set_phase
+
+
+def _fetching() -> None:
+    set_phase("data")
 
 
 class PhaseMarkers(Callback):
@@ -26,6 +31,10 @@ class PhaseMarkers(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         set_phase("forward", trainer.global_step)
+        # "data" starts where the loop asks the dataloader for the next batch, not where this batch ends: the
+        # loop's own work between batches (logging, schedulers, other callbacks' hooks) is no input stall.
+        # Lightning sets the fetcher's hook as each epoch's loop starts, so it is (re)placed here.
+        mark_dataloader_fetches(trainer, _fetching)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -36,8 +45,12 @@ class PhaseMarkers(Callback):
         set_phase("optimizer")
 
     @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        set_phase("data")  # what follows is the epoch's first fetch (a new iterator: workers start here)
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        set_phase("data", trainer.global_step)
+        set_phase("loop", trainer.global_step)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -47,4 +60,4 @@ class PhaseMarkers(Callback):
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.training:
-            set_phase("data")
+            set_phase("loop")

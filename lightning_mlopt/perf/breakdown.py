@@ -31,6 +31,7 @@ class RankWindow:
     forward: float = 0.0
     backward: float = 0.0
     optimizer: float = 0.0
+    loop: float = 0.0  # between batches, outside the dataloader (process/phase.py)
     checkpoint: float = 0.0
     batches: float = 0.0
     samples: float = 0.0

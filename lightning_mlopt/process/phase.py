@@ -6,10 +6,11 @@ Two readers use them: the hang watchdog reports the phase a stuck process is in 
 listeners such as ``perf/phase_clock.py`` add up the time spent in each phase (PerformanceMonitor's step-time
 breakdown).
 
-A step's phases, in order: ``data`` (blocked on the dataloader, from the end of one batch to the start of the
-next), ``forward``, ``backward``, ``optimizer`` (the step, zeroing, the hooks around it), and ``checkpoint``
-wherever a save runs. Outside a step's phases: ``setup``, ``validation`` (inside fit), and ``monitor``
-(PerformanceMonitor's own work), which step-time figures leave out.
+A step's phases, in order: ``data`` (blocked on the dataloader: from the fetch of a batch to its start, the
+transfer to the device included), ``forward``, ``backward``, ``optimizer`` (the step, zeroing, the hooks around
+it), ``loop`` (between batches, outside the dataloader: Lightning's loop, logging, learning-rate schedulers,
+callbacks' batch-end hooks), and ``checkpoint`` wherever a save runs. Outside a step's phases: ``setup``,
+``validation`` (inside fit), and ``monitor`` (PerformanceMonitor's own work), which step-time figures leave out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Protocol
 
 from lightning_mlopt._compat import current_frames
 
-PHASES = ("data", "forward", "backward", "optimizer", "checkpoint")
+PHASES = ("data", "forward", "backward", "optimizer", "loop", "checkpoint")
 
 
 class PhaseListener(Protocol):
