@@ -572,3 +572,24 @@ class CountCollectives(pl.Callback):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         record = {"log_every_n_steps": trainer.log_every_n_steps, "batches": self.batches}
         (self.out_dir / f"collectives-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class NoHostSyncBetween(pl.Callback):
+    """Runs batches ``first_step`` to ``last_step - 1`` under ``torch.cuda.set_sync_debug_mode("error")``.
+
+    From the first one's start to the start of the batch after the last (every hook between them included),
+    any operation that makes the host wait for the GPU raises there, naming itself. Choose steps off logging
+    steps (their metrics are read on the host by design).
+    """
+
+    def __init__(self, first_step: int, last_step: int) -> None:
+        self.first_step, self.last_step = first_step, last_step
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[override]
+        inside = self.first_step <= trainer.global_step < self.last_step
+        torch.cuda.set_sync_debug_mode("error" if inside else "default")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.cuda.set_sync_debug_mode("default")

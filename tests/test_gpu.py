@@ -105,3 +105,33 @@ def test_out_of_memory_writes_a_snapshot_named_in_the_error(tmp_path):
     snapshot = tmp_path / "perf" / "oom-rank0.pickle"
     assert snapshot.is_file() and snapshot.stat().st_size > 0
     assert str(snapshot) in "\n".join(getattr(error.value, "__notes__", []))
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("overlay", ["ddp", "fsdp"])
+def test_no_host_sync_off_logging_steps_with_the_default_callbacks(tmp_path, overlay):
+    # Steps 3-7 of a log_every_n_steps=10 run: no logging step among them. The per-step exchange
+    # (FaultTolerantCheckpoint's vote) sums host values over gloo; PerformanceMonitor reads its CUDA events on
+    # logging steps only. ZeRO is left out: DeepSpeed's own clipping reads the global norm on the host.
+    devices = min(2, torch.cuda.device_count())
+    result = run_cli(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "gpt.yaml"),
+            "--config",
+            str(CONFIGS / "strategies" / f"{overlay}.yaml"),
+            "--trainer.accelerator=gpu",
+            f"--trainer.devices={devices}",
+            "--trainer.max_steps=10",
+            "--trainer.limit_val_batches=0",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=tests.helpers.NoHostSyncBetween",
+            "--trainer.callbacks.first_step=3",
+            "--trainer.callbacks.last_step=8",
+            f"--run_dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]

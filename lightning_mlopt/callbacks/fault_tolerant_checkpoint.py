@@ -436,10 +436,12 @@ class FaultTolerantCheckpoint(Checkpoint):
         due = self.every_n_minutes is not None and (
             time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
         )
-        flags = [float(preemption.received() is not None), float(due), float(self.saver.failed)]
-        budget = self._save_budget()
-        flags += [float(not budget.new_save_fits), float(not budget.in_flight_fits)]
-        return torch.tensor(flags, device=trainer.strategy.root_device)
+        signalled = preemption.received() is not None
+        flags = [float(signalled), float(due), float(self.saver.failed), 0.0, 0.0]
+        if signalled:  # the time left matters only after a signal: without one, any save fits
+            budget = self._save_budget()
+            flags[3:] = [float(not budget.new_save_fits), float(not budget.in_flight_fits)]
+        return torch.tensor(flags)  # host values for a host exchange: no copy to or from a GPU, every step
 
     def _save_budget(self) -> SaveBudget:
         """After a signal: what the time left allows (unknown grace, or no signal: anything)."""

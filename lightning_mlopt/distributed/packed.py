@@ -39,10 +39,19 @@ class Packed:
         return any(existing == name for existing, _ in self._parts)
 
     def tensor(self, device: torch.device) -> Tensor:
-        """All slots, in the order added, as one fp32 vector on ``device``."""
+        """All slots, in the order added, as one fp32 vector on ``device``.
+
+        Slots elsewhere (a rank's GPU) move in one copy, not one per slot: each copy to the host is a wait.
+        """
         if not self._parts:
             return torch.zeros(0, device=device)
-        return torch.cat([values.float().to(device) for _, values in self._parts])
+        parts = [values.float() for _, values in self._parts]
+        away = [index for index, part in enumerate(parts) if part.device != device]
+        if away:
+            moved = torch.cat([parts[index] for index in away]).to(device)
+            for index, part in zip(away, moved.split([parts[index].numel() for index in away]), strict=True):
+                parts[index] = part
+        return torch.cat(parts)
 
     def unpack(self, flat: list[float]) -> dict[str, list[float]]:
         """Split ``flat`` (the vector, reduced and read on the host) back into the named slots."""

@@ -11,6 +11,11 @@ already there.
 Every rank must put the same names with the same sizes and register the same providers; values are summed.
 A batch's values are forgotten when the next batch starts.
 
+The sum runs on the host, over gloo: training's own group where training runs on gloo (CPU), else (NCCL) a
+gloo group of the exchange's own. The values are host values (flags, timers, a window of seconds), so on a GPU
+the per-step exchange neither queues behind the step's kernels nor makes the host wait for the device; a
+callback that puts device tensors (GradNormMonitor's norms) pays its own copy to the host.
+
 Example::
 
     exchange = step_exchange(trainer)
@@ -61,6 +66,7 @@ class StepExchange:
         self._results: dict[str, list[float]] = {}
         self._providers: dict[str, Callable[[], Tensor]] = {}
         self._receivers: dict[str, Callable[[list[float]], None]] = {}
+        self._group: Any = None  # the gloo group of the exchange's own, under NCCL (made at the first exchange)
         self.collectives = 0
 
     def provide(
@@ -94,7 +100,9 @@ class StepExchange:
         self._pending.add(name, values)
 
     def flush(self, trainer: Any, device: torch.device, local: Packed | None = None) -> dict[str, list[float]]:
-        """Sum everything put so far over every rank (one collective), and read it and ``local`` on the host.
+        """Sum everything put so far over every rank (one collective, on the host), and read it and ``local``.
+
+        ``device`` is where the caller's values live (kept for callers; the sum itself runs on the host).
 
         ``local`` rides along unreduced (values this rank already holds globally), so the caller pays one
         host read for both. Returns the exchanged values put so far in this batch and ``local``'s, by name.
@@ -103,15 +111,16 @@ class StepExchange:
         for name, provider in self._providers.items():
             if name not in self._results and name not in self._pending:
                 self._pending.add(name, provider())
-        reduced = self._pending.tensor(device)
+        host = torch.device("cpu")
+        reduced = self._pending.tensor(host)
         if reduced.numel():
             if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
                 # One all-reduce over the world, which every strategy trains in. Not Strategy.reduce: Lightning's
                 # precedes its all-reduce with a barrier, a second collective per call.
-                dist.all_reduce(reduced)
+                dist.all_reduce(reduced, group=self._host_group())
             self.collectives += 1
-        riders = local.tensor(device) if local is not None else torch.zeros(0, device=device)
-        values = torch.cat([reduced.to(device), riders]).tolist()  # the one host read
+        riders = local.tensor(host) if local is not None else torch.zeros(0)
+        values = torch.cat([reduced, riders]).tolist()
         exchanged = self._pending.unpack(values[: reduced.numel()])
         self._results.update(exchanged)
         self._pending = Packed()
@@ -121,6 +130,15 @@ class StepExchange:
         if local is not None:
             return {**self._results, **local.unpack(values[reduced.numel() :])}
         return dict(self._results)
+
+    def _host_group(self) -> Any:
+        """The group to sum over on the host: None (training's own) on gloo, else a gloo group of its own.
+
+        Made at the first exchange, which every rank reaches in the same batch (making a group is collective).
+        """
+        if self._group is None and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def read(self, trainer: Any, name: str, device: torch.device) -> list[float]:
         """The summed values of ``name`` in this batch, exchanging what is pending if they are not there yet."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -72,3 +73,41 @@ def test_a_window_rides_another_callbacks_exchange_or_else_goes_to_the_backgroun
     assert sums.drain() == [([4.0], 9)]  # the end of training waits for what is due
     assert exchange.collectives == 1
     sums.close()
+
+
+def _exchange_under_another_backend(rank: int, init_file: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from lightning_mlopt.distributed import step_exchange as module
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    default_backend = dist.get_backend
+    module.dist.get_backend = lambda group=None: "nccl" if group is None else default_backend(group)  # type: ignore[assignment]
+    trainer, exchange = _Trainer(), StepExchange()
+    trainer.world_size = 2
+    exchange.provide("vote", lambda: torch.tensor([float(rank + 1)]))
+    first = exchange.read(trainer, "vote", torch.device("cpu"))
+    group = exchange._group
+    trainer.progress.total.ready += 1
+    second = exchange.read(trainer, "vote", torch.device("cpu"))
+    record = {"first": first, "second": second, "own_group": group is not None, "same": exchange._group is group}
+    record["backend"] = default_backend(group) if group is not None else None
+    Path(f"{out}.{rank}").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_under_nccl_the_exchange_sums_on_the_host_over_a_gloo_group_of_its_own(tmp_path):
+    # Two real processes; training's backend reads as NCCL (no GPU here), so the exchange must make and keep
+    # a gloo group of its own and sum the host values there.
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "record"
+    mp.spawn(_exchange_under_another_backend, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    for rank in (0, 1):
+        record = json.loads(Path(f"{out}.{rank}").read_text())
+        assert record == {"first": [3.0], "second": [3.0], "own_group": True, "same": True, "backend": "gloo"}
