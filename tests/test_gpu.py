@@ -8,26 +8,22 @@ import torch
 from tests.conftest import CONFIGS, SMOKE, run_cli
 
 
+def _fit_on_gpus(tmp_path, overlay: str, *extra: str):  # type: ignore[no-untyped-def]
+    """``fit`` of the GPT demo under a strategy overlay on up to 2 GPUs."""
+    devices = min(2, torch.cuda.device_count())
+    overlay_file = str(CONFIGS / "strategies" / f"{overlay}.yaml")
+    return run_cli(
+        ["fit", "--config", str(CONFIGS / "gpt.yaml"), "--config", overlay_file, "--trainer.accelerator=gpu",
+         f"--trainer.devices={devices}", *extra],
+        cwd=tmp_path,
+    )  # fmt: skip
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("overlay", ["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload"])
 def test_strategy_trains_on_gpus_in_bf16(tmp_path, overlay):
-    devices = min(2, torch.cuda.device_count())
     extra = ["--trainer.strategy.init_args.param_dtype=bfloat16"] if overlay == "fsdp" else []
-    result = run_cli(
-        [
-            "fit",
-            "--config",
-            str(CONFIGS / "gpt.yaml"),
-            "--config",
-            str(CONFIGS / "strategies" / f"{overlay}.yaml"),
-            "--trainer.accelerator=gpu",
-            f"--trainer.devices={devices}",
-            "--trainer.precision=bf16-mixed",
-            *extra,
-            *SMOKE,
-        ],
-        cwd=tmp_path,
-    )
+    result = _fit_on_gpus(tmp_path, overlay, "--trainer.precision=bf16-mixed", *extra, *SMOKE)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -113,25 +109,16 @@ def test_no_host_sync_off_logging_steps_with_the_default_callbacks(tmp_path, ove
     # Steps 3-7 of a log_every_n_steps=10 run: no logging step among them. The per-step exchange
     # (FaultTolerantCheckpoint's vote) sums host values over gloo; PerformanceMonitor reads its CUDA events on
     # logging steps only. ZeRO is left out: DeepSpeed's own clipping reads the global norm on the host.
-    devices = min(2, torch.cuda.device_count())
-    result = run_cli(
-        [
-            "fit",
-            "--config",
-            str(CONFIGS / "gpt.yaml"),
-            "--config",
-            str(CONFIGS / "strategies" / f"{overlay}.yaml"),
-            "--trainer.accelerator=gpu",
-            f"--trainer.devices={devices}",
-            "--trainer.max_steps=10",
-            "--trainer.limit_val_batches=0",
-            "--trainer.num_sanity_val_steps=0",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=tests.helpers.NoHostSyncBetween",
-            "--trainer.callbacks.first_step=3",
-            "--trainer.callbacks.last_step=8",
-            f"--run_dir={tmp_path / 'run'}",
-        ],
-        cwd=tmp_path,
+    result = _fit_on_gpus(
+        tmp_path,
+        overlay,
+        "--trainer.max_steps=10",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=tests.helpers.NoHostSyncBetween",
+        "--trainer.callbacks.first_step=3",
+        "--trainer.callbacks.last_step=8",
+        f"--run_dir={tmp_path / 'run'}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
