@@ -124,7 +124,7 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 # The batches whose collectives the shared runs record (tests/strategies/test_collective_budget.py): warm,
 # and clear of the first and last steps' one-off work.
-COUNTED_STEPS = (8, 14)
+COUNTED_STEPS = (10, 12)
 
 
 def _count_collectives(out: Path) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""Configs are code: every file in configs/ parses and runs a 2-step fit (STYLE.md, rule 7)."""
+"""Configs are code: every file in configs/ parses and trains on 2 processes (STYLE.md, rule 7): a 2-step fit here,
+or, for the overlays the session's shared strategy runs train, their 20 steps."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from tests.conftest import CONFIGS, SMOKE, run_cli
 
 BASE_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
 OVERLAYS = sorted(CONFIGS.glob("strategies/*.yaml"))  # trackers/ are run and read back in test_tracking.py
+# Overlays the session's shared strategy runs train anyway (20 steps, 2 processes, through the overlay file:
+# tests/cli_args.py): not trained a second time here.
+TRAINED_BY_SHARED_RUNS = {"ddp", "fsdp", "zero1", "zero2", "zero3"}
 TRACKERS = sorted(CONFIGS.glob("trackers/*.yaml"))
 
 
@@ -37,7 +41,20 @@ def test_base_config_fits_two_steps(config: Path, tmp_path: Path, monkeypatch, c
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_overlays_the_shared_runs_train_ran_from_their_files(strategy_runs):
+    for name in sorted(TRAINED_BY_SHARED_RUNS):
+        overlay = CONFIGS / "strategies" / f"{name}.yaml"
+        assert overlay in OVERLAYS
+        saved = yaml.safe_load((strategy_runs[name].run_dir / "config.yaml").read_text())
+        wanted = yaml.safe_load(overlay.read_text())["trainer"]["strategy"]
+        assert saved["trainer"]["strategy"]["class_path"] == wanted["class_path"], name
+        assert len(strategy_runs[name].records) == 2, f"{name}: both ranks trained"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "overlay", [o for o in OVERLAYS if o.stem not in TRAINED_BY_SHARED_RUNS], ids=lambda p: f"{p.parent.name}/{p.name}"
+)
 def test_overlay_fits_two_steps_on_two_cpu_processes(overlay: Path, tmp_path: Path):
     result = run_cli(
         [

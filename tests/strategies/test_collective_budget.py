@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import COUNTED_STEPS
 
-# Per batch, what the library alone issues (hand_loop.py --count-collectives, steps 8-13, clip active):
+# Per batch, what the library alone issues (hand_loop.py --count-collectives, clip active; the same on every warm step):
 HAND_WRITTEN_LOOP = {
     "ddp": 1,  # one gradient bucket all-reduce
     "fsdp": 16,  # 5 units x (forward all-gather + backward all-gather + reduce-scatter), + the clip norm
