@@ -509,7 +509,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if not self._votes():
             return False, False, False, False
         assert self.saver is not None  # made at setup
-        total = step_exchange(trainer).read(trainer, _VOTE, trainer.strategy.root_device)
+        total = step_exchange(trainer).read(trainer, _VOTE)
         signalled, due, write_failed, no_time, no_time_in_flight = (value > 0 for value in total)
         if write_failed:
             self.saver.wait(trainer)  # collective: every rank raises the same error

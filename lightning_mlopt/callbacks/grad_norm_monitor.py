@@ -253,7 +253,7 @@ class GradNormMonitor(Callback):
         # Summed here, after backward, not while it runs: a collective issued in on_before_backward sits in the
         # process group's queue ahead of DDP's bucket all-reduces and stalls them (measured: +1.4% vs +0.1%).
         exchange.put(trainer, f"{_SLOT}loss", loss)
-        exchanged = exchange.flush(trainer, device, local)
+        exchanged = exchange.flush(trainer, local)
         values = {name.removeprefix(_SLOT): value for name, value in exchanged.items() if name.startswith(_SLOT)}
         if logging_step and self.update_ratios:
             # Snapshot this rank's parameter pieces; compared after the optimizer step in on_train_batch_end.

@@ -23,17 +23,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mlopt.distributed.host_group import host_sum_group
+
 
 class BackgroundSum:
     """Sums one float vector at a time over every rank, in the background; see the module docstring."""
 
     def __init__(self) -> None:
         self._several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        # Where training itself runs on gloo (CPU), its group serves: its collectives are issued from this
-        # thread in the same order on every rank, and no second set of gloo threads competes for the cores.
-        # Elsewhere (NCCL), a gloo group of its own keeps the sum on the host.
-        on_gloo = self._several and dist.get_backend() == "gloo"
-        self._group: Any = None if on_gloo or not self._several else dist.new_group(backend="gloo")
+        # Training's group on gloo (its collectives are issued from this thread in the same order on every
+        # rank), else a gloo group of its own: the sum stays on the host.
+        self._group: Any = host_sum_group() if self._several else None
         self._work: Any = None
         self._values: torch.Tensor | None = None
 

@@ -21,7 +21,7 @@ Example::
     exchange = step_exchange(trainer)
     exchange.provide("ftc.signal", lambda: torch.tensor(float(signal_seen())))  # in setup
     ...
-    signalled = exchange.read(trainer, "ftc.signal", device)[0] > 0            # at the batch's end
+    signalled = exchange.read(trainer, "ftc.signal")[0] > 0                    # at the batch's end
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mlopt.distributed.host_group import host_sum_group
 from lightning_mlopt.distributed.packed import Packed
 
 _EXCHANGES: weakref.WeakKeyDictionary[Any, StepExchange] = weakref.WeakKeyDictionary()
@@ -99,10 +100,8 @@ class StepExchange:
             raise RuntimeError(f"step exchange: {name!r} was put after this batch's values were exchanged")
         self._pending.add(name, values)
 
-    def flush(self, trainer: Any, device: torch.device, local: Packed | None = None) -> dict[str, list[float]]:
+    def flush(self, trainer: Any, local: Packed | None = None) -> dict[str, list[float]]:
         """Sum everything put so far over every rank (one collective, on the host), and read it and ``local``.
-
-        ``device`` is where the caller's values live (kept for callers; the sum itself runs on the host).
 
         ``local`` rides along unreduced (values this rank already holds globally), so the caller pays one
         host read for both. Returns the exchanged values put so far in this batch and ``local``'s, by name.
@@ -136,13 +135,13 @@ class StepExchange:
 
         Made at the first exchange, which every rank reaches in the same batch (making a group is collective).
         """
-        if self._group is None and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")
+        if self._group is None:
+            self._group = host_sum_group()
         return self._group
 
-    def read(self, trainer: Any, name: str, device: torch.device) -> list[float]:
+    def read(self, trainer: Any, name: str) -> list[float]:
         """The summed values of ``name`` in this batch, exchanging what is pending if they are not there yet."""
         self._enter(trainer)
         if name not in self._results:
-            self.flush(trainer, device)
+            self.flush(trainer)
         return self._results[name]

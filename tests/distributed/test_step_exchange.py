@@ -27,26 +27,26 @@ class _Trainer(SimpleNamespace):
 
 
 def test_one_collective_carries_puts_providers_and_unreduced_riders():
-    trainer, exchange, cpu = _Trainer(), StepExchange(), torch.device("cpu")
+    trainer, exchange = _Trainer(), StepExchange()
     seen = {"flag": 0.0}
     exchange.provide("vote", lambda: torch.tensor([seen["flag"]]))
     seen["flag"] = 1.0  # a provider is asked at the exchange, not when registered
     exchange.put(trainer, "loss", torch.tensor(1.5))
     local = Packed()
     local.add("norm", torch.tensor(3.0))
-    assert exchange.flush(trainer, cpu, local) == {"vote": [1.0], "loss": [1.5], "norm": [3.0]}
-    assert exchange.read(trainer, "vote", cpu) == [1.0]  # already there: no second collective
+    assert exchange.flush(trainer, local) == {"vote": [1.0], "loss": [1.5], "norm": [3.0]}
+    assert exchange.read(trainer, "vote") == [1.0]  # already there: no second collective
     assert exchange.collectives == 1
     with pytest.raises(RuntimeError, match="put after this batch's values were exchanged"):
         exchange.put(trainer, "loss", torch.tensor(0.0))
 
     trainer.progress.total.ready += 1  # the next batch: nothing put yet, the provider asked again
     seen["flag"] = 0.0
-    assert exchange.read(trainer, "vote", cpu) == [0.0]
+    assert exchange.read(trainer, "vote") == [0.0]
     assert exchange.collectives == 2
     exchange.withdraw("vote")
     trainer.progress.total.ready += 1
-    assert exchange.flush(trainer, cpu) == {}
+    assert exchange.flush(trainer) == {}
     assert exchange.collectives == 2  # nothing to exchange: no collective
 
 
@@ -54,13 +54,13 @@ def test_a_window_rides_another_callbacks_exchange_or_else_goes_to_the_backgroun
     from lightning_mlopt.distributed.step_exchange import step_exchange
     from lightning_mlopt.perf.window_sum import WindowSum
 
-    trainer, cpu = _Trainer(), torch.device("cpu")
+    trainer = _Trainer()
     exchange = step_exchange(trainer)
     exchange.provide("vote", lambda: torch.tensor([0.0]))  # another callback's per-batch value
     sums = WindowSum(trainer)
     assert sums.arrived() == []  # batch end 1
     sums.submit([1.0, 2.0], step=7)
-    exchange.read(trainer, "vote", cpu)  # the other callback exchanges after us in the same batch end
+    exchange.read(trainer, "vote")  # the other callback exchanges after us in the same batch end
     assert exchange.collectives == 1
     trainer.progress.total.ready += 1
     assert sums.arrived() == [([1.0, 2.0], 7)]  # rode along: no collective of its own
@@ -88,10 +88,10 @@ def _exchange_under_another_backend(rank: int, init_file: str, out: str) -> None
     trainer, exchange = _Trainer(), StepExchange()
     trainer.world_size = 2
     exchange.provide("vote", lambda: torch.tensor([float(rank + 1)]))
-    first = exchange.read(trainer, "vote", torch.device("cpu"))
+    first = exchange.read(trainer, "vote")
     group = exchange._group
     trainer.progress.total.ready += 1
-    second = exchange.read(trainer, "vote", torch.device("cpu"))
+    second = exchange.read(trainer, "vote")
     record = {"first": first, "second": second, "own_group": group is not None, "same": exchange._group is group}
     record["backend"] = default_backend(group) if group is not None else None
     Path(f"{out}.{rank}").write_text(json.dumps(record))
