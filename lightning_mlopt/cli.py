@@ -38,6 +38,7 @@ from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, METRICS_NAME, resolve_run_dir
 from lightning_mlopt.strategies.contract import contract_of
+from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
 
 DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
@@ -97,6 +98,8 @@ class MLOptCLI(LightningCLI):
         # On by default too: per-rank step-time breakdown, throughput, input stalls, MFU and memory under
         # `perf/*`, configured under the top-level `performance:` key.
         parser.add_lightning_class_args(PerformanceMonitor, "performance")
+        # And the goodput ledger (`goodput:`): every launch appends its steps and exit to <run_dir>/goodput.jsonl.
+        parser.add_lightning_class_args(GoodputLedger, "goodput")
         # Cloud spot notices that count as a preemption signal, under the top-level `preemption:` key.
         parser.add_class_arguments(PreemptionNotices, "preemption")
         parser.add_argument(

@@ -10,6 +10,8 @@ What it holds is named here and nowhere else::
         profile.md       the report of ``python -m lightning_mlopt profile`` (and profile.png, its chart)
         profile/         the short runs that ``profile`` measured (each its own run directory)
         metrics.json     the final metrics of each fit, written by rank zero; sweeps read it
+        goodput.jsonl    GoodputLedger's events, appended by every launch (rank zero); ``goodput`` reads it
+        goodput.png      the chart of ``python -m lightning_mlopt goodput``
         job.sbatch       the SLURM script, where ``slurm`` wrote it
 """
 
@@ -31,11 +33,13 @@ PROFILE_REPORT_NAME = "profile.md"
 PROFILE_CHART_NAME = "profile.png"
 PROFILE_RUNS_DIR = "profile"
 METRICS_NAME = "metrics.json"
+GOODPUT_LEDGER_NAME = "goodput.jsonl"
+GOODPUT_CHART_NAME = "goodput.png"
 SBATCH_NAME = "job.sbatch"
 # Keys that say where or how to run, not what to train: they must not move the run directory.
-# `performance` (PerformanceMonitor) measures the run and changes nothing it computes.
+# `performance` (PerformanceMonitor) and `goodput` (GoodputLedger) measure the run and change nothing it computes.
 _VOLATILE_KEYS = frozenset(
-    {"config", "run_dir", "ckpt_path", "weights_only", "print_config", "__path__", "performance"}
+    {"config", "run_dir", "ckpt_path", "weights_only", "print_config", "__path__", "performance", "goodput"}
 )
 
 

@@ -257,6 +257,13 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.saver.check_writable(trainer)
         if self._votes():  # each batch's exchange carries what this rank saw (read in on_train_batch_end)
             step_exchange(trainer).provide(_VOTE, lambda: self._local_flags(trainer))
+        # Finding, verifying and loading the checkpoint is the run's restore time (the goodput ledger's figure).
+        with phase("restore"):
+            self._resume(trainer, store, contract, remote)
+
+    def _resume(self, trainer: pl.Trainer, store: CheckpointStore, contract: Any, remote: Any) -> None:
+        """Rank zero chooses the checkpoint to resume from; every rank gets its choice and preloads it."""
+        assert self.saver is not None  # made at setup
         choice = None
         if self.auto_resume and trainer.is_global_zero:
             current = (type(trainer.strategy).__name__, contract.checkpoint_layout)
@@ -284,7 +291,8 @@ class FaultTolerantCheckpoint(Checkpoint):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Sharded strategies (FSDP, DeepSpeed) can only load once the model is wrapped, after setup.
         if self.resumed_from is not None and trainer.strategy.restore_checkpoint_after_setup:
-            self._preloaded_path = preload(trainer, self.resumed_from, self.trust_pickles)
+            with phase("restore"):
+                self._preloaded_path = preload(trainer, self.resumed_from, self.trust_pickles)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

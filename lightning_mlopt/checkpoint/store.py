@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,16 @@ class CheckpointStore:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._commit_listeners: list[Callable[[Manifest, Path], None]] = []
+
+    def add_commit_listener(self, listener: Callable[[Manifest, Path], None]) -> None:
+        """Call ``listener(manifest, folder)`` after each commit, on the thread that commits.
+
+        That is a background writer's thread for asynchronous saves. The goodput ledger records which step
+        survives a kill from then on.
+        """
+        if listener not in self._commit_listeners:
+            self._commit_listeners.append(listener)
 
     @staticmethod
     def name_for(step: int) -> str:
@@ -122,6 +133,8 @@ class CheckpointStore:
             os.replace(staging, target)
         fsync_directory(self.root)
         write_atomically(self.root / LATEST_NAME, target.name + "\n")
+        for listener in self._commit_listeners:
+            listener(manifest, target)
         return target
 
     def discard(self, staging: Path) -> None:

@@ -6,7 +6,8 @@ ranks tell ``launch`` themselves: ``launch`` names a folder in :data:`REPORTS_EN
 ``rank-<RANK>.json`` there (atomically) when its run starts and again as it exits. ``launch`` reads them to say
 in one line whether the workers saved, and which committed checkpoint a relaunch resumes from.
 
-Outside ``launch`` (the variable unset) nothing is written. Standard library only.
+Outside ``launch`` (the variable unset) nothing is written. Listeners in the process hear the exit status
+wherever it is written (:func:`on_exit`: the goodput ledger records it). Standard library only.
 
 Example::
 
@@ -26,6 +27,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,13 @@ DEADLINE_NAME = "deadline"
 """A file in the reports folder: the UNIX time of the kill a cloud notice announced (written by ``launch``)."""
 
 _report: dict[str, Any] = {}
+_exit_listeners: list[Callable[[int], None]] = []
+
+
+def on_exit(listener: Callable[[int], None]) -> None:
+    """Call ``listener(status)`` when this rank writes its exit status (inside ``launch`` or not); once each."""
+    if listener not in _exit_listeners:
+        _exit_listeners.append(listener)
 
 
 def note(**fields: Any) -> None:
@@ -47,6 +56,10 @@ def note(**fields: Any) -> None:
 
 def write(status: int | None = None) -> None:
     """Write this rank's report, with its exit status when it is exiting; never raises (a report is a courtesy)."""
+    if status is not None:
+        for listener in list(_exit_listeners):
+            with contextlib.suppress(Exception):  # a record of the exit must never change the exit
+                listener(status)
     folder = os.environ.get(REPORTS_ENV)
     if not folder:
         return

@@ -10,7 +10,10 @@ A step's phases, in order: ``data`` (blocked on the dataloader: from the fetch o
 transfer to the device included), ``forward``, ``backward``, ``optimizer`` (the step, zeroing, the hooks around
 it), ``loop`` (between batches, outside the dataloader: Lightning's loop, logging, learning-rate schedulers,
 callbacks' batch-end hooks), and ``checkpoint`` wherever a save runs. Outside a step's phases: ``setup``,
+``restore`` (FaultTolerantCheckpoint finding, verifying and loading the checkpoint a run resumes from),
 ``validation`` (inside fit), and ``monitor`` (PerformanceMonitor's own work), which step-time figures leave out.
+The goodput ledger (``tracking/goodput_ledger.py``) is a listener too: it closes a step's record where the next
+batch's ``data`` begins.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class PhaseListener(Protocol):
     """Told when a phase ends (e.g. a clock that adds up the time per phase)."""
 
     def switch(self, ended: str) -> None:
-        """Phase ``ended`` ends now."""
+        """Phase ``ended`` ends now; :func:`current_phase` already names the phase entered."""
 
 
 class _State:
@@ -52,10 +55,11 @@ def set_phase(phase: str, step: int | None = None) -> None:
         _State.step = step
     if phase == _State.phase:
         return
-    for listener in _State.listeners:
-        listener.switch(_State.phase)
+    ended = _State.phase
     _State.phase = phase
     _State.since = time.monotonic()
+    for listener in _State.listeners:  # told after the change, so a listener can see where the process went
+        listener.switch(ended)
 
 
 def current() -> tuple[str, int, float]:

@@ -1,0 +1,302 @@
+"""GoodputLedger: every launch of a run appends where its wall-clock time went to ``<run_dir>/goodput.jsonl``.
+
+One short JSON line per event, written by rank zero with a single ``os.write`` on a file opened with
+``O_APPEND``: a line is in the file (the kernel's page cache) the moment the call returns, so a SIGKILL a
+microsecond later loses nothing written before it. ``fsync`` runs only at rare events (the launch's start, each
+checkpoint commit, the end, the exit), never per step. No collective and no host-device synchronisation: the
+host clock (``time.time``) on rank zero times everything, from the phase changes the step already marks
+(``process/phase.py``).
+
+The events (``tracking/goodput_report.py`` reads them; ``python -m lightning_mlopt goodput RUN_DIR`` prints
+the report)::
+
+    {"event": "launch", "time": T, "process_start": T0, "pid": 123, "world_size": 2}
+    {"event": "train_start", "time": T, "step": 40, "restore_s": 0.8, "resumed_from": ".../step-000000040"}
+    {"event": "step", "time": T, "step": 41, "seconds": 0.153, "data_s": 0.002, "checkpoint_s": 0.0, "other_s": 0.0}
+    {"event": "commit", "time": T, "step": 45}
+    {"event": "signal", "time": T, "signal": "SIGTERM"}
+    {"event": "end", "time": T, "step": 48, "ok": false, "checkpoint_s": 0.4, "error": "SystemExit"}
+    {"event": "exit", "time": T, "status": 75}
+
+A step's record covers the time from the start of its batch's fetch to the start of the next batch's fetch, so
+the records of one launch tile its training time: the step itself, the checkpoint save that followed it (its
+blocking part), and validation run after it (``other_s``). A launch killed with SIGKILL has no ``end`` or
+``exit``: its last event ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from lightning_mlopt._metrics import log_metrics
+from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
+from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
+from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.process import launch_report, phase
+from lightning_mlopt.process.signals import preemption
+from lightning_mlopt.run_dir import GOODPUT_LEDGER_NAME
+
+# Which part of a step's record each phase's time goes to; the step's own phases (forward, backward,
+# optimizer, loop) are what is left of its duration. Any other phase (validation, monitor, setup) is "other".
+_PARTS = {
+    "data": "data_s",
+    "checkpoint": "checkpoint_s",
+    "restore": "restore_s",
+    "forward": None,
+    "backward": None,
+    "optimizer": None,
+    "loop": None,
+}
+_OTHER = "other_s"
+
+
+class GoodputLedger(PhaseMarkers):
+    """Appends each launch's start, steps, checkpoint commits, restore, signals and exit to a ledger file.
+
+    Rank zero writes; the other ranks only mark phases. The ledger is what ``python -m lightning_mlopt goodput``
+    turns into the run's goodput (the share of wall-clock time spent on steps whose results survived) and its
+    badput by category, over every launch. At the end of each launch (``on_fit_end``, or after an exception,
+    a preemption's exit included) the figures of all launches so far are logged as ``goodput/*`` through the
+    trainer's loggers.
+
+    Cost per step: a few clock reads at phase changes and one ``os.write`` of about 120 bytes, no fsync
+    (``benchmarks/results/goodput_cpu-2proc_202611.md``).
+
+    Args:
+        path: the ledger file; None: ``<trainer.default_root_dir>/goodput.jsonl`` (the CLI's run directory).
+        log_goodput: log ``goodput/*`` metrics through the trainer's loggers at the end of each launch.
+
+    Raises:
+        ValueError: ``path`` is empty or an existing folder.
+
+    Example::
+
+        trainer = Trainer(default_root_dir="runs/a", callbacks=[FaultTolerantCheckpoint(), GoodputLedger()])
+        trainer.fit(model)  # appends to runs/a/goodput.jsonl; then: python -m lightning_mlopt goodput runs/a
+
+    """
+
+    def __init__(self, path: str | None = None, log_goodput: bool = True) -> None:
+        if path is not None and (not str(path).strip() or Path(path).is_dir()):
+            raise ValueError(f"path: {path!r} is empty or a folder; name the ledger file, e.g. runs/a/goodput.jsonl")
+        self.path = path
+        self.log_goodput = log_goodput
+        self.file: Path | None = None  # where this launch writes (rank zero, from setup)
+        self._fd: int | None = None
+        self._lock = threading.Lock()  # the commit listener writes from the background writer's thread
+        self._last = 0.0  # when the current phase began (time.time())
+        self._since = 0.0  # when the open record began
+        self._parts: dict[str, float] = {}
+        self._step = 0
+        self._step_done = False  # a batch ended since the open record began: the next fetch closes it
+        self._signalled = False
+        self._ended = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        self.file = Path(self.path) if self.path else Path(trainer.default_root_dir) / GOODPUT_LEDGER_NAME
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        now = time.time()
+        self._last = self._since = now
+        self._parts = {}
+        self._ended = self._signalled = self._step_done = False
+        record = {"process_start": round(process_start_time(), 4), "pid": os.getpid()}
+        self._write("launch", now, {**record, "world_size": trainer.world_size}, sync=True)
+        phase.add_listener(self)
+        _Exit.expect(self.file)
+        launch_report.on_exit(_Exit.record)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fd is None:
+            return
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, FaultTolerantCheckpoint) and callback.store is not None:
+                callback.store.add_commit_listener(self._on_commit)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fd is None:
+            return
+        now = self._account()
+        resumed = [
+            str(c.resumed_from)
+            for c in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(c, FaultTolerantCheckpoint) and c.resumed_from is not None
+        ]
+        fields = {"step": trainer.global_step, "restore_s": round(self._parts.get("restore_s", 0.0), 5)}
+        self._write("train_start", now, {**fields, "resumed_from": resumed[0] if resumed else None}, sync=True)
+        self._parts, self._since = {}, now
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
+        if self._fd is None:
+            return
+        self._step, self._step_done = trainer.global_step, True
+        if not self._signalled and preemption.received() is not None:  # one attribute read per step
+            self._signalled = True
+            self._write("signal", time.time(), {"signal": preemption.describe()})
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fd is not None and self._step_done:  # the last step: no next fetch will close it
+            self._close_step(self._account())
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end(trainer, ok=True)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A preemption's SystemExit(75) comes here too, right after the signal save of the step that just ended.
+        if self._fd is not None and self._step_done:
+            self._close_step(self._account())
+        self._end(trainer, ok=False, error=type(exception).__name__)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._end(trainer, ok=trainer.state.status.value != "interrupted")
+
+    # ------------------------------------------------------------------ phases
+
+    def switch(self, ended: str) -> None:
+        """Phase ``ended`` ends now (``process/phase.py``); a fetch after a finished batch closes its record."""
+        now = time.time()
+        part = _PARTS.get(ended, _OTHER)
+        if part is not None:
+            self._parts[part] = self._parts.get(part, 0.0) + now - self._last
+        self._last = now
+        if self._step_done and phase.current_phase() == "data":
+            self._close_step(now)
+
+    def _account(self) -> float:
+        """Count the current phase's time up to now into its part, as if it ended now; the time."""
+        now = time.time()
+        part = _PARTS.get(phase.current_phase(), _OTHER)
+        if part is not None:
+            self._parts[part] = self._parts.get(part, 0.0) + now - self._last
+        self._last = now
+        return now
+
+    def _close_step(self, now: float) -> None:
+        parts = self._parts
+        fields = {
+            "step": self._step,
+            "seconds": round(now - self._since, 6),
+            "data_s": round(parts.get("data_s", 0.0), 6),
+            "checkpoint_s": round(parts.get("checkpoint_s", 0.0), 6),
+            _OTHER: round(parts.get(_OTHER, 0.0) + parts.get("restore_s", 0.0), 6),
+        }
+        self._write("step", now, fields)
+        self._parts, self._since, self._step_done = {}, now, False
+
+    def _end(self, trainer: pl.Trainer, ok: bool, error: str | None = None) -> None:
+        """Write the launch's ``end`` (once), log the goodput of every launch so far, and close the file."""
+        if self._fd is None or self._ended:
+            return
+        self._ended = True
+        phase.remove_listener(self)
+        now = self._account()
+        fields: dict[str, Any] = {"step": trainer.global_step, "ok": ok}
+        fields["checkpoint_s"] = round(self._parts.get("checkpoint_s", 0.0), 6)
+        if error is not None:
+            fields["error"] = error
+        self._write("end", now, fields, sync=True)
+        if self.log_goodput and self.file is not None:
+            from lightning_mlopt.tracking.goodput_report import compute, read_ledger
+
+            with contextlib.suppress(ValueError, OSError):  # a figure for the loggers must never end the run
+                log_metrics(trainer, compute(read_ledger(self.file)).metrics())
+        with self._lock:
+            os.close(self._fd)
+            self._fd = None
+
+    # ------------------------------------------------------------------ writing
+
+    def _on_commit(self, manifest: Manifest, folder: Path) -> None:
+        """A checkpoint was committed (on the thread that committed it): its step survives a kill from now on."""
+        with contextlib.suppress(OSError):  # never fail a commit for the ledger's sake
+            self._write("commit", time.time(), {"step": manifest.step, "final": manifest.final}, sync=True)
+
+    def _write(self, event: str, now: float, fields: dict[str, Any], sync: bool = False) -> None:
+        line = json.dumps({"event": event, "time": round(now, 6), **fields}, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._fd is None:  # a background commit after the launch's end: one line, opened for it
+                if self.file is not None:
+                    _append(self.file, line)
+                return
+            os.write(self._fd, line.encode())  # one call: the line is whole in the file, or absent
+            if sync:
+                os.fsync(self._fd)
+
+
+def _append(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Exit:
+    """The exit status goes to the ledger of the newest launch in this process.
+
+    The CLI's exit comes after the Trainer's teardown, so the ledger's own file handle is closed by then.
+    """
+
+    path: Path | None = None
+
+    @classmethod
+    def expect(cls, path: Path) -> None:
+        cls.path = path
+
+    @classmethod
+    def record(cls, status: int) -> None:
+        path, cls.path = cls.path, None  # one exit per launch
+        if path is not None:
+            line = {"event": "exit", "time": round(time.time(), 6), "status": status}
+            _append(path, json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def process_start_time() -> float:
+    """UNIX time this process started, so start-up includes the interpreter and the imports.
+
+    From ``/proc/self/stat`` (start time in clock ticks since boot) against ``CLOCK_BOOTTIME``: 10 ms
+    resolution (psutil's ``create_time`` adds the boot time, which ``/proc/stat`` gives in whole seconds).
+    Elsewhere psutil; without it, now.
+
+    Example::
+
+        >>> 0 <= time.time() - process_start_time() < 3600
+        True
+    """
+    try:
+        after_name = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+        ticks = int(after_name[19])  # field 22, starttime; the fields after the name start at field 3
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return time.time()
