@@ -593,3 +593,15 @@ class NoHostSyncBetween(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         torch.cuda.set_sync_debug_mode("default")
+
+
+class LogLaunch(pl.Callback):
+    """Logs ``launch`` (the environment's ``TEST_LAUNCH``) with every training step's metrics.
+
+    A test that kills and relaunches a run reads it back from a tracker: each step's value names the launch
+    whose computation of that step the tracker kept.
+    """
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        pl_module.log("launch", float(os.environ.get("TEST_LAUNCH", "0")), on_step=True, on_epoch=False)

@@ -23,7 +23,7 @@ def test_configs_exist():
     # Guards against a glob that silently matches nothing (and a suite that tests no config).
     assert {p.name for p in BASE_CONFIGS} >= {"quickstart.yaml", "gpt.yaml"}
     assert CONFIGS / "strategies" / "ddp.yaml" in OVERLAYS
-    assert {p.stem for p in TRACKERS} == {"csv", "tensorboard", "wandb"}  # each has a test in test_tracking.py
+    assert {p.stem for p in TRACKERS} == {"csv", "mlflow", "tensorboard", "wandb"}  # each has a test in tracking/
     assert {p.parent.name for p in CONFIGS.glob("*/*.yaml")} == {"strategies", "trackers"}  # no untested folder
 
 

@@ -303,6 +303,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         if self.resumed_from is not None and explicit and str(explicit) != self._preloaded_path:
             rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
             self.resumed_from = None
+        self._tell_loggers_resumed(trainer, Path(str(explicit)) if explicit else self.resumed_from)
         if self.resumed_from is None:
             return
         if self._resume_final:
@@ -533,6 +534,16 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._last_save_step = trainer.global_step
         self._last_save_time = time.monotonic()
         self._final_saved = self._final_saved or final
+
+    def _tell_loggers_resumed(self, trainer: pl.Trainer, path: Path | None) -> None:
+        """Rank zero: loggers that hold step rows until a checkpoint commits learn where this launch starts."""
+        if not trainer.is_global_zero:
+            return
+        folder = path.parent if path is not None and path.is_file() else path
+        for logger in trainer.loggers:
+            resumed = getattr(logger, "checkpoints_resumed", None)
+            if resumed is not None:
+                resumed(trainer.global_step, folder)
 
     def _tell_loggers(self, trainer: pl.Trainer) -> None:
         """Rank zero, main thread: hand each newly committed checkpoint to loggers that upload them."""

@@ -453,11 +453,15 @@ class CheckpointSaver:
 
 
 def _tracker_run_ids(trainer: pl.Trainer) -> dict[str, str]:
-    """Run ids of the experiment trackers that resume by id (W&B), for the manifest. Rank zero has them."""
+    """Run ids of the experiment trackers that resume by id (W&B, MLflow), for the manifest. Rank zero has them."""
     from lightning.pytorch.loggers import WandbLogger
 
     run_ids = {}
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger) and logger.version:
             run_ids["wandb"] = str(logger.version)
+        # Our other trackers (MLflowTracker) name themselves: tracking/ sits above this layer.
+        tracker, run_id = getattr(logger, "TRACKER", None), getattr(logger, "run_id", None)
+        if isinstance(tracker, str) and run_id:
+            run_ids[tracker] = str(run_id)
     return run_ids
