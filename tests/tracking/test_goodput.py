@@ -1,0 +1,355 @@
+"""The goodput ledger and ``python -m lightning_mlopt goodput``: exact figures from hand-made ledgers, the ledger's
+events from the phase markers, bad input, and one requeued job (2 SIGKILLs, 1 SIGTERM) through the real CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.process import launch_report
+from lightning_mlopt.process.phase import set_phase
+from lightning_mlopt.tools import goodput as tool
+from lightning_mlopt.tracking.goodput_ledger import GoodputLedger, process_start_time
+from lightning_mlopt.tracking.goodput_report import KEYS, LedgerError, compute, read_ledger
+from tests.cli_args import fit_args
+from tests.conftest import REPO
+
+
+def _launch(start: float, process_start: float) -> dict:
+    return {"event": "launch", "time": start, "process_start": process_start, "pid": 1, "world_size": 2}
+
+
+def _step(time_: float, step: int, seconds: float, data: float = 0.0, saving: float = 0.0, other: float = 0.0) -> dict:
+    return {
+        "event": "step",
+        "time": time_,
+        "step": step,
+        "seconds": seconds,
+        "data_s": data,
+        "checkpoint_s": saving,
+        "other_s": other,
+    }
+
+
+def _requeued_ledger() -> list[dict]:
+    """Killed at step 4 (step 2 committed), requeued by SIGTERM at step 4 (exit 75), finished at step 6."""
+    return [
+        _launch(10.0, 0.0),
+        {"event": "train_start", "time": 20.0, "step": 0, "restore_s": 0.0, "resumed_from": None},
+        _step(22.0, 1, 2.0, data=0.5),
+        _step(24.0, 2, 2.0, saving=0.5),
+        {"event": "commit", "time": 24.2, "step": 2, "final": False},
+        _step(26.0, 3, 2.0),
+        _step(28.0, 4, 2.0),  # killed here: steps 3 and 4 are lost
+        _launch(35.0, 30.0),
+        {"event": "train_start", "time": 40.0, "step": 2, "restore_s": 1.0, "resumed_from": "ckpt/step-2"},
+        _step(42.0, 3, 2.0, other=0.5),
+        {"event": "signal", "time": 43.9, "signal": "SIGTERM"},
+        _step(44.0, 4, 2.0, saving=0.25),
+        {"event": "commit", "time": 44.1, "step": 4, "final": False},
+        {"event": "end", "time": 45.0, "step": 4, "ok": False, "checkpoint_s": 0.5, "error": "SystemExit"},
+        {"event": "exit", "time": 46.0, "status": 75},
+        _launch(50.0, 48.0),
+        {"event": "train_start", "time": 52.0, "step": 4, "restore_s": 0.5, "resumed_from": "ckpt/step-4"},
+        _step(53.0, 5, 1.0),
+        _step(54.0, 6, 1.0, data=0.25),
+        {"event": "commit", "time": 54.5, "step": 6, "final": True},
+        {"event": "end", "time": 55.0, "step": 6, "ok": True, "checkpoint_s": 0.5},
+        {"event": "exit", "time": 56.0, "status": 0},
+    ]
+
+
+def test_a_requeued_run_splits_into_exact_categories():
+    report = compute(_requeued_ledger())
+    assert report.total_s == 56.0
+    assert report.seconds == {
+        "productive": 8.0,  # 1.5 + 1.5 (launch 1's steps 1-2) + 1.5 + 1.75 + 1.0 + 0.75
+        "startup": 32.5,  # 20 + (40 - 30 - 1) + (52 - 48 - 0.5)
+        "checkpoint_save": 1.75,  # 0.5 + 0.25 + 0.5 (the signal save, after step 4) + 0.5 (the final save)
+        "checkpoint_restore": 1.5,
+        "data_stall": 0.75,
+        "wasted": 4.0,  # launch 1's steps 3 and 4: launch 2 resumed from step 2
+        "between_launches": 4.0,  # 28 -> 30 and 46 -> 48
+        "other": 3.5,  # 0.5 validation + (46 - 44 - 0.5) + (56 - 54 - 0.5)
+    }
+    assert sum(report.seconds.values()) == pytest.approx(report.total_s)
+    assert report.goodput_percent == pytest.approx(100 * 8 / 56)
+    assert [launch.how_it_ended for launch in report.launches] == [
+        "killed (no exit recorded)",
+        "exit 75 (SIGTERM)",
+        "exit 0",
+    ]
+    assert [(launch.steps_run, launch.steps_survived) for launch in report.launches] == [(4, 2), (2, 2), (2, 2)]
+    assert (report.steps_run, report.steps_survived, report.final_step) == (8, 6, 6)
+    metrics = report.metrics()
+    assert metrics["goodput/percent"] == pytest.approx(100 * 8 / 56)
+    assert metrics["goodput/wasted_s"] == 4.0 and set(metrics) == {
+        "goodput/percent",
+        "goodput/total_s",
+        *(f"goodput/{key}_s" for key in KEYS),
+    }
+
+
+def test_a_last_launch_killed_loses_the_steps_after_its_newest_commit():
+    events = _requeued_ledger()[:7]  # launch 1 only: killed after step 4, step 2 committed
+    report = compute(events)
+    assert report.seconds["wasted"] == 4.0
+    assert report.seconds["productive"] == 3.0
+    assert (report.steps_survived, report.final_step) == (2, 2)
+
+
+def test_a_step_survives_only_if_every_later_launch_resumed_at_or_after_it():
+    # Launch 2 resumed from step 4, but launch 3 fell back to step 2 (a damaged checkpoint): launch 1's steps 3-4
+    # and launch 2's step 5 were all redone.
+    events = [
+        _launch(0.0, 0.0),
+        {"event": "train_start", "time": 1.0, "step": 0, "restore_s": 0.0},
+        *[_step(1.0 + n, n, 1.0) for n in range(1, 5)],
+        _launch(6.0, 6.0),
+        {"event": "train_start", "time": 7.0, "step": 4, "restore_s": 0.0},
+        _step(8.0, 5, 1.0),
+        _launch(9.0, 9.0),
+        {"event": "train_start", "time": 10.0, "step": 2, "restore_s": 0.0},
+        *[_step(10.0 + n - 2, n, 1.0) for n in range(3, 6)],
+        {"event": "end", "time": 13.0, "step": 5, "ok": True},
+    ]
+    report = compute(events)
+    assert [launch.steps_survived for launch in report.launches] == [2, 0, 3]
+    assert report.seconds["wasted"] == 3.0
+    assert report.final_step == 5
+    assert sum(report.seconds.values()) == pytest.approx(report.total_s) == 13.0
+
+
+def test_a_line_cut_short_by_a_kill_is_left_out_and_a_damaged_line_is_named(tmp_path):
+    ledger = tmp_path / "goodput.jsonl"
+    lines = [json.dumps(event) for event in _requeued_ledger()[:5]]
+    ledger.write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])  # no newline: the write the kill cut short
+    assert len(read_ledger(ledger)) == 4
+    ledger.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
+    with pytest.raises(LedgerError, match="line 3"):
+        read_ledger(ledger)
+
+
+class _Trainer(SimpleNamespace):
+    """What the ledger reads of a Trainer, for driving its hooks without a fit."""
+
+
+def test_the_ledger_writes_one_line_per_step_from_the_phase_markers(tmp_path):
+    trainer = _Trainer(
+        is_global_zero=True,
+        default_root_dir=str(tmp_path),
+        world_size=1,
+        global_step=0,
+        callbacks=[],
+        loggers=[],
+        state=SimpleNamespace(status=SimpleNamespace(value="running")),
+    )
+    ledger = GoodputLedger(log_goodput=False)
+    ledger.setup(trainer, None, "fit")  # type: ignore[arg-type]
+    set_phase("restore")
+    time.sleep(0.02)
+    set_phase("setup")
+    ledger.on_train_start(trainer, None)  # type: ignore[arg-type]
+    for step in range(1, 4):
+        set_phase("data")
+        time.sleep(0.01)
+        set_phase("forward")
+        time.sleep(0.01)
+        trainer.global_step = step
+        ledger.on_train_batch_end(trainer, None, None, None, 0)  # type: ignore[arg-type]
+        set_phase("checkpoint")
+        time.sleep(0.01 if step == 2 else 0.0)
+        set_phase("loop")
+        if step == 2:
+            ledger._on_commit(Manifest(step=2, epoch=0, world_size=1, strategy="x", reason="every_n_steps"), tmp_path)
+    set_phase("data")  # the next fetch closes step 3's record
+    ledger.on_fit_end(trainer, None)  # type: ignore[arg-type]
+    launch_report.write(status=0)  # the CLI's last word
+    events = read_ledger(tmp_path / "goodput.jsonl")
+    assert [event["event"] for event in events] == [
+        "launch",
+        "train_start",
+        "step",
+        "commit",  # committed in the background while step 2's record was still open
+        "step",
+        "step",
+        "end",
+        "exit",
+    ]
+    started, steps = events[1], [event for event in events if event["event"] == "step"]
+    assert started["restore_s"] == pytest.approx(0.02, abs=0.01)
+    assert events[0]["process_start"] <= events[0]["time"]
+    assert [step["step"] for step in steps] == [1, 2, 3]
+    assert all(step["data_s"] == pytest.approx(0.01, abs=0.008) for step in steps)
+    assert steps[1]["checkpoint_s"] == pytest.approx(0.01, abs=0.008)
+    assert steps[0]["checkpoint_s"] < 0.005
+    assert steps[1]["time"] - steps[0]["time"] == pytest.approx(steps[1]["seconds"], abs=1e-5)
+    assert events[-1]["status"] == 0
+    assert compute(events).steps_survived == 3
+
+
+def test_process_start_includes_the_interpreter_start():
+    psutil = pytest.importorskip("psutil")
+    assert process_start_time() == pytest.approx(psutil.Process().create_time(), abs=1.5)
+
+
+def test_constructor_validates(tmp_path):
+    with pytest.raises(ValueError, match=r"path: .* folder"):
+        GoodputLedger(path=str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["no folder", "no ledger", "unreadable line"])
+def test_bad_input_says_why_in_one_line_and_writes_nothing(tmp_path, capsys, damage):
+    run_dir = tmp_path / "run"
+    if damage != "no folder":
+        run_dir.mkdir()
+    if damage == "unreadable line":
+        (run_dir / "goodput.jsonl").write_text(json.dumps(_launch(0.0, 0.0)) + "\n{oops\n")
+    before = sorted(tmp_path.rglob("*"))
+    assert tool.main([str(run_dir)]) == 2
+    message = capsys.readouterr().err
+    assert message.startswith("error: ") and len(message.strip().splitlines()) == 1, message
+    expected = {"no folder": "no such run directory", "no ledger": "no goodput.jsonl", "unreadable line": "line 2"}
+    assert expected[damage] in message
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_the_report_as_text_json_and_chart(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "goodput.jsonl").write_text("".join(json.dumps(event) + "\n" for event in _requeued_ledger()))
+    assert tool.main([str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "Goodput of run: 14.3% of 56.0 s" in out
+    assert "WASTED_PROGRESS_FROM_DISRUPTION" in out and "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION" in out
+    assert "steps: 8 run, 6 survived; final global step 6" in out
+    pytest.importorskip("matplotlib")
+    assert (run_dir / "goodput.png").stat().st_size > 0
+    assert tool.main([str(run_dir), "--format", "json", "--no-chart"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["goodput_percent"] == pytest.approx(100 * 8 / 56)
+    assert [row["ml_goodput"] for row in report["categories"]][5] == "WASTED_PROGRESS_FROM_DISRUPTION"
+
+
+# ------------------------------------------------------------------ one requeued job through the real CLI
+
+MAX_STEPS = 20
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    return env
+
+
+def _command(run_dir: Path, clock: Path, hold_at: int | None = None, hold_s: float = 120.0) -> list[str]:
+    args = fit_args(
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.init_args.save_dir={run_dir / 'csv'}",
+        "--checkpoint.every_n_steps=4",
+        # A tiny GPT: the scenario measures the ledger, not the model.
+        "--model.init_args.n_layer=1",
+        "--model.init_args.d_model=32",
+        "--model.init_args.n_head=2",
+        "--data.init_args.num_sequences=1024",
+        "--trainer.callbacks+=tests.tracking.goodput_helpers.StepClock",
+        f"--trainer.callbacks.out_file={clock}",
+        f"--trainer.callbacks.hold_at={'null' if hold_at is None else hold_at}",
+        f"--trainer.callbacks.hold_s={hold_s}",
+        "--trainer.callbacks.pace_s=0.05",
+        strategy="ddp",
+        steps=MAX_STEPS,
+        run_dir=run_dir,
+        quiet=False,
+    )
+    return [sys.executable, "-m", "lightning_mlopt", *args]
+
+
+def _clock(path: Path) -> list[tuple[int, float]]:
+    return [(int(step), float(at)) for step, at in (line.split() for line in path.read_text().splitlines())]
+
+
+def _launch_until(command: list[str], clock: Path, step: int, cwd: Path) -> subprocess.Popen:
+    """Start the job; return once rank zero started the batch at global step ``step``."""
+    process = subprocess.Popen(
+        command, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while not (clock.is_file() and any(seen == step for seen, _ in _clock(clock))):
+        if process.poll() is not None or time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"the job did not reach step {step}: {process.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
+        time.sleep(0.02)
+    return process
+
+
+def _time_lost(clock: Path, resumed_at: int, killed_at: int) -> float:
+    """The test's own truth: from the start of the first batch after the checkpoint resumed from to the kill's
+    batch start, the steps that finished and were lost."""
+    times = dict(_clock(clock))
+    return times[killed_at] - times[resumed_at]
+
+
+@pytest.mark.multiprocess
+def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    clocks = [tmp_path / f"clock-{n}.txt" for n in range(1, 5)]
+    first_start = time.time()
+    # Launch 1: killed at the start of the batch at step 7 (checkpoint 4 committed): steps 5-7 are lost.
+    process = _launch_until(_command(run_dir, clocks[0], hold_at=7), clocks[0], 7, tmp_path)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
+    # Launch 2: resumes from 4, killed at the batch at step 14 (checkpoint 12 committed): steps 13-14 are lost.
+    process = _launch_until(_command(run_dir, clocks[1], hold_at=14), clocks[1], 14, tmp_path)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
+    # Launch 3: SIGTERM to every process while the batch at step 15 runs: step 16 saved at its end, exit 75.
+    process = _launch_until(_command(run_dir, clocks[2], hold_at=15, hold_s=2.0), clocks[2], 15, tmp_path)
+    os.killpg(process.pid, signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 75, stderr.decode()[-3000:]
+    # Launch 4: resumes and finishes.
+    final = subprocess.run(_command(run_dir, clocks[3]), cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr[-3000:]
+    wall_clock = time.time() - first_start
+
+    assert tool.main([str(run_dir), "--format", "json", "--no-chart"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    seconds = {row["category"]: row["seconds"] for row in report["categories"]}
+    total = report["total_s"]
+    assert wall_clock - 3.0 < total <= wall_clock  # from the first process start to the last event
+    assert sum(seconds.values()) == pytest.approx(total, rel=0.01)
+    assert [launch["status"] for launch in report["launches"]] == [None, None, 75, 0]
+    assert report["launches"][2]["signal"] == "SIGTERM"
+
+    resumed = [_clock(clock)[0][0] for clock in clocks[1:]]  # each relaunch's first batch: where it resumed
+    assert resumed == [4, 12, 16]
+    truth = _time_lost(clocks[0], resumed[0], 7) + _time_lost(clocks[1], resumed[1], 14)
+    assert seconds["wasted"] == pytest.approx(truth, rel=0.02)
+    assert seconds["productive"] > 0 and seconds["checkpoint_restore"] > 0 and seconds["between_launches"] > 0
+
+    # The report and metrics.json agree on the step counts: every step kept once, to the final step.
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert report["final_step"] == metrics["global_step"] == MAX_STEPS
+    assert report["steps_survived"] == MAX_STEPS
+    assert [launch["steps_run"] for launch in report["launches"]] == [7, 10, 4, MAX_STEPS - 16]
+    assert report["steps_run"] == MAX_STEPS + 5  # steps 5-7 and 13-14 ran twice
+    # goodput/* went to the final launch's logger, over every launch so far.
+    newest = max((run_dir / "csv" / "lightning_logs").glob("version_*"), key=lambda path: int(path.name.split("_")[1]))
+    rows = list(csv.DictReader((newest / "metrics.csv").open()))
+    logged = [row for row in rows if row.get("goodput/percent")]
+    assert logged and float(logged[-1]["goodput/wasted_s"]) == pytest.approx(seconds["wasted"], rel=1e-6)
