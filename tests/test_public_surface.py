@@ -23,7 +23,7 @@ from lightning_mlopt.demos import (
 from lightning_mlopt.demos._loader import LoaderDataModule
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
-from lightning_mlopt.tracking import ThroughputProgressBar, WandbTracker
+from lightning_mlopt.tracking import GoodputLedger, MLflowTracker, ThroughputProgressBar, WandbTracker
 
 PINNED = {
     DDPStrategy: "comm_hook powersgd_rank powersgd_start_iter bucket_cap_mb gradient_as_bucket_view static_graph "
@@ -45,7 +45,10 @@ PINNED = {
     ReplicaConsistencyCheck: "every_n_steps on_mismatch",
     PreemptionNotices: "notices poll_interval_s",
     WandbTracker: "project name save_dir id mode entity group tags checkpoint_dir upload_checkpoints log_provenance",
+    MLflowTracker: "experiment_name run_name tracking_uri tags save_dir prefix artifact_location run_id checkpoint_dir "
+    "system_metrics_every_s send_every_s flush_timeout_s hold_until_checkpoint log_provenance",
     ThroughputProgressBar: "refresh_rate window leave log_every_n_steps",
+    GoodputLedger: "path log_goodput",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",
     GPTLanguageModel: "vocab_size block_size n_layer n_head d_model dropout lr weight_decay warmup_steps",
     LoaderDataModule: "batch_size num_workers pin_memory prefetch_factor persistent_workers",

@@ -249,6 +249,19 @@ def _refused(error: Exception) -> bool:
     return isinstance(status, int) and 400 <= status < 500 and status != 429
 
 
+_CAUSES = (
+    ("Connection refused", "connection refused"),
+    ("timed out", "timed out"),
+    ("Name or service not known", "unknown host"),
+    ("nodename nor servname", "unknown host"),
+    ("Connection reset", "connection reset"),
+)
+
+
 def _short(error: Exception) -> str:
+    """The cause in a few words: a network failure by its name, anything else by its first 160 characters."""
     text = " ".join(str(error).split())
+    for marker, cause in _CAUSES:
+        if marker in text:
+            return cause
     return f"{type(error).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"

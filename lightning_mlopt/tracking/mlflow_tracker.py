@@ -19,9 +19,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
-from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.redaction import redact
-from lightning_mlopt.run_dir import CHECKPOINTS_DIR
+from lightning_mlopt.tracking.mlflow_run import MLflowRun, redacted_uri
 from lightning_mlopt.tracking.mlflow_sender import MLflowSender
 from lightning_mlopt.tracking.outbox import Outbox
 from lightning_mlopt.tracking.provenance import run_provenance
@@ -30,7 +29,6 @@ from lightning_mlopt.tracking.system_metrics import SystemMetricsSampler, node_n
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-RUN_FILE = "run.json"
 OUTBOX_FILE = "outbox.jsonl"
 CHECKPOINT_RECORDS = "checkpoints"
 """The run's artifact folder of checkpoint records: ``step-<N>.json`` each (URL, step, manifest checksum)."""
@@ -60,7 +58,7 @@ class MLflowTracker(Logger):
     - **Each step once, with the surviving value.** While FaultTolerantCheckpoint manages checkpoints, metric
       rows wait until a checkpoint after them commits (or the run finishes): the steps a killed launch ran
       after its last checkpoint are redone by the next launch, and only that computation reaches MLflow.
-      Metrics therefore appear in MLflow at each checkpoint, not at each step.
+      Metrics therefore appear in MLflow at each checkpoint, not at each step (``hold_until_checkpoint``).
     - **Durable and asynchronous.** Everything logged is appended to ``<save_dir>/mlflow/outbox.jsonl`` first
       and sent by a background thread in batches. A server that is down is said once and retried; training
       goes on; the records are sent when it answers, at the end (up to ``flush_timeout_s``), or by the next
@@ -86,6 +84,9 @@ class MLflowTracker(Logger):
         send_every_s: seconds between the sender's passes.
         flush_timeout_s: at the end of a successful fit, how long to wait for the server to take what is left
             (a failed or preempted launch waits at most 5 s: its grace belongs to the checkpoint).
+        hold_until_checkpoint: with FaultTolerantCheckpoint, send step rows once a checkpoint after them commits
+            (each step once, the surviving value). False: send them as they come (live charts; a step redone
+            after a kill then appears twice).
         log_provenance: set git commit, dirty flag, command and our version as ``mlopt.*`` tags.
 
     Example::
@@ -114,6 +115,7 @@ class MLflowTracker(Logger):
         system_metrics_every_s: float | None = 10.0,
         send_every_s: float = 2.0,
         flush_timeout_s: float = 60.0,
+        hold_until_checkpoint: bool = True,
         log_provenance: bool = True,
     ) -> None:
         super().__init__()
@@ -137,9 +139,11 @@ class MLflowTracker(Logger):
         self.system_metrics_every_s = system_metrics_every_s
         self.send_every_s = send_every_s
         self.flush_timeout_s = flush_timeout_s
+        self.hold_until_checkpoint = hold_until_checkpoint
         self.log_provenance = log_provenance
-        self._run_id = run_id
-        self._client: MlflowClient | None = None
+        self._run = MLflowRun(
+            self.folder, experiment_name, run_name, tracking_uri, artifact_location, run_id, checkpoint_dir
+        )
         self._outbox: Outbox | None = None
         self._sender: MLflowSender | None = None
         self._sampler: SystemMetricsSampler | None = None
@@ -173,22 +177,14 @@ class MLflowTracker(Logger):
     @property
     def run_id(self) -> str | None:
         """The MLflow run this run directory logs to (None until known: chosen, recorded, or created)."""
-        return self._run_id
+        return self._run.run_id
 
     @property
     @rank_zero_experiment
     def experiment(self) -> MlflowClient:
         """An ``MlflowClient`` for this logger's tracking URI (rank zero; others get a no-op object)."""
         self._start()
-        return self._mlflow_client()
-
-    def resolved_tracking_uri(self) -> str:
-        """The tracking URI in use: the argument, else ``MLFLOW_TRACKING_URI``, else the local SQLite store."""
-        if self.tracking_uri:
-            return self.tracking_uri
-        if os.environ.get("MLFLOW_TRACKING_URI"):
-            return os.environ["MLFLOW_TRACKING_URI"]
-        return f"sqlite:///{(self.folder / 'mlflow.db').resolve()}"
+        return self._run.client()
 
     @override
     @rank_zero_only
@@ -227,8 +223,9 @@ class MLflowTracker(Logger):
         dropped (this launch computes it again). The checkpoint resumed from is recorded if it was not.
         """
         outbox = self._start()
-        self._holds = True
-        outbox.resumed(step)
+        if self.hold_until_checkpoint:
+            self._holds = True
+            outbox.resumed(step)
         if path is not None and (path / MANIFEST_NAME).is_file():
             self.log_checkpoint_artifact(path, Manifest.from_json((path / MANIFEST_NAME).read_text()))
 
@@ -271,7 +268,7 @@ class MLflowTracker(Logger):
 
     def describe_location(self) -> str:
         """Where this logger's records go, for the CLI's start-up summary."""
-        where = _redacted_uri(self.resolved_tracking_uri())
+        where = redacted_uri(self._run.tracking_uri())
         return f"{where} (experiment {self.experiment_name!r}; outbox {self.folder})"
 
     # ------------------------------------------------------------------ the run and its records
@@ -286,7 +283,7 @@ class MLflowTracker(Logger):
             os.environ.setdefault(name, value)
         outbox = Outbox(self.folder / OUTBOX_FILE)
         self._outbox = outbox
-        self._run_id = self._run_id or self._recorded_run_id()
+        self._run.choose()
         self._recorded_steps = {int(record["value"]["step"]) for record in outbox.records("json")}
         self._system_step = len(outbox.records("system"))
         outbox.add("status", status="RUNNING")
@@ -306,7 +303,7 @@ class MLflowTracker(Logger):
 
     def _start_threads(self, outbox: Outbox) -> None:
         self._sender = MLflowSender(
-            outbox, self._connect, _say, self.send_every_s, _redacted_uri(self.resolved_tracking_uri())
+            outbox, self._connect, _say, self.send_every_s, redacted_uri(self._run.tracking_uri())
         )
         self._sender.start()
         if self.system_metrics_every_s:
@@ -329,6 +326,14 @@ class MLflowTracker(Logger):
         sender.stop()
         self._outbox.sync()
 
+    def _connect(self) -> tuple[MlflowClient, str]:
+        """The sender's way in: the client and the run, created on the first call that reaches the server."""
+        client, run_id = self._run.connect()
+        if not self._connected.is_set():
+            os.environ["MLFLOW_RUN_ID"] = run_id  # MLflow's fluent API and autologging join this run
+            self._connected.set()
+        return client, run_id
+
     def _record_system_sample(self, values: dict[str, float]) -> None:
         assert self._outbox is not None
         node = node_name()
@@ -340,59 +345,6 @@ class MLflowTracker(Logger):
         flat = {_UNSAFE_KEY.sub("_", key): str(value)[:MAX_PARAM_LENGTH] for key, value in _flatten(params).items()}
         if flat:
             self._start().add("params", params=flat)
-
-    def _mlflow_client(self) -> MlflowClient:
-        if self._client is None:
-            from mlflow import MlflowClient
-
-            self._client = MlflowClient(tracking_uri=self.resolved_tracking_uri())
-        return self._client
-
-    def _connect(self) -> tuple[MlflowClient, str]:
-        """The sender's way in: the client and the run, created on the first call that reaches the server."""
-        client = self._mlflow_client()
-        if self._run_id is None:
-            self._run_id = self._create_run(client)
-        if not self._connected.is_set():
-            os.environ["MLFLOW_RUN_ID"] = self._run_id  # MLflow's fluent API and autologging join this run
-            self._write_run_file()
-            self._connected.set()
-        return client, self._run_id
-
-    def _create_run(self, client: MlflowClient) -> str:
-        experiment = client.get_experiment_by_name(self.experiment_name)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            location = self.artifact_location
-            if location is None and not (self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
-                location = (self.folder / "artifacts").resolve().as_uri()  # beside the local SQLite store
-            experiment_id = client.create_experiment(self.experiment_name, artifact_location=location)
-        run = client.create_run(experiment_id, run_name=self.run_name)
-        return str(run.info.run_id)
-
-    def _recorded_run_id(self) -> str | None:
-        """The run this run directory logged to: ``run.json``, else a checkpoint manifest, else ``MLFLOW_RUN_ID``."""
-        try:
-            recorded = json.loads((self.folder / RUN_FILE).read_text())
-            if recorded.get("tracking_uri") == _redacted_uri(self.resolved_tracking_uri()):
-                return str(recorded["run_id"])
-        except (OSError, ValueError, KeyError):
-            pass
-        root = Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self._save_dir) / CHECKPOINTS_DIR
-        return CheckpointStore(root).recorded_run_id("mlflow") or os.environ.get("MLFLOW_RUN_ID") or None
-
-    def _write_run_file(self) -> None:
-        assert self._run_id is not None
-        self.folder.mkdir(parents=True, exist_ok=True)
-        content = {
-            "run_id": self._run_id,
-            "experiment_name": self.experiment_name,
-            "tracking_uri": _redacted_uri(self.resolved_tracking_uri()),
-        }
-        temporary = self.folder / f"{RUN_FILE}.{os.getpid()}.tmp"
-        temporary.write_text(json.dumps(content, indent=2))
-        temporary.replace(self.folder / RUN_FILE)
 
 
 def _flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -422,10 +374,6 @@ def _sha256(path: Path) -> str:
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _redacted_uri(uri: str) -> str:
-    return str(redact({"uri": uri})["uri"])
 
 
 def _now_ms() -> int:

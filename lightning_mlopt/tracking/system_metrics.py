@@ -20,6 +20,8 @@ import socket
 import threading
 from collections.abc import Callable
 
+_FIRST_SAMPLE_S = 1.0
+
 
 def node_name() -> str:
     """The short host name of this node, as it appears in the metric names."""
@@ -72,7 +74,7 @@ class SystemMetricsSampler:
         self._thread = threading.Thread(target=self._loop, name="mlopt-system-metrics", daemon=True)
 
     def start(self) -> None:
-        """Start sampling (the first sample one interval from now: CPU use is measured over it)."""
+        """Start sampling: the first sample a second from now (CPU use is measured since), then every ``every_s``."""
         sample_system()  # primes psutil's CPU counter
         self._thread.start()
 
@@ -83,6 +85,8 @@ class SystemMetricsSampler:
             self._thread.join(timeout=5.0)
 
     def _loop(self) -> None:
-        while not self._stopping.wait(self.every_s):
+        pause = min(self.every_s, _FIRST_SAMPLE_S)  # a short launch gets its sample too
+        while not self._stopping.wait(pause):
             with contextlib.suppress(Exception):  # a failed sample is a gap in a chart, never a failed run
                 self.on_sample(sample_system())
+            pause = self.every_s
