@@ -1,11 +1,11 @@
 """GoodputLedger: every launch of a run appends where its wall-clock time went to ``<run_dir>/goodput.jsonl``.
 
-One short JSON line per event, written by rank zero with a single ``os.write`` on a file opened with
-``O_APPEND``: a line is in the file (the kernel's page cache) the moment the call returns, so a SIGKILL a
-microsecond later loses nothing written before it. ``fsync`` runs only at rare events (the launch's start, each
-checkpoint commit, the end, the exit), never per step. No collective and no host-device synchronisation: the
-host clock (``time.time``) on rank zero times everything, from the phase changes the step already marks
-(``process/phase.py``).
+One short JSON line per event, written by rank zero as a copy into a shared mapping of the file
+(``tracking/_append_log.py``): a line is in the page cache the moment the copy ends, so a SIGKILL a
+microsecond later loses nothing written before it, and a step costs no system call. ``fsync`` runs only at
+rare events (the launch's start, each checkpoint commit, the end, the exit), never per step. No collective and
+no host-device synchronisation: the host clock (``time.time``) on rank zero times everything, from the phase
+changes the step already marks (``process/phase.py``).
 
 The events (``tracking/goodput_report.py`` reads them; ``python -m lightning_mlopt goodput RUN_DIR`` prints
 the report)::
@@ -29,12 +29,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt._metrics import log_metrics
@@ -44,6 +44,7 @@ from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.process import launch_report, phase
 from lightning_mlopt.process.signals import preemption
 from lightning_mlopt.run_dir import GOODPUT_LEDGER_NAME
+from lightning_mlopt.tracking._append_log import AppendLog, append_line
 
 # Which part of a step's record each phase's time goes to; the step's own phases (forward, backward,
 # optimizer, loop) are what is left of its duration. Any other phase (validation, monitor, setup) is "other".
@@ -68,8 +69,9 @@ class GoodputLedger(PhaseMarkers):
     a preemption's exit included) the figures of all launches so far are logged as ``goodput/*`` through the
     trainer's loggers.
 
-    Cost per step: a few clock reads at phase changes and one ``os.write`` of about 120 bytes, no fsync
-    (``benchmarks/results/goodput_cpu-2proc_202611.md``).
+    Cost per step: a clock read at each phase change and a copy of about 130 bytes into a mapped file; no
+    system call, no fsync (``benchmarks/results/goodput_cpu-2proc_202611.md``). A ledger that cannot be written
+    (a full disk) warns once and stops recording; training goes on.
 
     Args:
         path: the ledger file; None: ``<trainer.default_root_dir>/goodput.jsonl`` (the CLI's run directory).
@@ -91,8 +93,7 @@ class GoodputLedger(PhaseMarkers):
         self.path = path
         self.log_goodput = log_goodput
         self.file: Path | None = None  # where this launch writes (rank zero, from setup)
-        self._fd: int | None = None
-        self._lock = threading.Lock()  # the commit listener writes from the background writer's thread
+        self._log: AppendLog | None = None  # rank zero, from setup to the end of fit
         self._last = 0.0  # when the current phase began (time.time())
         self._since = 0.0  # when the open record began
         self._parts: dict[str, float] = {}
@@ -108,8 +109,12 @@ class GoodputLedger(PhaseMarkers):
         if stage != "fit" or not trainer.is_global_zero:
             return
         self.file = Path(self.path) if self.path else Path(trainer.default_root_dir) / GOODPUT_LEDGER_NAME
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            self._log = AppendLog(self.file)
+        except OSError as error:
+            rank_zero_warn(f"goodput: cannot write {self.file} ({error}); this launch is not recorded")
+            return
         now = time.time()
         self._last = self._since = now
         self._parts = {}
@@ -122,7 +127,7 @@ class GoodputLedger(PhaseMarkers):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fd is None:
+        if self._log is None:
             return
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, FaultTolerantCheckpoint) and callback.store is not None:
@@ -130,7 +135,7 @@ class GoodputLedger(PhaseMarkers):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fd is None:
+        if self._log is None:
             return
         now = self._account()
         resumed = [
@@ -145,7 +150,7 @@ class GoodputLedger(PhaseMarkers):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args)
-        if self._fd is None:
+        if self._log is None:
             return
         self._step, self._step_done = trainer.global_step, True
         if not self._signalled and preemption.received() is not None:  # one attribute read per step
@@ -154,7 +159,7 @@ class GoodputLedger(PhaseMarkers):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fd is not None and self._step_done:  # the last step: no next fetch will close it
+        if self._log is not None and self._step_done:  # the last step: no next fetch will close it
             self._close_step(self._account())
 
     @override
@@ -164,7 +169,7 @@ class GoodputLedger(PhaseMarkers):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # A preemption's SystemExit(75) comes here too, right after the signal save of the step that just ended.
-        if self._fd is not None and self._step_done:
+        if self._log is not None and self._step_done:
             self._close_step(self._account())
         self._end(trainer, ok=False, error=type(exception).__name__)
 
@@ -196,19 +201,19 @@ class GoodputLedger(PhaseMarkers):
 
     def _close_step(self, now: float) -> None:
         parts = self._parts
-        fields = {
-            "step": self._step,
-            "seconds": round(now - self._since, 6),
-            "data_s": round(parts.get("data_s", 0.0), 6),
-            "checkpoint_s": round(parts.get("checkpoint_s", 0.0), 6),
-            _OTHER: round(parts.get(_OTHER, 0.0) + parts.get("restore_s", 0.0), 6),
-        }
-        self._write("step", now, fields)
+        other = parts.get(_OTHER, 0.0) + parts.get("restore_s", 0.0)
+        # Formatted by hand: the one record written every step (json.dumps costs several times more).
+        line = (
+            f'{{"event":"step","time":{now:.6f},"step":{self._step},"seconds":{now - self._since:.6f},'
+            f'"data_s":{parts.get("data_s", 0.0):.6f},"checkpoint_s":{parts.get("checkpoint_s", 0.0):.6f},'
+            f'"{_OTHER}":{other:.6f}}}\n'
+        )
+        self._store(line)
         self._parts, self._since, self._step_done = {}, now, False
 
     def _end(self, trainer: pl.Trainer, ok: bool, error: str | None = None) -> None:
         """Write the launch's ``end`` (once), log the goodput of every launch so far, and close the file."""
-        if self._fd is None or self._ended:
+        if self._log is None or self._ended:
             return
         self._ended = True
         phase.remove_listener(self)
@@ -218,14 +223,14 @@ class GoodputLedger(PhaseMarkers):
         if error is not None:
             fields["error"] = error
         self._write("end", now, fields, sync=True)
+        log, self._log = self._log, None
+        with contextlib.suppress(OSError):
+            log.close()
         if self.log_goodput and self.file is not None:
             from lightning_mlopt.tracking.goodput_report import compute, read_ledger
 
-            with contextlib.suppress(ValueError, OSError):  # a figure for the loggers must never end the run
+            with contextlib.suppress(Exception):  # a figure for the loggers must never end the run
                 log_metrics(trainer, compute(read_ledger(self.file)).metrics())
-        with self._lock:
-            os.close(self._fd)
-            self._fd = None
 
     # ------------------------------------------------------------------ writing
 
@@ -235,24 +240,19 @@ class GoodputLedger(PhaseMarkers):
             self._write("commit", time.time(), {"step": manifest.step, "final": manifest.final}, sync=True)
 
     def _write(self, event: str, now: float, fields: dict[str, Any], sync: bool = False) -> None:
-        line = json.dumps({"event": event, "time": round(now, 6), **fields}, separators=(",", ":")) + "\n"
-        with self._lock:
-            if self._fd is None:  # a background commit after the launch's end: one line, opened for it
-                if self.file is not None:
-                    _append(self.file, line)
-                return
-            os.write(self._fd, line.encode())  # one call: the line is whole in the file, or absent
-            if sync:
-                os.fsync(self._fd)
+        self._store(json.dumps({"event": event, "time": round(now, 6), **fields}, separators=(",", ":")) + "\n", sync)
 
-
-def _append(path: Path, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def _store(self, line: str, sync: bool = False) -> None:
+        log = self._log
+        try:
+            if log is not None:
+                log.write(line.encode(), sync)
+            elif self.file is not None:  # a background commit after the launch's end: one line, opened for it
+                append_line(self.file, line)
+        except OSError as error:  # a full disk: stop recording, never stop training
+            if log is not None and self._log is log:
+                self._log = None
+                rank_zero_warn(f"goodput: cannot write {self.file} ({error}); the rest of this launch is not recorded")
 
 
 class _Exit:
@@ -272,7 +272,8 @@ class _Exit:
         path, cls.path = cls.path, None  # one exit per launch
         if path is not None:
             line = {"event": "exit", "time": round(time.time(), 6), "status": status}
-            _append(path, json.dumps(line, separators=(",", ":")) + "\n")
+            with contextlib.suppress(OSError):
+                append_line(path, json.dumps(line, separators=(",", ":")) + "\n")
 
 
 def process_start_time() -> float:

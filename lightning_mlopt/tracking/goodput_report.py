@@ -128,10 +128,11 @@ class GoodputReport:
 def read_ledger(path: str | Path) -> list[dict[str, Any]]:
     """The events of a ledger file, in order.
 
-    A last line without its newline is a write the kill cut short and is left out; any other line that is not
-    a JSON object with ``event`` and ``time`` raises :class:`LedgerError` naming it.
+    The NUL padding a killed launch leaves after its last line is ignored, and a last line without its newline
+    (a copy the kill cut short) is left out; any other line that is not a JSON object with ``event`` and
+    ``time`` raises :class:`LedgerError` naming it.
     """
-    text = Path(path).read_text(errors="replace")
+    text = Path(path).read_text(errors="replace").rstrip("\0")
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

@@ -19,6 +19,7 @@ from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.process import launch_report
 from lightning_mlopt.process.phase import set_phase
 from lightning_mlopt.tools import goodput as tool
+from lightning_mlopt.tracking._append_log import AppendLog
 from lightning_mlopt.tracking.goodput_ledger import GoodputLedger, process_start_time
 from lightning_mlopt.tracking.goodput_report import KEYS, LedgerError, compute, read_ledger
 from tests.cli_args import fit_args
@@ -138,6 +139,24 @@ def test_a_line_cut_short_by_a_kill_is_left_out_and_a_damaged_line_is_named(tmp_
     ledger.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
     with pytest.raises(LedgerError, match="line 3"):
         read_ledger(ledger)
+
+
+def test_a_writer_killed_before_closing_leaves_padding_that_the_next_launch_writes_over(tmp_path):
+    path = tmp_path / "goodput.jsonl"
+    first = AppendLog(path)
+    first.write(b'{"event":"launch","time":1.0,"process_start":0.0}\n')
+    # Killed here: no close, so the file keeps its reserved, NUL-filled megabyte.
+    assert path.stat().st_size >= 1 << 20
+    assert [event["time"] for event in read_ledger(path)] == [1.0]
+    second = AppendLog(path)
+    for n in range(20000):  # past the first reservation: the mapping moves on
+        second.write(json.dumps({"event": "step", "time": 2.0 + n}).encode() + b"\n")
+    second.close()
+    first._map.close()  # the killed process's handles, released without its close (which would truncate)
+    os.close(first._fd)
+    events = read_ledger(path)
+    assert len(events) == 20001 and events[-1]["time"] == 20001.0
+    assert path.read_bytes().endswith(b"}\n")
 
 
 class _Trainer(SimpleNamespace):
@@ -261,6 +280,10 @@ def _command(run_dir: Path, clock: Path, hold_at: int | None = None, hold_s: flo
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
         f"--trainer.logger.init_args.save_dir={run_dir / 'csv'}",
         "--checkpoint.every_n_steps=4",
+        # Saves are waited for (still committed on the writer's thread): a background write would slow the next
+        # batch's fetch, which the ledger rightly counts in that step but the test's clock (at the batch's start,
+        # after its fetch) cannot see.
+        "--checkpoint.async_save=false",
         # A tiny GPT: the scenario measures the ledger, not the model.
         "--model.init_args.n_layer=1",
         "--model.init_args.d_model=32",
@@ -270,7 +293,7 @@ def _command(run_dir: Path, clock: Path, hold_at: int | None = None, hold_s: flo
         f"--trainer.callbacks.out_file={clock}",
         f"--trainer.callbacks.hold_at={'null' if hold_at is None else hold_at}",
         f"--trainer.callbacks.hold_s={hold_s}",
-        "--trainer.callbacks.pace_s=0.05",
+        "--trainer.callbacks.pace_s=0.1",
         strategy="ddp",
         steps=MAX_STEPS,
         run_dir=run_dir,
