@@ -94,7 +94,8 @@ def test_quickstart_learns_and_says_only_what_a_user_can_act_on(tmp_path):
     line = next(line for line in output.splitlines() if line.startswith("Final validation metrics:"))
     accuracy = float(line.split("val/acc=")[1].split()[0])
     assert accuracy > 0.8, line
-    for noise in ("Tip:", "litlogger", "weights_only", "LeafSpec", "tensorboardX", "srun", "unreliable results"):
+    noise_words = ("Tip:", "litlogger", "weights_only", "LeafSpec", "tensorboardX", "srun", "unreliable results")
+    for noise in (*noise_words, "input-stalled"):  # our own demo feeds its steps in time (issue 27)
         assert noise not in output, f"noise in the quickstart's output: {noise!r}\n{output[-3000:]}"
     assert len([line for line in output.splitlines() if line.strip()]) <= 30, output
 
