@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,9 @@ class MLflowRun:
         self.artifact_location = artifact_location
         self.run_id = run_id
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else folder.parent / CHECKPOINTS_DIR
+        self.say: Callable[[str], None] = print
         self._client: MlflowClient | None = None
+        self._checked = False  # whether the run was found on (or created in) the server
 
     def tracking_uri(self) -> str:
         """The tracking URI in use: the argument, else ``MLFLOW_TRACKING_URI``, else the local SQLite store."""
@@ -91,11 +94,15 @@ class MLflowRun:
     def connect(self) -> tuple[MlflowClient, str]:
         """The client and the run id; creates the run (and its experiment) on the server when there is none yet."""
         client = self.client()
+        if self.run_id is not None and not self._checked and not _exists(client, self.run_id):
+            self.say(f"MLflow: run {self.run_id} is not on {redacted_uri(self.tracking_uri())}; starting a new run")
+            self.run_id = None
         if self.run_id is None:
             self.run_id = self._create(client)
             self._record()
         elif not (self.folder / RUN_FILE).is_file():
             self._record()
+        self._checked = True
         return client, self.run_id
 
     def _create(self, client: MlflowClient) -> str:
@@ -112,11 +119,13 @@ class MLflowRun:
     def _recorded(self) -> str | None:
         try:
             recorded = json.loads((self.folder / RUN_FILE).read_text())
-            if recorded.get("tracking_uri") == redacted_uri(self.tracking_uri()):
-                return str(recorded["run_id"])
-        except (OSError, ValueError, KeyError):
-            pass
-        return CheckpointStore(self.checkpoint_dir).recorded_run_id("mlflow") or os.environ.get("MLFLOW_RUN_ID")
+        except (OSError, ValueError):
+            # No run.json (a run directory whose mlflow folder was lost): the checkpoints still name the run.
+            return CheckpointStore(self.checkpoint_dir).recorded_run_id("mlflow") or os.environ.get("MLFLOW_RUN_ID")
+        if recorded.get("tracking_uri") != redacted_uri(self.tracking_uri()):
+            return None  # this run directory now logs to another server: a new run there
+        run_id = recorded.get("run_id")
+        return str(run_id) if run_id else None
 
     def _record(self) -> None:
         """Write ``run.json`` atomically (a kill mid-write leaves the previous one or none, never half of one)."""
@@ -130,6 +139,19 @@ class MLflowRun:
         temporary = self.folder / f"{RUN_FILE}.{os.getpid()}.tmp"
         temporary.write_text(json.dumps(content, indent=2))
         temporary.replace(self.folder / RUN_FILE)
+
+
+def _exists(client: MlflowClient, run_id: str) -> bool:
+    """Whether the server has ``run_id``: False only when it says so; any other failure raises (down)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    return True
 
 
 def redacted_uri(uri: str) -> str:

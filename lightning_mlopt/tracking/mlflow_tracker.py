@@ -144,6 +144,7 @@ class MLflowTracker(Logger):
         self._run = MLflowRun(
             self.folder, experiment_name, run_name, tracking_uri, artifact_location, run_id, checkpoint_dir
         )
+        self._run.say = _say
         self._outbox: Outbox | None = None
         self._sender: MLflowSender | None = None
         self._sampler: SystemMetricsSampler | None = None
@@ -247,7 +248,7 @@ class MLflowTracker(Logger):
                 "metric": manifest.metric,
                 "created": manifest.created,
             }
-            outbox.add("json", path=f"{CHECKPOINT_RECORDS}/step-{manifest.step}.json", value=record)
+            outbox.add("json", path=f"{CHECKPOINT_RECORDS}/step-{manifest.step}.json", value=record, key=manifest.step)
             outbox.add("tags", tags={"mlopt.checkpoint.latest": record["url"], "mlopt.checkpoint.step": manifest.step})
         if self._holds:
             outbox.release(manifest.step)
@@ -284,8 +285,8 @@ class MLflowTracker(Logger):
         outbox = Outbox(self.folder / OUTBOX_FILE)
         self._outbox = outbox
         self._run.choose()
-        self._recorded_steps = {int(record["value"]["step"]) for record in outbox.records("json")}
-        self._system_step = len(outbox.records("system"))
+        self._recorded_steps = {int(step) for step in outbox.keys("json")}
+        self._system_step = outbox.count("system")
         outbox.add("status", status="RUNNING")
         tags = {**self.tags, "mlopt.launch": outbox.launch, "mlopt.node": node_name()}
         if self.log_provenance:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ HELD_KINDS = frozenset({"metrics"})
 """Record kinds whose fate waits for a checkpoint (the values of training steps)."""
 
 _ALL = 2**62  # "every step": a launch that finished released all of its rows
+_COMPACT_AFTER = 20_000  # done records in the file before a launch rewrites it without them
 
 
 @dataclass
@@ -56,9 +58,10 @@ class _Launch:
 
 @dataclass
 class _State:
-    records: list[dict[str, Any]] = field(default_factory=list)
+    count: int = 0  # records ever written (the next record's index)
     pending: dict[int, dict[str, Any]] = field(default_factory=dict)  # not done, oldest first
-    done: set[int] = field(default_factory=set)
+    kinds: Counter[str] = field(default_factory=Counter)  # records of each kind, done or not
+    keys: dict[str, set[Any]] = field(default_factory=dict)  # the ``key`` fields of each kind's records
     launches: dict[int, _Launch] = field(default_factory=dict)
 
 
@@ -66,7 +69,8 @@ class Outbox:
     """Records a tracker has to send, on disk, with which of them survive, across every launch of a run.
 
     Each process that opens the outbox is a new launch (numbered after those already in the file). One
-    process writes at a time (rank zero of the run's one job).
+    process writes at a time (rank zero of the run's one job). Only records not yet done are kept in memory;
+    a file mostly made of done records is rewritten without them when a launch opens it (atomically).
 
     Args:
         path: the outbox file (created, with its folder, on first write).
@@ -76,8 +80,9 @@ class Outbox:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._state = _State()
-        self._read()
+        self._state = _read(path)
+        if self._state.count - len(self._state.pending) > _COMPACT_AFTER:
+            _compact(path, self._state)
         self.launch = max(self._state.launches, default=0) + 1
         self._state.launches[self.launch] = _Launch()
         self._fd: int | None = None
@@ -85,14 +90,15 @@ class Outbox:
     # ------------------------------------------------------------------ writing
 
     def add(self, kind: str, **fields: Any) -> int:
-        """Append a record of ``kind`` (``metrics``, ``system``, ``params``, ``tags``, ``text``, ...); its index."""
+        """Append a record of ``kind`` (``metrics``, ``system``, ``params``, ``tags``, ``json``, ...); its index.
+
+        A ``key`` field is remembered for :meth:`keys` (e.g. the step of a checkpoint record).
+        """
         with self._lock:
-            index = len(self._state.records)
-            record = {"i": index, "launch": self.launch, "kind": kind, **fields}
-            self._state.records.append(record)
-            self._state.pending[index] = record
+            record = {"i": self._state.count, "launch": self.launch, "kind": kind, **fields}
+            _take(self._state, record)
             self._append(record)
-            return index
+            return int(record["i"])
 
     def resumed(self, step: int) -> None:
         """Record that this launch resumed from ``step`` (0: a fresh start); its step rows wait for a release."""
@@ -112,7 +118,6 @@ class Outbox:
         if not indices:
             return
         with self._lock:
-            self._state.done.update(indices)
             for index in indices:
                 self._state.pending.pop(index, None)
             self._append({"done": indices})
@@ -163,10 +168,15 @@ class Outbox:
         with self._lock:
             return sum(1 for record in self._undone() if self._fate(record) is not False)
 
-    def records(self, kind: str) -> list[dict[str, Any]]:
-        """Every record of ``kind``, from every launch (e.g. the parameters already logged)."""
+    def count(self, kind: str) -> int:
+        """How many records of ``kind`` every launch wrote (e.g. system samples, to number the next)."""
         with self._lock:
-            return [record for record in self._state.records if record["kind"] == kind]
+            return self._state.kinds[kind]
+
+    def keys(self, kind: str) -> set[Any]:
+        """The ``key`` fields of every record of ``kind`` (e.g. the steps whose checkpoints are recorded)."""
+        with self._lock:
+            return set(self._state.keys.get(kind, ()))
 
     def _undone(self) -> list[dict[str, Any]]:
         return list(self._state.pending.values())
@@ -187,26 +197,65 @@ class Outbox:
             return True
         return True if step < owner.released else None
 
-    def _read(self) -> None:
-        if not self.path.is_file():
-            return
-        for line in self.path.read_text().splitlines():
+
+def _read(path: Path) -> _State:
+    """The state an outbox file describes; records already done are counted, not kept."""
+    state = _State()
+    if not path.is_file():
+        return state
+    with path.open() as lines:
+        for line in lines:
             try:
                 entry = json.loads(line)
             except ValueError:
                 continue  # a line cut short by a kill
             if "done" in entry:
-                self._state.done.update(entry["done"])
+                for index in entry["done"]:
+                    state.pending.pop(index, None)
             elif "kind" in entry:
                 # Indices are positions: a cut line never got one, so renumber from what was read.
-                entry["i"] = len(self._state.records)
-                self._state.records.append(entry)
-                self._state.launches.setdefault(int(entry["launch"]), _Launch())
+                _take(state, {**entry, "i": state.count})
+            elif "summary" in entry:  # what a compaction left of the records it dropped
+                state.kinds.update(entry["summary"]["kinds"])
+                for kind, keys in entry["summary"]["keys"].items():
+                    state.keys.setdefault(kind, set()).update(keys)
             elif "launch" in entry:
-                _apply_control(self._state, entry)
-        self._state.pending = {
-            record["i"]: record for record in self._state.records if record["i"] not in self._state.done
-        }
+                _apply_control(state, entry)
+    return state
+
+
+def _take(state: _State, record: dict[str, Any]) -> None:
+    state.launches.setdefault(int(record["launch"]), _Launch())  # a launch killed before any control line
+    state.count += 1
+    state.pending[int(record["i"])] = record
+    state.kinds[record["kind"]] += 1
+    if "key" in record:
+        state.keys.setdefault(record["kind"], set()).add(record["key"])
+
+
+def _compact(path: Path, state: _State) -> None:
+    """Rewrite the file with what is still needed: the launches, a summary of done records, pending records.
+
+    Renumbers the pending records (indices are positions); written beside the file and renamed over it, so a
+    kill leaves the old file or the new one.
+    """
+    pending = list(state.pending.values())
+    kinds = Counter(state.kinds)
+    kinds.subtract(record["kind"] for record in pending)
+    keys = {kind: sorted(values) for kind, values in state.keys.items()}
+    lines: list[dict[str, Any]] = [{"summary": {"kinds": dict(kinds), "keys": keys}}]
+    for number, launch in sorted(state.launches.items()):
+        control: dict[str, Any] = {"launch": number, "released": launch.released, "holds": launch.holds}
+        lines.append({**control, **({"resumed": launch.resumed} if launch.resumed is not None else {})})
+    state.count, state.pending = 0, {}
+    for record in pending:
+        renumbered = {**record, "i": state.count}
+        state.pending[state.count] = renumbered
+        state.count += 1
+        lines.append(renumbered)
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    temporary.write_text("".join(json.dumps(line, default=float, separators=(",", ":")) + "\n" for line in lines))
+    os.replace(temporary, path)
 
 
 def _apply_control(state: _State, entry: dict[str, Any]) -> None:

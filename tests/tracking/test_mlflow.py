@@ -70,6 +70,29 @@ def test_outbox_without_managed_checkpoints_lets_rows_go_at_once(tmp_path):
     assert _steps(outbox.sendable()) == [(1, 3)]
 
 
+def test_outbox_rewrites_a_file_of_done_records_and_keeps_what_matters(tmp_path, monkeypatch):
+    import lightning_mlopt.tracking.outbox as outbox_module
+
+    monkeypatch.setattr(outbox_module, "_COMPACT_AFTER", 5)
+    path = tmp_path / "outbox.jsonl"
+    first = Outbox(path)
+    first.resumed(0)
+    first.add("json", key=5, value={"step": 5})
+    for step in range(10):
+        first.add("metrics", step=step, time_ms=0, metrics={"loss": float(step)})
+    first.release(8)
+    first.mark_done([r["i"] for r in first.sendable()])  # 9 done; steps 8 and 9 wait
+    lines_before = len(path.read_text().splitlines())
+
+    second = Outbox(path)  # killed, relaunched: the file is rewritten without the done records
+    assert len(path.read_text().splitlines()) < lines_before
+    assert second.launch == 2 and second.count("metrics") == 10 and second.keys("json") == {5}
+    assert second.waiting() == 2 and second.sendable() == []
+    second.resumed(9)  # steps 8 (survives: below 9) and 9 (redone) of launch 1
+    assert _steps(second.sendable()) == [(1, 8)] and len(second.dropped()) == 1
+    assert Outbox(path).launch == 3
+
+
 # ---------------------------------------------------------------------- a plain Trainer, the local store
 
 
@@ -121,6 +144,18 @@ def test_plain_trainer_logs_to_a_local_store_and_a_relaunch_continues_the_run(tm
     assert len(record["manifest_sha256"]) == 64
     system = [key for key in run.data.metrics if key.startswith("system/")]
     assert any(key.endswith("/cpu_utilization_percentage") for key in system), system
+
+
+def test_a_recorded_run_the_store_does_not_have_is_replaced_by_a_new_one_and_said(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    logger = MLflowTracker(save_dir=str(tmp_path), run_id="0123456789abcdef", system_metrics_every_s=None)
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    os.environ.pop("MLFLOW_RUN_ID", None)
+    assert "run 0123456789abcdef is not on sqlite:///" in capsys.readouterr().err
+    assert logger.run_id not in (None, "0123456789abcdef")
+    client = logger.experiment
+    assert [m.value for m in client.get_metric_history(logger.run_id, "loss")] == [1.0]
 
 
 # ---------------------------------------------------------------------- a real server on loopback
