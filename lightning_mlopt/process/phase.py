@@ -12,8 +12,8 @@ it), ``loop`` (between batches, outside the dataloader: Lightning's loop, loggin
 callbacks' batch-end hooks), and ``checkpoint`` wherever a save runs. Outside a step's phases: ``setup``,
 ``restore`` (FaultTolerantCheckpoint finding, verifying and loading the checkpoint a run resumes from),
 ``validation`` (inside fit), and ``monitor`` (PerformanceMonitor's own work), which step-time figures leave out.
-The goodput ledger (``tracking/goodput_ledger.py``) is a listener too: it closes a step's record where the next
-batch's ``data`` begins.
+The process also keeps the total time spent in each phase (:func:`totals`): the goodput ledger
+(``tracking/goodput_ledger.py``) reads it where the next batch's ``data`` begins, the only change it listens for.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -42,7 +42,9 @@ class _State:
     phase = "setup"
     step = 0
     since = time.monotonic()
-    listeners: tuple[PhaseListener, ...] = ()
+    totals: dict[str, float] = {}  # seconds spent in each phase before the current stretch
+    # Each listener with the phases whose entry it is told of (None: every change).
+    listeners: tuple[tuple[PhaseListener, frozenset[str] | None], ...] = ()
 
 
 def set_phase(phase: str, step: int | None = None) -> None:
@@ -55,11 +57,13 @@ def set_phase(phase: str, step: int | None = None) -> None:
         _State.step = step
     if phase == _State.phase:
         return
-    ended = _State.phase
+    ended, now = _State.phase, time.monotonic()
+    _State.totals[ended] = _State.totals.get(ended, 0.0) + now - _State.since
     _State.phase = phase
-    _State.since = time.monotonic()
-    for listener in _State.listeners:  # told after the change, so a listener can see where the process went
-        listener.switch(ended)
+    _State.since = now
+    for listener, entering in _State.listeners:  # told after the change: it can see where the process went
+        if entering is None or phase in entering:
+            listener.switch(ended)
 
 
 def current() -> tuple[str, int, float]:
@@ -90,15 +94,34 @@ def phase(name: str) -> Iterator[None]:
         set_phase(previous)
 
 
-def add_listener(listener: PhaseListener) -> None:
-    """Tell ``listener`` about every phase change of this process from now on."""
-    if listener not in _State.listeners:
-        _State.listeners = (*_State.listeners, listener)
+def add_listener(listener: PhaseListener, entering: Iterable[str] | None = None) -> None:
+    """Tell ``listener`` about every phase change of this process from now on (``entering``: only into those).
+
+    A listener costs a call at every change it is told of: one that needs only a step's boundary says so.
+    """
+    if all(known is not listener for known, _ in _State.listeners):
+        _State.listeners = (*_State.listeners, (listener, None if entering is None else frozenset(entering)))
 
 
 def remove_listener(listener: PhaseListener) -> None:
     """Stop telling ``listener``."""
-    _State.listeners = tuple(known for known in _State.listeners if known is not listener)
+    _State.listeners = tuple(known for known in _State.listeners if known[0] is not listener)
+
+
+def totals() -> dict[str, float]:
+    """Seconds this process spent in each phase so far (monotonic clock), the current one up to now.
+
+    Example::
+
+        >>> before = totals().get("checkpoint", 0.0)
+        >>> with phase("checkpoint"):
+        ...     time.sleep(0.01)
+        >>> totals()["checkpoint"] - before >= 0.01
+        True
+    """
+    spent = dict(_State.totals)
+    spent[_State.phase] = spent.get(_State.phase, 0.0) + time.monotonic() - _State.since
+    return spent
 
 
 def current_phase() -> str:

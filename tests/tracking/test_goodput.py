@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.cli import main
 from lightning_mlopt.process import launch_report
 from lightning_mlopt.process.phase import set_phase
 from lightning_mlopt.tools import goodput as tool
@@ -23,7 +24,7 @@ from lightning_mlopt.tracking._append_log import AppendLog
 from lightning_mlopt.tracking.goodput_ledger import GoodputLedger, process_start_time
 from lightning_mlopt.tracking.goodput_report import KEYS, LedgerError, compute, read_ledger
 from tests.cli_args import fit_args
-from tests.conftest import REPO
+from tests.conftest import CONFIGS, REPO
 
 
 def _launch(start: float, process_start: float) -> dict:
@@ -225,6 +226,17 @@ def test_process_start_includes_the_interpreter_start():
 def test_constructor_validates(tmp_path):
     with pytest.raises(ValueError, match=r"path: .* folder"):
         GoodputLedger(path=str(tmp_path))
+
+
+def test_a_folder_as_the_cli_ledger_path_is_bad_input_and_nothing_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--goodput.path=folder"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert message.startswith("error: path: 'folder' is empty or a folder") and "usage" not in message
+    assert [path.name for path in tmp_path.iterdir()] == ["folder"]
 
 
 @pytest.mark.parametrize("damage", ["no folder", "no ledger", "unreadable line"])
