@@ -45,18 +45,30 @@ def _hygiene() -> Iterator[None]:
     assert not leaked, f"test leaked threads: {[t.name for t in leaked]}"
 
 
-def run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None):
-    """Run ``python -m lightning_mlopt ARGS`` in a fresh process, as a user would; return the result."""
+def cli_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a CLI run of the tests gets: this one, the repository importable, ``env`` on top."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("MASTER_PORT", None)
+    return full_env
+
+
+def run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None):
+    """Run ``python -m lightning_mlopt ARGS`` in a fresh process, as a user would; return the result."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_mlopt", *args],
         cwd=cwd,
-        env=full_env,
+        env=cli_environment(env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def start_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen:
+    """Start ``python -m lightning_mlopt ARGS`` as a job of its own: a new session, so that a signal to its
+    process group reaches every rank at once, as a scheduler's does (``os.killpg(job.pid, ...)``)."""
+    command = [sys.executable, "-m", "lightning_mlopt", *args]
+    return subprocess.Popen(command, cwd=cwd, env=cli_environment(env), start_new_session=True, **popen)
 
 
 def failure_report(result: subprocess.CompletedProcess[str], tail: int = 2500) -> str:

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from lightning_mlopt.callbacks import FaultTolerantCheckpoint
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.tracking import MLflowTracker
 from lightning_mlopt.tracking.outbox import Outbox
-from tests.conftest import CONFIGS, REPO, failure_report
+from tests.conftest import CONFIGS, failure_report, start_cli
 from tests.helpers import ThirdPartyLM
 from tests.mlflow_server import MLflowServer
 
@@ -194,18 +193,9 @@ def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, devices: int, max
 
 
 def _launch(args: list[str], cwd: Path, launch: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TEST_LAUNCH": str(launch)}
-    env.pop("MASTER_PORT", None)
-    env.pop("MLFLOW_RUN_ID", None)
-    with log.open("ab") as out:  # its own session: a SIGKILL to the group reaches every rank, as a scheduler's does
-        return subprocess.Popen(
-            [sys.executable, "-m", "lightning_mlopt", *args],
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-            stdout=out,
-            stderr=out,
-        )
+    os.environ.pop("MLFLOW_RUN_ID", None)  # an in-process test's export must not pick the run
+    with log.open("ab") as out:
+        return start_cli(args, cwd, {"TEST_LAUNCH": str(launch)}, stdout=out, stderr=out)
 
 
 def _wait_for(path: Path, job: subprocess.Popen[bytes], timeout: float = 240.0) -> None:

@@ -19,7 +19,7 @@ from lightning_mlopt.distributed.fingerprint import collect_fingerprint
 from lightning_mlopt.redaction import REDACTED, is_secret_name, redact, secret_values
 from lightning_mlopt.tracking import WandbTracker
 from lightning_mlopt.tracking.provenance import git_state
-from tests.conftest import CONFIGS, SMOKE, run_cli
+from tests.conftest import CONFIGS, SMOKE, run_cli, start_cli
 from tests.wandb_records import summary_of
 
 QUICK = ["fit", "--config", str(CONFIGS / "quickstart.yaml")]
@@ -281,10 +281,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
     import os
     import signal
     import subprocess
-    import sys
     import time
-
-    from tests.conftest import REPO
 
     run_dir = tmp_path / "run"
     pace = tmp_path / "pace"
@@ -303,15 +300,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
         "--trainer.callbacks.seconds_per_step=0.2",
         f"--run_dir={run_dir}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), **_wandb_env(tmp_path)}
-    job = subprocess.Popen(
-        [sys.executable, "-m", "lightning_mlopt", *args],
-        cwd=tmp_path,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    job = start_cli(args, tmp_path, _wandb_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while not (pace / "step-8.rank0").exists() and time.monotonic() < deadline:
         assert job.poll() is None, "the job ended before step 8"
