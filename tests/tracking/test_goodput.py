@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +23,7 @@ from lightning_mlopt.tracking._append_log import AppendLog
 from lightning_mlopt.tracking.goodput_ledger import GoodputLedger, process_start_time
 from lightning_mlopt.tracking.goodput_report import KEYS, LedgerError, compute, read_ledger
 from tests.cli_args import fit_args
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, run_cli, start_cli
 
 
 def _launch(start: float, process_start: float) -> dict:
@@ -277,12 +276,6 @@ def test_the_report_as_text_json_and_chart(tmp_path, capsys):
 MAX_STEPS = 20
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    env.pop("MASTER_PORT", None)
-    return env
-
-
 def _command(run_dir: Path, clock: Path, hold_at: int | None = None, hold_s: float = 120.0) -> list[str]:
     args = fit_args(
         "--trainer.enable_progress_bar=false",
@@ -311,7 +304,7 @@ def _command(run_dir: Path, clock: Path, hold_at: int | None = None, hold_s: flo
         run_dir=run_dir,
         quiet=False,
     )
-    return [sys.executable, "-m", "lightning_mlopt", *args]
+    return args
 
 
 def _clock(path: Path) -> list[tuple[int, float]]:
@@ -320,9 +313,7 @@ def _clock(path: Path) -> list[tuple[int, float]]:
 
 def _launch_until(command: list[str], clock: Path, step: int, cwd: Path) -> subprocess.Popen:
     """Start the job; return once rank zero started the batch at global step ``step``."""
-    process = subprocess.Popen(
-        command, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
+    process = start_cli(command, cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not (clock.is_file() and any(seen == step for seen, _ in _clock(clock))):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -358,7 +349,7 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock(tmp_path, c
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 75, stderr.decode()[-3000:]
     # Launch 4: resumes and finishes.
-    final = subprocess.run(_command(run_dir, clocks[3]), cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    final = run_cli(_command(run_dir, clocks[3]), cwd=tmp_path)
     assert final.returncode == 0, final.stderr[-3000:]
     wall_clock = time.time() - first_start
 
