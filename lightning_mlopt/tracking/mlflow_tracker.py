@@ -319,10 +319,10 @@ class MLflowTracker(Logger):
         sender, self._sender = self._sender, None
         if sender is None or self._outbox is None:
             return
-        if not sender.flush(timeout_s):
+        if not sender.flush(timeout_s):  # rows still held for a checkpoint are not "unsent": the relaunch decides
             _say(
-                f"MLflow: {self._outbox.waiting()} record(s) not sent yet; they are kept in {self._outbox.path} "
-                "and the next launch of this run sends them"
+                f"MLflow: {len(self._outbox.sendable())} record(s) not sent yet; they are kept in "
+                f"{self._outbox.path} and the next launch of this run sends them"
             )
         sender.stop()
         self._outbox.sync()
