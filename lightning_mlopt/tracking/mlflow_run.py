@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lightning_mlopt.checkpoint.manifest import write_atomically
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.redaction import redact
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
@@ -136,9 +137,7 @@ class MLflowRun:
             "experiment_name": self.experiment_name,
             "tracking_uri": redacted_uri(self.tracking_uri()),
         }
-        temporary = self.folder / f"{RUN_FILE}.{os.getpid()}.tmp"
-        temporary.write_text(json.dumps(content, indent=2))
-        temporary.replace(self.folder / RUN_FILE)
+        write_atomically(self.folder / RUN_FILE, json.dumps(content, indent=2))
 
 
 def _exists(client: MlflowClient, run_id: str) -> bool:
@@ -156,4 +155,4 @@ def _exists(client: MlflowClient, run_id: str) -> bool:
 
 def redacted_uri(uri: str) -> str:
     """``uri`` without credentials (``https://user:token@host`` -> ``https://<redacted>@host``)."""
-    return str(redact({"uri": uri})["uri"])
+    return str(redact(uri))

@@ -18,6 +18,7 @@ from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.redaction import redact
 from lightning_mlopt.tracking.mlflow_run import MLflowRun, redacted_uri
@@ -244,7 +245,7 @@ class MLflowTracker(Logger):
                 "final": manifest.final,
                 "reason": manifest.reason,
                 "strategy": manifest.strategy,
-                "manifest_sha256": _sha256(manifest_file) if manifest_file.is_file() else None,
+                "manifest_sha256": digest_of(manifest_file, "sha256") if manifest_file.is_file() else None,
                 "metric": manifest.metric,
                 "created": manifest.created,
             }
@@ -369,12 +370,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _now_ms() -> int:

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_mlopt.checkpoint.manifest import write_atomically
+
 HELD_KINDS = frozenset({"metrics"})
 """Record kinds whose fate waits for a checkpoint (the values of training steps)."""
 
@@ -236,8 +238,8 @@ def _take(state: _State, record: dict[str, Any]) -> None:
 def _compact(path: Path, state: _State) -> None:
     """Rewrite the file with what is still needed: the launches, a summary of done records, pending records.
 
-    Renumbers the pending records (indices are positions); written beside the file and renamed over it, so a
-    kill leaves the old file or the new one.
+    Renumbers the pending records (indices are positions); written atomically, so a kill leaves the old file or
+    the new one.
     """
     pending = list(state.pending.values())
     kinds = Counter(state.kinds)
@@ -253,9 +255,7 @@ def _compact(path: Path, state: _State) -> None:
         state.pending[state.count] = renumbered
         state.count += 1
         lines.append(renumbered)
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    temporary.write_text("".join(json.dumps(line, default=float, separators=(",", ":")) + "\n" for line in lines))
-    os.replace(temporary, path)
+    write_atomically(path, "".join(json.dumps(line, default=float, separators=(",", ":")) + "\n" for line in lines))
 
 
 def _apply_control(state: _State, entry: dict[str, Any]) -> None:
