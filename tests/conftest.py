@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -69,6 +71,33 @@ def start_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None,
     process group reaches every rank at once, as a scheduler's does (``os.killpg(job.pid, ...)``)."""
     command = [sys.executable, "-m", "lightning_mlopt", *args]
     return subprocess.Popen(command, cwd=cwd, env=cli_environment(env), start_new_session=True, **popen)
+
+
+def run_tool_here(
+    name: str,
+    args: Sequence[str],
+    cwd: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run tool ``name`` (``python -m lightning_mlopt NAME ARGS``) in this process, as the entry point does.
+
+    For tools that only read and write files: the test process has torch and Lightning loaded already, so a
+    call costs milliseconds where a fresh process costs seconds of imports. ``env`` is set for the rest of the
+    test. Trainer runs, and anything about signals or exit paths of a real process, go through :func:`run_cli`.
+    """
+    from lightning_mlopt.commands import run_tool
+
+    monkeypatch.chdir(cwd)
+    for variable, value in (env or {}).items():
+        monkeypatch.setenv(variable, value)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = run_tool(name, args)
+        except SystemExit as exit_:  # an argument parser's own exit
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess([name, *args], code, out.getvalue(), err.getvalue())
 
 
 def failure_report(result: subprocess.CompletedProcess[str], tail: int = 2500) -> str:

@@ -10,7 +10,7 @@ import torch
 from lightning_mlopt.demos import GPTLanguageModel, ResNetClassifier
 from lightning_mlopt.planning import parse_count, parse_size, plan_memory
 from lightning_mlopt.planning.memory import bytes_per_parameter
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, run_cli, run_tool_here
 
 
 def test_reproduces_the_zero_paper_example():
@@ -66,8 +66,8 @@ def test_meta_device_parameter_counts_equal_real_counts(model):
         (["--world_size", "8"], "give --config FILE or --num_params N"),
     ],
 )
-def test_bad_input_exits_2_with_a_short_message(tmp_path, args, message):
-    result = run_cli(["plan", *args], cwd=tmp_path)
+def test_bad_input_exits_2_with_a_short_message(tmp_path, monkeypatch, args, message):
+    result = run_tool_here("plan", args, tmp_path, monkeypatch)
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 15

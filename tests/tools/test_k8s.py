@@ -34,7 +34,7 @@ from lightning_mlopt.tools.k8s_manifests import (
     pytorchjob_manifest,
     trainjob_manifests,
 )
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO, run_tool_here
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "k8s" / "schemas"
 KUBERNETES_VERSION = "1.33"
@@ -225,17 +225,17 @@ def test_the_schemas_refuse_what_the_api_server_refuses():
             validate(broken)
 
 
-def _k8s(tmp_path: Path, *args: str) -> tuple[int, str, str]:
-    command = [sys.executable, "-m", "lightning_mlopt", "k8s", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_API_KEY": "k8s-test-secret-value"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+def _k8s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setenv("WANDB_API_KEY", "k8s-test-secret-value")
+    done = run_tool_here("k8s", args, tmp_path, monkeypatch)
     return done.returncode, done.stdout, done.stderr
 
 
 @pytest.mark.parametrize("flavor", ["jobset", "trainjob", "pytorchjob"])
-def test_the_tool_writes_a_valid_manifest_from_the_same_yaml(tmp_path, flavor):
+def test_the_tool_writes_a_valid_manifest_from_the_same_yaml(tmp_path, monkeypatch, flavor):
     code, out, err = _k8s(
         tmp_path,
+        monkeypatch,
         "--config",
         str(CONFIGS / "gpt.yaml"),
         "--config",
@@ -274,11 +274,12 @@ def test_the_tool_writes_a_valid_manifest_from_the_same_yaml(tmp_path, flavor):
         (["--trainer.default_root_dir=s3://me:hunter22@host/x"], "pass it with --secret_env"),
     ],
 )
-def test_bad_arguments_exit_2_with_a_short_message_and_write_nothing(tmp_path, args, says):
+def test_bad_arguments_exit_2_with_a_short_message_and_write_nothing(tmp_path, monkeypatch, args, says):
     output = tmp_path / "manifest.yaml"
     output.write_text("kept\n")
     code, out, err = _k8s(
         tmp_path,
+        monkeypatch,
         "--config",
         str(CONFIGS / "gpt.yaml"),
         "--image=x",
@@ -300,7 +301,7 @@ def _pid_namespaces_available() -> bool:
     return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
 
 
-def _manifest_command(tmp_path: Path, mount: Path) -> tuple[list[str], dict[str, str]]:
+def _manifest_command(tmp_path: Path, mount: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], dict[str, str]]:
     """The JobSet container's command and environment, with the ConfigMap written where the pod mounts it."""
     fit = [
         "--trainer.max_steps=12",
@@ -320,6 +321,7 @@ def _manifest_command(tmp_path: Path, mount: Path) -> tuple[list[str], dict[str,
     ]
     code, out, err = _k8s(
         tmp_path,
+        monkeypatch,
         "--config",
         str(CONFIGS / "gpt.yaml"),
         "--config",
@@ -341,6 +343,7 @@ def _manifest_command(tmp_path: Path, mount: Path) -> tuple[list[str], dict[str,
     command = [sys.executable if part == "python" else part for part in container["command"]]  # the image's python
     env = {**os.environ, "PYTHONPATH": str(REPO), **{v["name"]: v["value"] for v in container["env"] if "value" in v}}
     env.pop("MASTER_PORT", None)
+    env.pop("WANDB_API_KEY", None)  # _k8s's stand-in secret: the pod gets it from a Secret, here from nowhere
     return command, env
 
 
@@ -351,13 +354,13 @@ def _run(command: list[str], env: dict[str, str], log: Path) -> int:
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not _pid_namespaces_available(), reason="needs root and unshare --pid (a new PID namespace)")
-def test_the_manifest_command_as_pid_1_exits_75_on_sigterm_and_resumes_bitwise(tmp_path):
+def test_the_manifest_command_as_pid_1_exits_75_on_sigterm_and_resumes_bitwise(tmp_path, monkeypatch):
     import torch
 
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    command, env = _manifest_command(tmp_path, reference)
+    command, env = _manifest_command(tmp_path, reference, monkeypatch)
     assert _run(command, env, tmp_path / "reference.log") == 0, (tmp_path / "reference.log").read_text()[-3000:]
-    command, env = _manifest_command(tmp_path, interrupted)
+    command, env = _manifest_command(tmp_path, interrupted, monkeypatch)
     log = tmp_path / "pid1.log"
     with log.open("w") as handle:
         # PID 1 of a new PID namespace, as in a container: the kernel delivers it only signals it handles.

@@ -9,7 +9,7 @@ import pytest
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.tools.slurm import check_task_count, time_limit_seconds
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, run_cli, run_tool_here
 from tests.slurm_cluster import missing_requirement
 from tests.slurm_standins import slurm_environment
 
@@ -28,24 +28,29 @@ def test_time_limits_and_task_counts():
         check_task_count({"devices": 8, "num_nodes": 4}, nodes=2, gpus_per_node=8)
 
 
-def test_a_task_count_mismatch_is_an_error_and_writes_nothing(tmp_path):
-    result = run_cli(
-        ["slurm", "--config", str(CONFIGS / "quickstart.yaml"), "--nodes", "2", "--gpus_per_node", "8"], cwd=tmp_path
+def test_a_task_count_mismatch_is_an_error_and_writes_nothing(tmp_path, monkeypatch):
+    result = run_tool_here(
+        "slurm",
+        ["--config", str(CONFIGS / "quickstart.yaml"), "--nodes", "2", "--gpus_per_node", "8"],
+        tmp_path,
+        monkeypatch,
     )
     assert result.returncode == 2
     assert "trainer.devices is 1 in the config but --gpus_per_node is 8" in result.stderr
     assert not (tmp_path / "runs").exists()
-    late = run_cli(
-        ["slurm", "--config", str(CONFIGS / "gpt.yaml"), "--nodes", "1", "--gpus_per_node", "8", "--time", "00:01:30"],
-        cwd=tmp_path,
+    late = run_tool_here(
+        "slurm",
+        ["--config", str(CONFIGS / "gpt.yaml"), "--nodes", "1", "--gpus_per_node", "8", "--time", "00:01:30"],
+        tmp_path,
+        monkeypatch,
     )
     assert late.returncode == 2 and "leaves no time before the SIGUSR1" in late.stderr
 
 
-def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path):
-    result = run_cli(
+def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path, monkeypatch):
+    result = run_tool_here(
+        "slurm",
         [
-            "slurm",
             "--config",
             str(CONFIGS / "gpt.yaml"),
             "--trainer.accelerator=gpu",
@@ -66,7 +71,8 @@ def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path):
             "--output",
             "job.sbatch",
         ],
-        cwd=tmp_path,
+        tmp_path,
+        monkeypatch,
     )
     assert result.returncode == 0, result.stderr
     script = (tmp_path / "job.sbatch").read_text()
@@ -74,18 +80,11 @@ def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path):
     assert "\nsrun --cpus-per-task=6 " in script, "srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05)"
     for shell_signal in ("TERM", "USR1", "USR2", "INT"):
         assert f"trap 'forward {shell_signal}' {shell_signal}" in script
-    bad = run_cli(
-        [
-            "slurm",
-            "--config",
-            str(CONFIGS / "gpt.yaml"),
-            "--nodes",
-            "1",
-            "--gpus_per_node",
-            "8",
-            "--sbatch_option=mem=1G",
-        ],
-        cwd=tmp_path,
+    bad = run_tool_here(
+        "slurm",
+        ["--config", str(CONFIGS / "gpt.yaml"), "--nodes", "1", "--gpus_per_node", "8", "--sbatch_option=mem=1G"],
+        tmp_path,
+        monkeypatch,
     )
     assert bad.returncode == 2 and "--sbatch_option 'mem=1G': give one sbatch option" in bad.stderr
     for line in [

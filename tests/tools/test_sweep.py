@@ -11,7 +11,7 @@ import pytest
 from lightning_mlopt.cli import check_arguments
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.tools.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, run_cli, run_tool_here
 from tests.slurm_cluster import missing_requirement
 from tests.slurm_standins import slurm_environment
 
@@ -61,13 +61,13 @@ def test_bad_sweep_files_are_named(tmp_path, text, message):
         load_sweep(_sweep_file(tmp_path, text))
 
 
-def test_a_typo_in_a_swept_key_fails_at_once_naming_it_and_nothing_is_created(tmp_path):
+def test_a_typo_in_a_swept_key_fails_at_once_naming_it_and_nothing_is_created(tmp_path, monkeypatch):
     sweep = _sweep_file(
         tmp_path,
         "method: grid\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
         "  model.init_args.lr: {values: [0.01, 0.1]}\n  model.init_args.widht: {values: [8, 16]}\n",
     )
-    result = run_cli(["sweep", *BASE, "--sweep", str(sweep)], cwd=tmp_path)
+    result = run_tool_here("sweep", [*BASE, "--sweep", str(sweep)], tmp_path, monkeypatch)
     assert result.returncode == 2
     assert "sweep parameter 'model.init_args.widht'" in result.stderr
     assert "valid keys under model.init_args:" in result.stderr and "width" in result.stderr
@@ -75,11 +75,11 @@ def test_a_typo_in_a_swept_key_fails_at_once_naming_it_and_nothing_is_created(tm
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_value_of_the_wrong_type_fails_naming_key_and_value(tmp_path):
+def test_a_value_of_the_wrong_type_fails_naming_key_and_value(tmp_path, monkeypatch):
     sweep = _sweep_file(
         tmp_path, "metric: {name: val/acc}\nparameters:\n  model.init_args.lr: {values: [0.01, fast]}\n"
     )
-    result = run_cli(["sweep", *BASE, "--sweep", str(sweep)], cwd=tmp_path)
+    result = run_tool_here("sweep", [*BASE, "--sweep", str(sweep)], tmp_path, monkeypatch)
     assert result.returncode == 2
     assert "sweep parameter 'model.init_args.lr' (value 'fast')" in result.stderr
     assert not (tmp_path / "runs").exists()
@@ -131,19 +131,21 @@ def test_local_grid_on_two_process_trials_ranks_results_and_every_rank_gets_the_
     assert again.returncode == 0 and again.stdout.count(": done earlier") == 2
 
 
-def test_wandb_mode_needs_a_key_and_its_agent_command_is_our_cli(tmp_path):
+def test_wandb_mode_needs_a_key_and_its_agent_command_is_our_cli(tmp_path, monkeypatch):
     sweep = _sweep_file(
         tmp_path,
         "method: bayes\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
         "  model.init_args.lr: {distribution: log_uniform_values, min: 0.001, max: 0.1}\n",
     )
     env = {"WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc"), "WANDB_MODE": "offline"}
-    refused = run_cli(["sweep", *BASE, "--sweep", str(sweep), "--mode", "wandb"], cwd=tmp_path, env=env)
+    refused = run_tool_here("sweep", [*BASE, "--sweep", str(sweep), "--mode", "wandb"], tmp_path, monkeypatch, env)
     assert refused.returncode == 2 and "needs a W&B server and an API key" in refused.stderr
-    local_bayes = run_cli(["sweep", *BASE, "--sweep", str(sweep)], cwd=tmp_path, env=env)
+    local_bayes = run_tool_here("sweep", [*BASE, "--sweep", str(sweep)], tmp_path, monkeypatch, env)
     assert local_bayes.returncode == 2 and "bayes needs the W&B server" in local_bayes.stderr
 
-    shown = run_cli(["sweep", *BASE, "--sweep", str(sweep), "--mode", "wandb", "--dry_run"], cwd=tmp_path, env=env)
+    shown = run_tool_here(
+        "sweep", [*BASE, "--sweep", str(sweep), "--mode", "wandb", "--dry_run"], tmp_path, monkeypatch, env
+    )
     assert shown.returncode == 0, shown.stderr
     config = json.loads(shown.stdout[shown.stdout.index("{") :])
     assert config["method"] == "bayes" and config["metric"]["name"] == "val/acc"
