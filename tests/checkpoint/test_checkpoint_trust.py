@@ -19,7 +19,7 @@ from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, describe_files
 from lightning_mlopt.checkpoint.serialization import load_file
 from lightning_mlopt.checkpoint.trust import globals_in_pickle, untrusted_globals
 from lightning_mlopt.exceptions import BadInputError
-from tests.conftest import run_cli
+from tests.conftest import run_tool_here
 from tests.helpers import ThirdPartyLM
 
 
@@ -62,7 +62,7 @@ def _plant(folder: Path, marker: Path) -> None:
     verify(folder)  # the checksums cannot tell: the file is exactly what the manifest says
 
 
-def test_a_crafted_checkpoint_is_refused_everywhere_and_loads_only_when_trusted(tmp_path):
+def test_a_crafted_checkpoint_is_refused_everywhere_and_loads_only_when_trusted(tmp_path, monkeypatch):
     # Hyperparameters saved by save_hyperparameters() (ordinary types) resume with the opt-in off.
     _fit(tmp_path, steps=2)
     resumed = _fit(tmp_path, steps=4)
@@ -82,18 +82,21 @@ def test_a_crafted_checkpoint_is_refused_everywhere_and_loads_only_when_trusted(
         ["consolidate", str(newest.path), str(tmp_path / "out.ckpt")],
         ["export", str(newest.path), str(tmp_path / "out")],
     ):
-        result = run_cli(["checkpoint", *command], cwd=tmp_path)
+        result = run_tool_here("checkpoint", command, tmp_path, monkeypatch)
         assert result.returncode == 2, result.stderr
         assert "os.makedirs" in result.stderr and "--trust-pickles" in result.stderr
         assert not marker.exists()
     assert not (tmp_path / "out.ckpt").exists() and not (tmp_path / "out").exists()
     # `list` and `verify` never unpickle.
-    assert run_cli(["checkpoint", "verify", str(newest.path)], cwd=tmp_path).returncode == 0
+    assert run_tool_here("checkpoint", ["verify", str(newest.path)], tmp_path, monkeypatch).returncode == 0
     assert not marker.exists()
 
     # Opted in: it loads (and the pickle's code runs: that is what trusting means).
-    trusted = run_cli(
-        ["checkpoint", "consolidate", "--trust-pickles", str(newest.path), str(tmp_path / "out.ckpt")], cwd=tmp_path
+    trusted = run_tool_here(
+        "checkpoint",
+        ["consolidate", "--trust-pickles", str(newest.path), str(tmp_path / "out.ckpt")],
+        tmp_path,
+        monkeypatch,
     )
     assert trusted.returncode == 0, trusted.stderr
     assert marker.exists()
