@@ -78,9 +78,10 @@ def _command(arm: str, strategy: str, model: str, steps: int, work: Path) -> lis
             *[str(HERE / "hand_loop.py"), f"--strategy={strategy}", f"--steps={steps}"],
             *[f"--out={work / 'hand_params.pt'}", f"--step-times={clock}", *sets],
         ]
+    ours = [f"--with={name}" for name in arm.split("+")[1:]]  # "lightning+checkpoint": Lightning's, plus one of ours
     return [
         *[sys.executable, str(HERE / "lightning_loop.py"), f"--strategy={strategy}", f"--steps={steps}"],
-        *[f"--root={work / 'lightning'}", f"--step-times={clock}", *sets],
+        *[f"--root={work / 'lightning'}", f"--step-times={clock}", *sets, *ours],
     ]
 
 
@@ -117,9 +118,11 @@ def _bitwise(work_ours: Path, work_hand: Path) -> str:
     return "yes" if worst == 0 else f"no (max abs difference {worst:.1e})"
 
 
-def measure(strategy: str, model: str, args: argparse.Namespace, scratch: Path) -> dict[str, object]:
+def _interleaved(
+    arms: list[str], strategy: str, model: str, args: argparse.Namespace, scratch: Path
+) -> tuple[dict[str, list[float]], dict[str, Path]]:
+    """Each arm's mean step time per repeat, arms interleaved (the order alternates); each arm's last work dir."""
     steps = args.steps or STEPS[model]
-    arms = ["ours", "hand"] + (["lightning"] if strategy in LIGHTNING_RUNS else [])
     per_step: dict[str, list[float]] = {arm: [] for arm in arms}
     last: dict[str, Path] = {}
     for repeat in range(args.repeats):
@@ -128,8 +131,14 @@ def measure(strategy: str, model: str, args: argparse.Namespace, scratch: Path) 
             per_step[arm].append(_timed_job(arm, strategy, model, steps, work))
             last[arm] = work
             print(f"{strategy} {model} {arm} repeat {repeat}: {per_step[arm][-1] * 1e3:.1f} ms/step", flush=True)
+    return per_step, last
+
+
+def measure(strategy: str, model: str, args: argparse.Namespace, scratch: Path) -> dict[str, object]:
+    arms = ["ours", "hand"] + (["lightning"] if strategy in LIGHTNING_RUNS else [])
+    per_step, last = _interleaved(arms, strategy, model, args, scratch)
     result: dict[str, object] = {arm: per_step[arm] for arm in arms}
-    result["steps"] = str(steps)
+    result["steps"] = str(args.steps or STEPS[model])
     result["bitwise"] = _bitwise(last["ours"], last["hand"])
     return result
 
@@ -152,6 +161,34 @@ def _row(strategy: str, model: str, result: dict[str, object]) -> str:
     )
 
 
+ALL_THREE = "lightning+checkpoint+performance+goodput"
+ABLATION_ARMS = ["lightning", "lightning+checkpoint", "lightning+performance", "lightning+goodput", ALL_THREE, "ours"]
+ABLATION_NOTES = {
+    "lightning": "Lightning's own strategy, no callback of ours (its SIGTERM broadcast every batch)",
+    "lightning+checkpoint": "FaultTolerantCheckpoint: the per-step exchange (one all-reduce, in place of Lightning's "
+    "SIGTERM broadcast) and its bookkeeping",
+    "lightning+performance": "PerformanceMonitor: phase clocks every step, a window sum every logging step",
+    "lightning+goodput": "GoodputLedger: one appended record per step",
+    ALL_THREE: "the three together",
+    "ours": "our CLI with its defaults (the three, the run directory, the config's logger, the process guards)",
+}
+
+
+def ablation_rows(strategy: str, model: str, args: argparse.Namespace, scratch: Path) -> list[str]:
+    """Each of our default callbacks alone on Lightning's own strategy: what it adds per step."""
+    per_step, _ = _interleaved(ABLATION_ARMS, strategy, model, args, scratch)
+    base = median(per_step["lightning"])
+    rows = []
+    for arm in ABLATION_ARMS:
+        runs = per_step[arm]
+        cell = f"{median(runs) * 1e3:.2f} ({', '.join(f'{t * 1e3:.2f}' for t in runs)})"
+        added = median(runs) - base
+        what = ABLATION_NOTES[arm]
+        change = "-" if arm == "lightning" else f"{added * 1e3:+.2f} ms ({added / base:+.1%})"
+        rows.append(f"| {strategy} | {model} | {arm} | {cell} | {change} | {what} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -159,7 +196,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=0, help="steps per job (default: per model, STEPS)")
     parser.add_argument("--no-publish", action="store_true", help="print the table; write no result file")
+    parser.add_argument(
+        "--ablation", action="store_true",
+        help="instead: each of our default callbacks alone on Lightning's own strategy (ddp, fsdp)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.ablation:
+        _ablation(args)
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="parity_") as scratch:
         for model in args.models.split(","):
@@ -179,6 +223,27 @@ def main() -> None:
         print(body)
     else:
         publish("parity", "cpu-2proc", body)
+
+
+def _ablation(args: argparse.Namespace) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="parity_ablation_") as scratch:
+        for model in args.models.split(","):
+            for strategy in args.strategies.split(","):
+                if strategy not in LIGHTNING_RUNS:
+                    continue  # Lightning's DeepSpeedStrategy refuses CPU: no plain run to add a callback to
+                rows += ablation_rows(strategy, model, args, Path(scratch))
+    body = (
+        f"Each of our default callbacks alone, added to a plain Lightning Trainer with Lightning's own strategy: "
+        f"step time (ms) as in the parity table (mean after the first {WARMUP} steps, {args.repeats} interleaved "
+        "repeats: median, then each repeat), and what the callback adds over Lightning's own run.\n\n"
+        "| strategy | model | arm | step time (ms) | added per step | what runs per step |\n"
+        "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+    if args.no_publish:
+        print(body)
+    else:
+        publish("parity-ablation", "cpu-2proc", body)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ own defaults for the rest: its ``ModelCheckpoint``, no progress bar as in a batc
 ``ddp`` or ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` per block and on the model in
 ``configure_model``, as Lightning's docs show). Lightning's ``DeepSpeedStrategy`` is not run: it refuses a
 CPU accelerator ("DeepSpeed strategy is only supported on GPU").
+
+``--with checkpoint|performance|goodput`` (repeatable) adds one of our default callbacks, with the CLI's
+defaults (``FaultTolerantCheckpoint``, ``PerformanceMonitor``, ``GoodputLedger``), to the plain Trainer: the
+parity benchmark's ``--ablation`` times each one alone against Lightning's own run.
 """
 
 from __future__ import annotations
@@ -37,6 +41,19 @@ def _fully_sharded(model_args: dict[str, Any]) -> Any:
     return FullyShardedGPT(**model_args)
 
 
+def _our_callbacks(names: list[str], root: str) -> list[Any]:
+    """Our default callbacks named in ``names``, made as the CLI makes them (its defaults)."""
+    from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor
+    from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
+
+    made = {
+        "checkpoint": lambda: FaultTolerantCheckpoint(),
+        "performance": lambda: PerformanceMonitor(),
+        "goodput": lambda: GoodputLedger(path=str(Path(root) / "goodput.jsonl")),
+    }
+    return [made[name]() for name in names]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
@@ -44,6 +61,10 @@ def main() -> None:
     parser.add_argument("--root", default=None, help="Lightning's default_root_dir (default: a temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     parser.add_argument("--step-times", default=None, help="rank 0 writes each step's seconds here (StepClock)")
+    parser.add_argument(
+        "--with", dest="ours", action="append", default=[], choices=["checkpoint", "performance", "goodput"],
+        help="add one of our default callbacks (repeatable)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import lightning.pytorch as pl
@@ -55,14 +76,16 @@ def main() -> None:
     settings = {key: value for key, value in config["trainer"].items() if key not in ("accelerator", "devices")}
     settings["max_steps"] = args.steps
     fsdp = args.strategy == "fsdp"
+    root = args.root or tempfile.mkdtemp(prefix="lightning_parity_")
+    callbacks = [StepClock(args.step_times)] if args.step_times else []
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=pl.strategies.ModelParallelStrategy() if fsdp else "ddp",
-        default_root_dir=args.root or tempfile.mkdtemp(prefix="lightning_parity_"),
+        default_root_dir=root,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[StepClock(args.step_times)] if args.step_times else None,
+        callbacks=[*callbacks, *_our_callbacks(args.ours, root)],
         **settings,
     )
     model_args = config["model"]["init_args"]
