@@ -44,6 +44,7 @@ class AppendLog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._open = True
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
         self._base = 0  # file offset of the mapping
@@ -52,6 +53,7 @@ class AppendLog:
             self._reserve(0)
         except OSError:
             os.close(self._fd)
+            self._open = False
             raise
 
     def write(self, data: bytes, sync: bool = False) -> None:
@@ -70,15 +72,17 @@ class AppendLog:
                 os.fsync(self._fd)
 
     def close(self) -> None:
-        """Write out, drop the padding, fsync, close; idempotent."""
+        """Write out, drop the padding, fsync, close; idempotent, and after a failed write too (a full disk)."""
         with self._lock:
-            if self._map is None:
+            if not self._open:
                 return
-            self._map.flush()
-            self._map.close()
-            self._map = None
+            self._open = False
             try:
-                os.ftruncate(self._fd, self._used)
+                if self._map is not None:  # None after a reservation failed: what was written is in the file
+                    self._map.flush()
+                    self._map.close()
+                    self._map = None
+                os.ftruncate(self._fd, self._used)  # shrinking needs no free block: it works on a full disk
                 os.fsync(self._fd)
             finally:
                 os.close(self._fd)

@@ -238,6 +238,8 @@ class GoodputLedger(PhaseMarkers):
         except OSError as error:  # a full disk: stop recording, never stop training
             if log is not None and self._log is log:
                 self._log = None
+                with contextlib.suppress(OSError):
+                    log.close()  # what it holds stays, without the reserved padding; the descriptor is freed
                 rank_zero_warn(f"goodput: cannot write {self.file} ({error}); the rest of this launch is not recorded")
 
 

@@ -4,6 +4,7 @@ events from the phase markers, bad input, and one requeued job (2 SIGKILLs, 1 SI
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import os
 import signal
@@ -157,6 +158,51 @@ def test_a_writer_killed_before_closing_leaves_padding_that_the_next_launch_writ
     events = read_ledger(path)
     assert len(events) == 20001 and events[-1]["time"] == 20001.0
     assert path.read_bytes().endswith(b"}\n")
+
+
+def _fill(folder: Path) -> None:
+    """Write into ``folder`` until its file system says it is full (ENOSPC): a real full disk."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as error:
+        assert error.errno == errno.ENOSPC, error
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_that_fills_mid_run_stops_the_ledger_once_and_never_training(tmpfs, tmp_path, monkeypatch):
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.tracking import _append_log
+    from tests.helpers import ThirdPartyLM
+
+    disk = tmpfs("ledger", size="1m")
+    # Reserve a page at a time (not 1 MiB), so that the ledger needs new blocks within a 40-step run.
+    monkeypatch.setattr(_append_log, "_CHUNK", 4096)
+
+    class FillTheDisk(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            if trainer.global_step == 3:
+                _fill(disk)
+
+    ledger = GoodputLedger(path=str(disk / "goodput.jsonl"))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=40, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / "run",
+        callbacks=[ledger, FillTheDisk()],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"goodput: cannot write .*No space left on device") as said:
+        trainer.fit(ThirdPartyLM(num_sequences=64))
+    assert trainer.global_step == 40  # training never stopped
+    assert len([w for w in said if "goodput:" in str(w.message)]) == 1  # said once, not at every step
+    # What was recorded before the disk filled is whole: no padding, every line an event, the report reads it.
+    content = (disk / "goodput.jsonl").read_bytes()
+    assert content.endswith(b"}\n") and b"\0" not in content
+    steps = [event["step"] for event in read_ledger(disk / "goodput.jsonl") if event["event"] == "step"]
+    assert steps == list(range(1, len(steps) + 1)) and 3 <= len(steps) < 40, steps
+    assert compute(read_ledger(disk / "goodput.jsonl")).steps_run == len(steps)
 
 
 class _Trainer(SimpleNamespace):
