@@ -4,8 +4,7 @@ A LightningCLI subclass that adds to Lightning's: our strategies by short name (
 and a planner-backed ``strategy: auto``; a run directory that is stable across relaunches of the same
 command (the resolved config is written there); FaultTolerantCheckpoint on by default (``checkpoint:``), so
 a relaunch resumes; and bad input that ends in a short message and exit status 2 instead of a page of usage
-text, before anything is written. The tool subcommands (``plan``, ``checkpoint``, ``sweep``, ``slurm``) never
-reach it: the entry point dispatches them (``commands.py``).
+text, before anything is written. Tools (``plan``, ``checkpoint``, ...) never reach it: see ``commands.py``.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, METRICS_NAME, resolve_run_dir
 from lightning_mlopt.strategies.contract import contract_of
+from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
 from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
 
 DEFAULT_SEED = 1234

@@ -78,6 +78,14 @@ def test_print_config_prints_the_composed_config_and_writes_nothing(tmp_path, mo
     assert not (tmp_path / "runs").exists()
 
 
+def test_our_loggers_may_be_named_by_class_name_alone(tmp_path):
+    # A fresh process: lightning_mlopt.tracking imports its classes lazily, and the parser finds a short name only
+    # among the classes imported (the CLI imports our loggers for that).
+    result = run_cli(["fit", "--config", QUICKSTART, "--trainer.logger=WandbTracker", "--print_config"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert yaml.safe_load(result.stdout)["trainer"]["logger"]["class_path"] == "lightning_mlopt.tracking.WandbTracker"
+
+
 def test_fingerprint_ignores_launch_details_only():
     config = {"model": {"lr": 0.1}, "config": ["a.yaml"], "ckpt_path": None}
     assert config_fingerprint(config) == config_fingerprint({**config, "config": ["/elsewhere/a.yaml"]})

@@ -191,12 +191,16 @@ def test_lower_floor_imports_the_standard_library_only(prefix):
     assert not found, "\n".join(found)
 
 
-def test_process_modules_import_without_torch_or_lightning():
+# The goodput tool reads a file format: it starts in a tenth of a second, not after seconds of Lightning's imports.
+FAST_TOOLS = ["lightning_mlopt.tools.goodput"]
+
+
+def test_process_modules_and_file_tools_import_without_torch_or_lightning():
     """What the AST check above cannot see through (a module of ours that imports torch): a real import."""
     import subprocess
     import sys
 
-    names = [name for name in MODULES if name.startswith("lightning_mlopt.process")]
+    names = [name for name in MODULES if name.startswith("lightning_mlopt.process")] + FAST_TOOLS
     heavy = "{'torch', 'lightning'}"
     code = f"import sys\nfor name in {names!r}: __import__(name)\nprint(sorted({heavy} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
