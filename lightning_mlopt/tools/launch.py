@@ -203,7 +203,7 @@ def _run(options: argparse.Namespace, signals: _Signals, reports: str) -> int:
     try:
         run(options)
     except Exception as error:  # a signal, a failed worker, torchrun's own errors (rendezvous timeouts, ...)
-        ended = error
+        ended = signal_behind(error)
     finally:
         signals.own()  # from here a signal is recorded, not raised: the outcome is already known
         if poller is not None:
@@ -220,6 +220,29 @@ def _run(options: argparse.Namespace, signals: _Signals, reports: str) -> int:
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode  # -9 -> 137, as a shell says
         return _say(code, f"worker rank {rank} exited with status {code}; its output is above")
     return _say(exit_codes.FAILURE, f"{type(ended).__name__}: {ended}")
+
+
+def signal_behind(error: Exception) -> Exception:
+    """The torchrun signal exception that ``error`` hides in its context chain, else ``error`` itself.
+
+    torchrun's metrics wrapper (``torch.distributed.elastic.metrics.api.prof``, around the agent's monitor
+    loop) assigns ``start = time.time()`` inside its ``try`` and reads it in ``finally``: a signal whose handler
+    raises right after ``time.time()`` returns makes the ``finally`` raise UnboundLocalError, with the signal's
+    exception as its context. Seen in CI: a preempted launch ended with status 1 instead of 75.
+
+    Example::
+
+        >>> signal_behind(RuntimeError("rendezvous timed out"))
+        RuntimeError('rendezvous timed out')
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, SignalException):
+            return cause
+        cause = cause.__context__
+    return error
 
 
 def _after_preemption(options: argparse.Namespace, cause: str, reports: dict[int, dict[str, Any]]) -> int:

@@ -117,3 +117,29 @@ def test_a_signal_to_the_launcher_alone_reaches_the_rank_not_its_loader_and_it_s
     assert "Traceback" not in output
     newest = CheckpointStore(run_dir / "checkpoints").newest_valid()
     assert newest is not None and newest.manifest.reason == "signal"
+
+
+def test_a_signal_inside_torchruns_metrics_wrapper_is_still_the_signal(monkeypatch):
+    """The real wrapper, with the signal's exception raised where the handler runs: right after time.time()."""
+    import signal
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.metrics import api as metrics_api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from lightning_mlopt.tools.launch import signal_behind
+
+    @metrics_api.prof
+    def monitor_workers() -> None:
+        pass
+
+    def clock_then_signal() -> float:
+        raise SignalException("Process 1 got signal: 10", sigval=signal.SIGUSR1)
+
+    monkeypatch.setattr(metrics_api, "time", SimpleNamespace(time=clock_then_signal))
+    with pytest.raises(UnboundLocalError) as caught:  # what torchrun's run() then raises
+        monitor_workers()
+    found = signal_behind(caught.value)
+    assert isinstance(found, SignalException) and found.sigval == signal.SIGUSR1
+    plain = RuntimeError("rendezvous timed out")
+    assert signal_behind(plain) is plain
