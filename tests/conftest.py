@@ -19,6 +19,9 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+# What a child process of the tests puts on its import path: the repository first, then what this process was
+# given (a lent GPU machine installs carried packages under a PYTHONPATH folder; replacing it loses them).
+REPO_PYTHONPATH = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -49,7 +52,7 @@ def _hygiene() -> Iterator[None]:
 
 def cli_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a CLI run of the tests gets: this one, the repository importable, ``env`` on top."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("MASTER_PORT", None)
     return full_env
 

@@ -594,6 +594,11 @@ class NoHostSyncBetween(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Off before Lightning's teardown moves state to the CPU (a sync by design): the error stays the first one.
+        torch.cuda.set_sync_debug_mode("default")
+
 
 class LogLaunch(pl.Callback):
     """Logs ``launch`` (the environment's ``TEST_LAUNCH``) with every training step's metrics.

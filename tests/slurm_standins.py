@@ -8,7 +8,7 @@ import random
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import REPO_PYTHONPATH
 
 # srun as SLURM runs it: one task per SLURM_NTASKS with SLURM_PROCID/LOCALID/NODEID, exit status the highest
 # of the tasks'. Like `#SBATCH --signal=USR1@N`, it sends SIGUSR1 to every task, here once a file matching
@@ -48,7 +48,7 @@ def slurm_environment(tmp_path: Path, tasks_per_node: int, job_name: str = "test
     env = {
         **os.environ,
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": REPO_PYTHONPATH,
         "STANDIN_LOG": str(tmp_path / "calls.log"),
         "SLURM_JOB_ID": str(random.randint(20000, 29999)),  # Lightning derives MASTER_PORT from it
         "SLURM_JOB_NAME": job_name,

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO, REPO_PYTHONPATH
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN = {"python", "bash"}
@@ -173,7 +173,7 @@ def python_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, 
     result = subprocess.run(
         [sys.executable, "-c", _PYTHON_DRIVER, str(root / "jobs.json"), str(root / "results.json")],
         cwd=root,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"},
         capture_output=True,
         text=True,
         timeout=300,
@@ -196,7 +196,7 @@ def test_bash_block_runs(block: Block, tmp_path: Path):
         if other.page == block.page and other.marker == "file":
             (tmp_path / other.marker_text).write_text(other.code)
     bin_dir = str(Path(sys.executable).parent)  # `python` in a block is this interpreter
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": REPO_PYTHONPATH}
     env.pop("MASTER_PORT", None)
     result = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", block.code],

@@ -16,7 +16,7 @@ import pytest
 
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.distributed.elastic import RESTART_SAFE_ENV
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO_PYTHONPATH
 
 TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
 
@@ -32,7 +32,7 @@ def _free_port() -> int:
 def test_two_torchrun_agents_train_and_an_elastic_restart_resumes_from_the_checkpoint(tmp_path):
     run_dir, pace = tmp_path / "run", tmp_path / "pace"
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **RESTART_SAFE_ENV}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1", **RESTART_SAFE_ENV}
     env.pop("MASTER_PORT", None)
     command = [
         TORCHRUN,
@@ -99,7 +99,7 @@ def test_sigterm_to_one_nodes_launcher_ends_both_nodes_preempted_with_75(tmp_pat
     the 75 of a failed worker, which torchrun would restart, or which PyTorchJob v1 would take as permanent)."""
     run_dir, pace = tmp_path / "run", tmp_path / "pace"
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_PORT", None)
     command = [
         *[sys.executable, "-m", "lightning_mlopt", "launch", "--nnodes=2", "--nproc-per-node=1"],

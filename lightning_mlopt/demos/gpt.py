@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mlopt.demos._progress import progress_bar_shown
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused QKV projection."""
@@ -150,7 +152,7 @@ class GPTLanguageModel(pl.LightningModule):
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=progress_bar_shown(self))
         return loss
 
     @override

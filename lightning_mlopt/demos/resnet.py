@@ -10,6 +10,8 @@ import torchmetrics
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mlopt.demos._progress import progress_bar_shown
+
 # Blocks per stage for the standard depths (He et al., 2016).
 _STAGES: dict[int, tuple[Literal["basic", "bottleneck"], tuple[int, int, int, int]]] = {
     18: ("basic", (2, 2, 2, 2)),
@@ -153,7 +155,7 @@ class ResNetClassifier(pl.LightningModule):
         logits = self(images)
         loss = nn.functional.cross_entropy(logits, labels)
         self.train_accuracy(logits, labels)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=progress_bar_shown(self))
         self.log("train/acc", self.train_accuracy, on_step=False, on_epoch=True)
         return loss
 

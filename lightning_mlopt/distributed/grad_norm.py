@@ -78,7 +78,11 @@ def global_grad_norm(parameters: Iterable[Tensor], sharding: Sharding | None = N
         return sums_of_squares(tensors, tensors[0].device if tensors else torch.device("cpu"))[0].sqrt()
     pieces = list(sharding.gradient_pieces(params))
     device = pieces[0].tensor.device if pieces else torch.device("cpu")
-    weights = torch.tensor([1.0 / piece.replication for piece in pieces], device=device)
+    weights = None  # every piece held once (FSDP's full sharding): nothing to weigh
+    if any(piece.replication != 1 for piece in pieces):
+        # Built on the host, then copied without waiting: ``torch.tensor(..., device=cuda)`` synchronizes the
+        # stream, a host stall on every clipped step (seen on an H200 under set_sync_debug_mode("error")).
+        weights = torch.tensor([1.0 / piece.replication for piece in pieces]).to(device, non_blocking=True)
     total = sums_of_squares([piece.tensor for piece in pieces], device, weights)[0]
     if world_size() > 1:
         dist.all_reduce(total)

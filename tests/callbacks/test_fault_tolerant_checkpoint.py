@@ -18,7 +18,7 @@ from lightning_mlopt.callbacks import CheckpointWriteError, FaultTolerantCheckpo
 from lightning_mlopt.checkpoint import CheckpointStore, verify
 from lightning_mlopt.cli import main
 from tests.cli_args import fit_args
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO_PYTHONPATH
 
 # 160 sequences / (16 per rank x 2 ranks) = 5 steps per epoch: 12 steps cross two epoch boundaries and
 # leave checkpoints in the middle of epochs. Dropout makes the RNG state matter.
@@ -46,7 +46,7 @@ def _command(run_dir: Path, strategy: str, devices: int = 2, extra: tuple[str, .
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_PORT", None)
     return env
 

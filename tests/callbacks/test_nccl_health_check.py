@@ -18,7 +18,7 @@ from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.distributed.bandwidth import bus_bandwidth
 from lightning_mlopt.distributed.elastic import RESTART_SAFE_ENV as TORCHRUN_RESTART_ENV
 from lightning_mlopt.distributed.fingerprint import fingerprint_mismatches
-from tests.conftest import CONFIGS, REPO, run_cli
+from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
 
 BASE = [
     "fit",
@@ -76,7 +76,7 @@ def test_hang_is_detected_dumped_and_every_process_exits(tmp_path):
 )
 def test_torchrun_restarts_a_hung_job_and_it_resumes_to_completion(tmp_path):
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **TORCHRUN_RESTART_ENV}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1", **TORCHRUN_RESTART_ENV}
 
     def job(run_dir: Path) -> tuple[int | None, str]:
         """Run the job with a time limit; on timeout kill all of it (torchrun and its workers)."""

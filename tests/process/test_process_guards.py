@@ -16,11 +16,11 @@ import pytest
 
 from lightning_mlopt.process.signals import PreemptionSignals
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks, find_build_locks
-from tests.conftest import CONFIGS, REPO, run_cli
+from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
 
 
 def _python(code: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=full_env,
@@ -90,7 +90,7 @@ def test_sigterm_to_a_job_stuck_in_a_collective_ends_it_at_the_deadline(tmp_path
     script.write_text(_STUCK_IN_A_COLLECTIVE)
     marks = tmp_path / "ready"
     init = f"file://{tmp_path / 'rendezvous'}"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     ranks = [
         subprocess.Popen(
             [sys.executable, str(script), str(rank), init, str(marks)],
@@ -143,7 +143,7 @@ def _fit_command(run_dir: Path, *extra: str) -> list[str]:
 def test_a_signal_during_start_up_is_remembered_then_saved_and_exits_75(tmp_path):
     # SLURM may send --signal=USR1@N while the process still imports torch and Lightning: it must not die
     # (exit 138 = killed by SIGUSR1), but save at the first step boundary and exit 75 to be requeued.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         _fit_command(tmp_path / "run"), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -161,7 +161,7 @@ def test_start_up_deadline_ends_a_run_whose_peer_never_comes(tmp_path):
     # World size 2 on one machine, but rank 1 is never started: rank 0 waits in the rendezvous.
     env = {
         **os.environ,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": REPO_PYTHONPATH,
         "PYTHONUNBUFFERED": "1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "29731",
@@ -186,7 +186,7 @@ def test_start_up_deadline_ends_a_run_whose_peer_never_comes(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_rank_whose_launcher_dies_in_deepspeed_start_up_exits(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_PORT", None)
     command = [
         sys.executable,

@@ -53,6 +53,21 @@ def test_a_strategy_that_declares_its_own_sharding_is_asked():
     assert global_grad_norm([weight]).item() == pytest.approx(float(weight.grad.norm()))
 
 
+def test_a_piece_held_by_several_ranks_counts_once_in_the_norm():
+    class HeldTwice(TensorSharding):  # HSDP-like: the first gradient replicated on 2 ranks, the second held once
+        def gradient_pieces(self, params):
+            pieces = list(super().gradient_pieces(params))
+            return [pieces[0]._replace(replication=2), pieces[1]]
+
+        def gradients_replicated(self, params):
+            return False
+
+    twice, once = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    twice.grad, once.grad = torch.tensor([6.0, 8.0]), torch.tensor([2.0])
+    # One process holds its copy of `twice`: half of it (100 / 2) belongs to this rank's sum, plus 4.
+    assert global_grad_norm([twice, once], HeldTwice()).item() == pytest.approx((100 / 2 + 4) ** 0.5)
+
+
 def test_packed_slots_are_read_back_by_name_and_checked():
     packed = Packed()
     packed.add("a", torch.tensor(1.0))

@@ -34,7 +34,7 @@ from lightning_mlopt.tools.k8s_manifests import (
     pytorchjob_manifest,
     trainjob_manifests,
 )
-from tests.conftest import CONFIGS, REPO, run_tool_here
+from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_tool_here
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "k8s" / "schemas"
 KUBERNETES_VERSION = "1.33"
@@ -341,7 +341,11 @@ def _manifest_command(tmp_path: Path, mount: Path, monkeypatch: pytest.MonkeyPat
     (mount / "config" / "config.yaml").write_text(config_map["data"]["config.yaml"])
     container = _container(jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"])
     command = [sys.executable if part == "python" else part for part in container["command"]]  # the image's python
-    env = {**os.environ, "PYTHONPATH": str(REPO), **{v["name"]: v["value"] for v in container["env"] if "value" in v}}
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO_PYTHONPATH,
+        **{v["name"]: v["value"] for v in container["env"] if "value" in v},
+    }
     env.pop("MASTER_PORT", None)
     env.pop("WANDB_API_KEY", None)  # _k8s's stand-in secret: the pod gets it from a Secret, here from nowhere
     return command, env

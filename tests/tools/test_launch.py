@@ -12,11 +12,11 @@ import pytest
 
 from lightning_mlopt.process.launch_report import REPORTS_ENV, note, read_reports, write
 from lightning_mlopt.tools.launch import _torchrun_arguments
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO_PYTHONPATH
 
 
 def _launch(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_PORT", None)
     command = [sys.executable, "-m", "lightning_mlopt", "launch", *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
@@ -83,7 +83,7 @@ def test_a_signal_to_the_launcher_alone_reaches_the_rank_not_its_loader_and_it_s
     from lightning_mlopt.checkpoint import CheckpointStore
 
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_PORT", None)
     command = [
         *[sys.executable, "-m", "lightning_mlopt", "launch", "--nproc-per-node=1", "fit"],

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lightning_mlopt.checkpoint import CheckpointStore
-from tests.conftest import CONFIGS, REPO, run_cli
+from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
 from tests.slurm_cluster import SlurmCluster, missing_requirement
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
@@ -73,7 +73,7 @@ def _write_script(tmp_path: Path, *extra: str, time_limit: str = "00:10:00", sig
 
 
 def _submit(cluster: SlurmCluster, script: Path) -> str:
-    env_path = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env_path = {"PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
     cluster.env.update(env_path)  # sbatch exports the submitting environment to the job
     submitted = cluster.run("sbatch", "--parsable", str(script))
     assert submitted.returncode == 0, submitted.stderr
@@ -191,7 +191,7 @@ def test_a_sweep_as_a_job_array_runs_every_trial_and_the_results_are_read_back(c
 
 def test_an_allocation_that_does_not_match_the_run_is_refused_before_training(cluster, tmp_path):
     script = _write_script(tmp_path)
-    cluster.env.update({"PYTHONPATH": str(REPO)})
+    cluster.env.update({"PYTHONPATH": REPO_PYTHONPATH})
     submitted = cluster.run("sbatch", "--parsable", "--ntasks-per-node=1", str(script))  # overrides the script's 2
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
