@@ -17,7 +17,7 @@ parameters; 2.6 GB of fp32 parameters and Adam state, the checkpointed state):
   Lightning's ThroughputMonitor (``device/mfu``, fed Lightning's own ``measure_flops`` count) on the same run.
 - ``checkpoint``: FaultTolerantCheckpoint's time blocking training per save, async against sync, one file
   (DDP) and sharded (FSDP), against the device-to-pinned-host copy of the same state (the floor).
-  Goal: async blocking <= 1.2 x the copy.
+  Goal: async blocking, less any wait for the previous write, <= 1.2 x the copy.
 - ``memory``: the memory planner's bytes per rank against ``torch.cuda.max_memory_allocated`` after the first
   optimizer step, per strategy (on CPU: against the state bytes the rank holds).
 
@@ -299,8 +299,8 @@ def _copy_floor_s(tensors: list[Any]) -> float:
 def _checkpoint_job(arm: str, size: dict[str, Any], steps: int, root: str) -> dict[str, Any]:
     """Save every ``steps // 3`` steps; the blocking time of each save but the first (it allocates staging).
 
-    The background write of one save must end before the next save starts, or the next one waits for it
-    and its blocking time is the write's: the table shows the writes' time next to the spacing.
+    A save first waits for the previous background write (``checkpoint/wait_s``, logged by the saver): the
+    staging cost the goal is about is the blocking time less that wait.
     """
     import lightning.pytorch as pl
 
@@ -330,8 +330,9 @@ def _checkpoint_job(arm: str, size: dict[str, Any], steps: int, root: str) -> di
     assert checkpoint.saver is not None
     timings = checkpoint.saver.save_timings
     blocking = [timing["checkpoint/blocking_s"] for timing in timings]
+    waits = [timing["checkpoint/wait_s"] for timing in timings]
     writes = [timing["checkpoint/background_s"] for timing in timings if "checkpoint/background_s" in timing]
-    return {"blocking_s": blocking[1:] or blocking, "background_s": writes, **floor}
+    return {"blocking_s": blocking[1:] or blocking, "wait_s": waits[1:] or waits, "background_s": writes, **floor}
 
 
 def _memory_job(arm: str, size: dict[str, Any], root: str) -> dict[str, Any]:
@@ -480,28 +481,30 @@ def checkpoint(args: Any) -> str:
         for arm in runs if repeat % 2 == 0 else list(runs)[::-1]:
             runs[arm].append(_job(f"checkpoint:{arm}", args))
     rows = [
-        "| layout | state (GB) | copy to host (s) | sync save blocks (s) | async blocks (s) | async write (s) "
-        "| async / copy | goal |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layout | state (GB) | copy to host (s) | sync save blocks (s) | async blocks (s) | of which waiting for "
+        "the previous write (s) | async write (s) | (async blocks - wait) / copy | goal |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for layout in layouts:
+        async_runs = runs[f"{layout}_async"]
         sync = median([s for run in runs[f"{layout}_sync"] for s in run["blocking_s"]])
-        blocking = median([s for run in runs[f"{layout}_async"] for s in run["blocking_s"]])
-        copy = median([run["copy_s"] for run in runs[f"{layout}_async"]])
-        writes = [s for run in runs[f"{layout}_async"] for s in run["background_s"]]
+        blocking = median([s for run in async_runs for s in run["blocking_s"]])
+        waited = median([s for run in async_runs for s in run["wait_s"]])
+        staging = median([b - w for run in async_runs for b, w in zip(run["blocking_s"], run["wait_s"], strict=True)])
+        copy = median([run["copy_s"] for run in async_runs])
+        writes = [s for run in async_runs for s in run["background_s"]]
         write = f"{median(writes):.3f}" if writes else "-"
-        ratio = blocking / copy if copy else float("inf")
+        ratio = staging / copy if copy else float("inf")
         rows.append(
-            f"| {CHECKPOINT_LAYOUTS[layout]} | "
-            f"{runs[f'{layout}_async'][0]['state_bytes'] / 1e9:.3f} | {copy:.4f} | {sync:.3f} | {blocking:.3f} | "
-            f"{write} | {ratio:.2f} | <= {COPY_FLOOR_GOAL}: {'met' if ratio <= COPY_FLOOR_GOAL else 'NOT met'} |"
+            f"| {CHECKPOINT_LAYOUTS[layout]} | {async_runs[0]['state_bytes'] / 1e9:.3f} | {copy:.4f} | {sync:.3f} | "
+            f"{blocking:.3f} | {waited:.3f} | {write} | {ratio:.2f} | "
+            f"<= {COPY_FLOOR_GOAL}: {'met' if ratio <= COPY_FLOOR_GOAL else 'NOT met'} |"
         )
     return (
         _setup_line(args)
-        + " A save every steps/3 steps; the first save of a job is left out. An async save whose write outlasts"
-        " the spacing of saves waits for it: compare the write with that spacing before reading the ratio.\n\n"
-        + "\n".join(rows)
-        + "\n"
+        + " A save every steps/3 steps; the first save of a job is left out. A save first waits for the previous"
+        " background write when saves come faster than writes end: that wait is shown, and taken out of the"
+        " figure the goal is about (the staging copy that holds training).\n\n" + "\n".join(rows) + "\n"
     )
 
 

@@ -178,8 +178,8 @@ class CheckpointSaver:
         """Save on every rank (collective), following the commit protocol; ``wait``: until committed."""
         started = time.perf_counter()
         with phase("checkpoint"):  # what a hang watchdog reports if the save never returns
-            self._save_now(trainer, reason, final, wait)
-        self._log_save_timings(trainer, blocking_s=time.perf_counter() - started)
+            waited_s = self._save_now(trainer, reason, final, wait)
+        self._log_save_timings(trainer, blocking_s=time.perf_counter() - started, wait_s=waited_s)
 
     def save_after_exception(self, trainer: pl.Trainer, exception: BaseException) -> None:
         """Rank zero alone, no collective (only this rank is known to be here): a single-file save, committed.
@@ -199,14 +199,16 @@ class CheckpointSaver:
         except Exception as error:
             log.error("Could not save a checkpoint after the exception: %s", error)
 
-    def _log_save_timings(self, trainer: pl.Trainer, blocking_s: float) -> None:
+    def _log_save_timings(self, trainer: pl.Trainer, blocking_s: float, wait_s: float) -> None:
         """Log this save's timings to every logger (rank zero).
 
-        ``checkpoint/blocking_s``: how long this save held training; ``checkpoint/background_s``: how long the
-        last finished background write ran; ``checkpoint/age_s``: the age of the newest committed checkpoint
-        when this save started (what a crash at that moment would have lost).
+        ``checkpoint/blocking_s``: how long this save held training; ``checkpoint/wait_s``: the part of it spent
+        waiting for the previous background write (saves closer together than a write takes: raise
+        ``every_n_steps``); ``checkpoint/background_s``: how long the last finished background write ran;
+        ``checkpoint/age_s``: the age of the newest committed checkpoint when this save started (what a crash
+        at that moment would have lost).
         """
-        timings = {"checkpoint/blocking_s": blocking_s}
+        timings = {"checkpoint/blocking_s": blocking_s, "checkpoint/wait_s": wait_s}
         if self._writer.last_seconds is not None:
             timings["checkpoint/background_s"] = self._writer.last_seconds
         if self._last_commit_time is not None:
@@ -214,9 +216,12 @@ class CheckpointSaver:
         self.save_timings.append(timings)
         log_metrics(trainer, timings)
 
-    def _save_now(self, trainer: pl.Trainer, reason: str, final: bool, wait: bool) -> None:
+    def _save_now(self, trainer: pl.Trainer, reason: str, final: bool, wait: bool) -> float:
+        """The save; returns the seconds it first waited for the previous background write."""
         step = trainer.global_step
+        started = time.perf_counter()
         self.wait(trainer)
+        waited_s = time.perf_counter() - started
         staging = self.store.staging_path(step)
         # Rank zero makes the staging folder (and checks the space the last checkpoint took is free); then
         # every rank writes its RNG state into it. Each stage ends in a collective every rank reaches,
@@ -247,6 +252,7 @@ class CheckpointSaver:
                 self.wait(trainer)
         else:
             self._save_sharded(trainer, staging, reason, final, world_size)
+        return waited_s
 
     def _save_sharded(self, trainer: pl.Trainer, staging: Path, reason: str, final: bool, world_size: int) -> None:
         problem = None
