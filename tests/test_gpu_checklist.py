@@ -1,7 +1,7 @@
 """The GPU checklist script keeps working where CI runs: its --smoke mode, FSDP arms, every section, on CPU.
 
-No GPU has been lent to this project yet (issue 18); when one is, this script is what runs there, in the few
-minutes a lease gives. This is its plumbing checked on every change: each section's jobs, tables and files.
+A GPU is lent only now and then, for a few minutes (the first time: one H200, 2026-11-26); this script is what
+runs there. This is its plumbing checked on every change: each section's jobs, tables and files.
 """
 
 from __future__ import annotations
