@@ -12,15 +12,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "error: could not install the wheels in .whl (run benchmarks/gpu/wheels.sh here first)"; exit 2; }
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, lightning, deepspeed, lightning_mlopt as m
-print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), lightning {lightning.__version__}, "
-      f"deepspeed {deepspeed.__version__}, lightning_mlopt {m.__version__}")'
-} 2>&1 | tee "$OUT/device.txt"
+source benchmarks/gpu/prepare.sh "$OUT/device.txt"
 case "${1:?say tier, or checklist sections}" in
   tier) python3 -m pytest tests/test_gpu.py -m requires_cuda -p no:cacheprovider -ra -n 10 2>&1 | tee "$OUT/tier.log" ;;
   *) python3 benchmarks/gpu/checklist.py --sections "$1" ${2:+--strategies "$2"} --results "$OUT" 2>&1 \

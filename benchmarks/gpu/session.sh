@@ -24,15 +24,7 @@ finish() {
   cp "$work"/*.md "$work"/device.txt "$OUT/" 2>/dev/null
 }
 trap finish EXIT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "error: could not install the wheels in .whl (run benchmarks/gpu/wheels.sh here first)"; exit 2; }
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, lightning, deepspeed, lightning_mlopt as m
-print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), lightning {lightning.__version__}, "
-      f"deepspeed {deepspeed.__version__}, lightning_mlopt {m.__version__}")'
-} 2>&1 | tee "$work/device.txt"
+source benchmarks/gpu/prepare.sh "$work/device.txt"
 
 checklist() {  # checklist SECTION SECONDS [more arguments]: one section, stopped after SECONDS
   local section=$1 seconds=$2
