@@ -13,6 +13,8 @@ import importlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 
 def instantiate(section: dict[str, Any]) -> Any:
@@ -37,22 +39,59 @@ def measure_activations(model: Any, data: Any) -> float:
     """Bytes of tensors the forward pass of one micro-batch saves for backward, on the meta device.
 
     No memory is used: the model is on the meta device and the batch is moved there; saved-tensor hooks
-    add up what autograd keeps.
+    add up what autograd keeps. Attention through ``F.scaled_dot_product_attention`` is counted as the fused
+    kernels torch runs it with on GPUs and CPUs keep it (see :class:`_FusedAttention`), not as the meta
+    device's reference path, which keeps every attention matrix: on an H200 that counted the GPT demo's
+    activations 3.5x too high (``benchmarks/results/gpu_memory_h200_202611.md``). Tensors count at the dtype
+    the model computes in (fp32 for the demos): under bf16 autocast the device holds less, so the estimate
+    errs on the side of not fitting.
     """
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     batch = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch]
-    saved: dict[int, int] = {}
+    saved: dict[Any, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved[id(tensor)] = tensor.numel() * tensor.element_size()
+        saved[id(tensor)] = _nbytes(tensor)
         return tensor
 
     silenced = model.log
     try:
         model.log = lambda *args, **kwargs: None  # no Trainer here: training_step's logging has nowhere to go
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with _FusedAttention(saved), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             model.training_step(batch, 0)
     finally:
         model.log = silenced
     return float(sum(saved.values()))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Counts ``scaled_dot_product_attention`` as a fused kernel keeps it for backward.
+
+    Flash and memory-efficient attention (CUDA) and the flash kernel for CPU keep the query, key, value and
+    output, and one fp32 log-sum-exp per query row; the meta device only has the reference path, which keeps
+    the (batch, heads, length, length) attention weights as well. The output is computed without autograd and
+    made a leaf that requires grad, so everything after it is recorded as before.
+    """
+
+    def __init__(self, saved: dict[Any, int]) -> None:
+        super().__init__()
+        self.saved = saved
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value = (
+            kwargs[name] if name in kwargs else args[i] for i, name in enumerate(("query", "key", "value"))
+        )
+        with torch.no_grad():
+            output = func(*args, **kwargs)
+        for tensor in (query, key, value, output):
+            self.saved[id(tensor)] = _nbytes(tensor)
+        self.saved[("logsumexp", id(output))] = query.shape[:-1].numel() * 4
+        return output.requires_grad_()
