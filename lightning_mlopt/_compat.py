@@ -21,7 +21,8 @@ The reaches:
 - torch: torchrun's ``_terminate_process_handler`` (``launch`` learns which signal stopped the agent) and
   ``SubprocessHandler.close``/``_stdout``/``_stderr`` (a signal to each worker, not its DataLoader workers),
   ``nn.modules.batchnorm._NormBase`` (per-rank running statistics), the fused ``torch._foreach_*``
-  kernels (norms of many tensors in one call), the default store of
+  kernels (norms of many tensors in one call), ``torch.autograd._profiler_enabled`` (no collective left in
+  flight under a profiler), the default store of
   ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint.
 - argparse: a parser's ``_actions`` and subcommand parsers (every known key, for "did you mean").
 - the interpreter: ``sys._current_frames`` (the hang dump's stacks), ``atexit._run_exitfuncs`` (exit
@@ -227,6 +228,13 @@ def foreach_norm(tensors: list[Any], dtype: Any) -> list[Any]:
     import torch
 
     return list(_require(torch, "_foreach_norm", "computing norms")(tensors, 2.0, dtype=dtype))
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is recording now. Reach: ``torch.autograd._profiler_enabled``."""
+    import torch
+
+    return bool(_require(torch.autograd, "_profiler_enabled", "asking whether a profiler records")())
 
 
 def foreach_sub(tensors: list[Any], others: list[Any]) -> list[Any]:

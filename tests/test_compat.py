@@ -112,6 +112,10 @@ def test_torch_and_interpreter_reaches_resolve():
     import atexit
 
     assert callable(atexit._run_exitfuncs)  # run_exit_handlers' reach (calling it here would end pytest's)
+    assert _compat.profiler_enabled() is False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert _compat.profiler_enabled() is True
+    assert _compat.profiler_enabled() is False
     forward, backward = _compat.cpu_attention_ops()
     assert "flash_attention_for_cpu" in str(forward) and "backward" in str(backward)
     # The CUDA memory reaches are exercised on a GPU (tests/test_gpu.py); here: they still exist.

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_mlopt.distributed.host_group import host_sum_group
+from lightning_mlopt.distributed.host_group import host_sum_group, start_host_sum
 
 
 class BackgroundSum:
@@ -43,7 +43,7 @@ class BackgroundSum:
             raise RuntimeError("BackgroundSum.start: the previous sum has not been read")
         self._values = torch.tensor(values, dtype=torch.float64)
         if self._several:
-            self._work = dist.all_reduce(self._values, group=self._group, async_op=True)
+            self._work = start_host_sum(self._values, self._group)
 
     def result(self) -> list[float]:
         """The sum started last, waiting for it if it is not done."""
