@@ -28,7 +28,7 @@ from lightning_mlopt._compat import (
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME, ONE_FILE, CheckpointLayout, PendingWrite, register_layout
 from lightning_mlopt.checkpoint.manifest import FileEntry
-from lightning_mlopt.checkpoint.serialization import load_file, save_file
+from lightning_mlopt.checkpoint.serialization import dcp_stager, load_file, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.sharding import TensorSharding
 from lightning_mlopt.exceptions import BadInputError
@@ -122,7 +122,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.cpu_offload = cpu_offload
-        self._stager: Any = None  # DCP's staging of async saves, kept for the run (see _async_stager)
+        self._stager: Any = None  # DCP's staging of async saves, kept for the run (see dcp_stager)
 
     def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> PendingWrite:
         """Save ``checkpoint`` as a DCP folder in the background; the future ends when this rank's shards are written.
@@ -147,7 +147,9 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         written = {DCP_META_NAME: save_file(checkpoint, path / DCP_META_NAME)} if self.global_rank == 0 else {}
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        stager = self._async_stager()
+        if self._stager is None:  # one for the run: the staged copy is reused from save to save
+            self._stager = dcp_stager(on_gpu=self.root_device.type == "cuda")
+        stager = self._stager
         dcp_write = async_save(
             converted,
             checkpoint_id=path,
@@ -156,30 +158,6 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             **({} if stager is None else {"async_stager": stager}),
         )
         return _OwnShards(dcp_write, path, self.global_rank, written)
-
-    def _async_stager(self) -> Any:
-        """One DCP stager for every async save of the run: pinned memory and non-blocking copies on CUDA.
-
-        Without one, ``async_save`` stages each save into newly allocated pageable memory (a fresh
-        ``DefaultStager`` with every option off): page faults on every save, and on a GPU a blocking copy per
-        tensor. Kept, the stager reuses the CPU copy of each shard from save to save (the saver starts a save
-        only after the previous write ended), at the cost of one checkpoint's shards in CPU memory for the
-        run. None on a torch without ``DefaultStager`` (before 2.9): DCP's default.
-        """
-        if self._stager is None:
-            try:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            except ImportError:
-                return None
-            on_gpu = self.root_device.type == "cuda"
-            options = StagingOptions(
-                use_pinned_memory=on_gpu,
-                use_shared_memory=False,
-                use_async_staging=False,  # staging races the next optimizer step: it blocks, as the goal allows
-                use_non_blocking_copy=on_gpu,
-            )
-            self._stager = DefaultStager(options)
-        return self._stager
 
     @override
     def teardown(self) -> None:
