@@ -11,6 +11,12 @@ already there.
 Every rank must put the same names with the same sizes and register the same providers; values are summed.
 A batch's values are forgotten when the next batch starts.
 
+A reader that can act on values one batch old (:meth:`StepExchange.read_previous`: FaultTolerantCheckpoint's
+vote when steps are short) takes the collective off the step's path: at a batch end it reads the sum started
+at the previous batch end (long done by then) and starts this batch's in the background. Riders (a monitor's
+window) go with it and reach their receivers a batch later; :meth:`StepExchange.settle` delivers what is in
+flight (the end of training).
+
 The sum runs on the host, over gloo: training's own group where training runs on gloo (CPU), else (NCCL) a
 gloo group of the exchange's own. The values are host values (flags, timers, a window of seconds), so on a GPU
 the per-step exchange neither queues behind the step's kernels nor makes the host wait for the device; a
@@ -68,6 +74,9 @@ class StepExchange:
         self._providers: dict[str, Callable[[], Tensor]] = {}
         self._receivers: dict[str, Callable[[list[float]], None]] = {}
         self._group: Any = None  # the gloo group of the exchange's own, under NCCL (made at the first exchange)
+        self._in_flight: tuple[Any, Tensor, Packed] | None = None  # (work, vector, its slots): read_previous's sum
+        self._previous: dict[str, list[float]] | None = None  # that sum, settled, until the next read_previous
+        self._sent_in_background: set[str] = set()  # providers this batch's background sum already carries
         self.collectives = 0
 
     def provide(
@@ -92,6 +101,7 @@ class StepExchange:
         batch = _batch_key(trainer)
         if batch != self._batch:
             self._batch, self._pending, self._results = batch, Packed(), {}
+            self._sent_in_background = set()
 
     def put(self, trainer: Any, name: str, values: Tensor) -> None:
         """Add a 0-dim or 1-dim tensor to this batch's exchange, to be summed over every rank."""
@@ -107,13 +117,12 @@ class StepExchange:
         host read for both. Returns the exchanged values put so far in this batch and ``local``'s, by name.
         """
         self._enter(trainer)
-        for name, provider in self._providers.items():
-            if name not in self._results and name not in self._pending:
-                self._pending.add(name, provider())
+        self.settle()  # a background sum first: its riders are delivered in order, its values kept for their reader
+        self._ask_providers()
         host = torch.device("cpu")
         reduced = self._pending.tensor(host)
         if reduced.numel():
-            if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            if self._several(trainer):
                 # One all-reduce over the world, which every strategy trains in. Not Strategy.reduce: Lightning's
                 # precedes its all-reduce with a barrier, a second collective per call.
                 dist.all_reduce(reduced, group=self._host_group())
@@ -123,12 +132,66 @@ class StepExchange:
         exchanged = self._pending.unpack(values[: reduced.numel()])
         self._results.update(exchanged)
         self._pending = Packed()
-        for name, receive in self._receivers.items():
-            if exchanged.get(name):
-                receive(exchanged[name])
+        self._deliver(exchanged)
         if local is not None:
             return {**self._results, **local.unpack(values[reduced.numel() :])}
         return dict(self._results)
+
+    def read_previous(self, trainer: Any, name: str) -> list[float] | None:
+        """``name``'s values one batch old, without waiting for a collective; starts this batch's sum.
+
+        If this batch's values of ``name`` were already exchanged (another callback's read), those, fresh.
+        Otherwise the sum started by the previous call (its providers asked at the previous batch end),
+        waiting only if it is not done; ``None`` if there is none (the first call, or after fresh ones). Then
+        every provider not yet exchanged in this batch is asked and summed in the background, to be read by the
+        next call. Every rank must call it at the same batches, as every reader must.
+        """
+        self._enter(trainer)
+        if name in self._results or name in self._pending:  # fresh ones, or values put for a reader: in step
+            values = self.read(trainer, name)
+            self.settle()
+            self._previous = None  # an older sum, superseded by these
+            return values
+        self.settle()
+        previous, self._previous = self._previous, None
+        self._ask_providers()
+        slots, self._pending = self._pending, Packed()
+        vector = slots.tensor(torch.device("cpu"))
+        if vector.numel():
+            work = dist.all_reduce(vector, group=self._host_group(), async_op=True) if self._several(trainer) else None
+            self._in_flight = (work, vector, slots)
+            self._sent_in_background = {name for name in self._providers if name in slots}
+            self.collectives += 1
+        return previous.get(name) if previous is not None else None
+
+    def settle(self) -> None:
+        """Finish the sum :meth:`read_previous` started, if one is in flight, and hand riders theirs.
+
+        Waits for it if it is not done. Its values stay for the next :meth:`read_previous`. Call it before
+        reading a rider's sums at the end of training.
+        """
+        if self._in_flight is None:
+            return
+        work, vector, slots = self._in_flight
+        self._in_flight = None
+        if work is not None:
+            work.wait()
+        self._previous = slots.unpack(vector.tolist())
+        self._deliver(self._previous)
+
+    def _ask_providers(self) -> None:
+        for name, provider in self._providers.items():
+            if name not in self._results and name not in self._pending and name not in self._sent_in_background:
+                self._pending.add(name, provider())
+
+    def _deliver(self, exchanged: dict[str, list[float]]) -> None:
+        for name, receive in list(self._receivers.items()):
+            if exchanged.get(name):
+                receive(exchanged[name])
+
+    @staticmethod
+    def _several(trainer: Any) -> bool:
+        return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
 
     def _host_group(self) -> Any:
         """The group to sum over on the host: None (training's own) on gloo, else a gloo group of its own.
@@ -142,6 +205,15 @@ class StepExchange:
     def read(self, trainer: Any, name: str) -> list[float]:
         """The summed values of ``name`` in this batch, exchanging what is pending if they are not there yet."""
         self._enter(trainer)
+        if name in self._sent_in_background and name not in self._results:
+            self.settle()  # this batch's own values, summed in the background since read_previous
+            self._results.update(self._previous or {})
+            self._previous = None
         if name not in self._results:
             self.flush(trainer)
         return self._results[name]
+
+    def exchanged(self, trainer: Any, name: str) -> bool:
+        """Whether this batch's values of ``name`` have been summed already (a read costs no collective)."""
+        self._enter(trainer)
+        return name in self._results

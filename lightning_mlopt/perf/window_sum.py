@@ -2,7 +2,8 @@
 
 A closed window (a vector where only this rank's slots are non-zero) rides in the next exchange another
 callback makes anyway (``distributed/step_exchange.py``: FaultTolerantCheckpoint's per-step vote in every
-CLI run, GradNormMonitor's norms): no collective is added. A window that no exchange picked up within a
+CLI run, GradNormMonitor's norms): no collective is added. When that exchange runs in the background (the
+vote with short steps), the sum arrives at the exchange a batch later. A window that no exchange picked up within a
 batch (the monitor alone in the Trainer) is summed in the background instead (:class:`BackgroundSum`) and
 read a batch later. Either way the training step never waits for it; the sums arrive one or two batches
 after the window closed, each with the step it was closed at. Every rank submits at the same batches, so
@@ -37,18 +38,22 @@ class WindowSum:
         self._trainer = trainer
         self._background = BackgroundSum()  # created by every rank now: creating its group is collective
         self._waiting: tuple[list[float], int, int] | None = None  # (values, step, batch submitted at)
+        self._offered: list[int] = []  # steps of windows an exchange took whose sums have not arrived yet
         self._in_background: int | None = None  # step of the window being summed in the background
         self._arrived: list[tuple[list[float], int]] = []
         self._batch = 0
         step_exchange(trainer).provide(_NAME, self._offer, receive=self._receive)
 
     def _offer(self) -> torch.Tensor:
-        return torch.tensor(self._waiting[0] if self._waiting is not None else [], dtype=torch.float64)
+        if self._waiting is None:
+            return torch.zeros(0, dtype=torch.float64)
+        values, step, _ = self._waiting
+        self._offered.append(step)  # taken: its sum arrives with the exchange (now, or a batch later)
+        self._waiting = None
+        return torch.tensor(values, dtype=torch.float64)
 
     def _receive(self, values: list[float]) -> None:
-        assert self._waiting is not None
-        self._arrived.append((values, self._waiting[1]))
-        self._waiting = None
+        self._arrived.append((values, self._offered.pop(0)))
 
     def submit(self, values: list[float], step: int) -> None:
         """Offer a closed window (closed at optimizer step ``step``) to the next exchange."""
@@ -69,6 +74,7 @@ class WindowSum:
 
     def drain(self) -> list[tuple[list[float], int]]:
         """Every sum still due, waiting for them (the end of training)."""
+        step_exchange(self._trainer).settle()  # a window in the exchange's background sum arrives now
         if self._waiting is not None:
             self._to_background()
         if self._in_background is not None:

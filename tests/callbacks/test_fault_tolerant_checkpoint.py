@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -270,6 +272,59 @@ def test_constructor_validates():
         FaultTolerantCheckpoint(signals=["SIGNOPE"])
     with pytest.raises(ValueError, match=r"exit_code must be in 1\.\.255"):
         FaultTolerantCheckpoint(exit_code=0)
+
+
+class _TwoRankTrainer(SimpleNamespace):
+    """What the step boundary's vote reads of a Trainer: a batch counter and a world of 2 (no process group:
+    the exchange's sums are this process's values, so the mean step time is half this rank's)."""
+
+    def __init__(self) -> None:
+        self.progress = SimpleNamespace(total=SimpleNamespace(ready=0))
+        super().__init__(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=self.progress)))
+        self.world_size = 2
+
+    __hash__ = object.__hash__  # a key of the per-Trainer exchange table, as a Trainer is
+
+
+def test_the_vote_is_read_a_boundary_late_with_short_steps_and_in_step_with_long_ones(monkeypatch):
+    # The decision logic alone, on a clock of our own; real signals to real jobs are the tests around this one
+    # (their steps are short: they run the late vote).
+    import lightning_mlopt.callbacks.fault_tolerant_checkpoint as module
+    from lightning_mlopt.distributed.step_exchange import step_exchange
+    from lightning_mlopt.process.signals import preemption
+
+    now, seen = [0.0], [None]
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(preemption, "received", lambda: seen[0])
+    monkeypatch.setattr(preemption, "seconds_left", lambda: None)
+
+    def job() -> Callable[..., bool]:
+        callback = FaultTolerantCheckpoint()
+        callback.saver = SimpleNamespace(
+            failed=False, expected_save_seconds=lambda: 1.0, in_flight_seconds_left=lambda: None
+        )
+        trainer = _TwoRankTrainer()
+        step_exchange(trainer).provide(module._VOTE, lambda: callback._local_flags(trainer))
+
+        def boundary(step_s: float, signal: int | None = None) -> bool:
+            trainer.progress.total.ready += 1
+            now[0] += step_s
+            seen[0] = signal
+            signalled = callback._agree_at_step_boundary(trainer)[0]  # as every rank reads it
+            boundary.lagged = callback._vote_lagged  # type: ignore[attr-defined]
+            return signalled
+
+        return boundary
+
+    short = job()
+    assert [short(0.1) for _ in range(3)] == [False] * 3 and short.lagged
+    assert short(0.1, signal=15) is False  # seen here, summed while the next step trains...
+    assert short(0.1, signal=15) is True  # ...and acted on one boundary later, by every rank alike
+
+    long = job()
+    assert [long(0.1) for _ in range(3)] == [False] * 3 and long.lagged
+    assert [long(4.0), long(4.0)] == [False, False] and not long.lagged  # the late sums told of long steps
+    assert long(4.0, signal=15) is True  # now seen and acted on at the same boundary
 
 
 def test_time_trigger_saves_when_minutes_have_passed(tmp_path, monkeypatch):

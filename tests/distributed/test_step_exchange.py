@@ -1,4 +1,5 @@
-"""The per-batch exchange: providers asked at the exchange, one collective per batch, a new batch forgets."""
+"""The per-batch exchange: providers asked at the exchange, one collective per batch, a new batch forgets; read
+in step or one batch late (in the background)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,42 @@ def test_a_window_rides_another_callbacks_exchange_or_else_goes_to_the_backgroun
     sums.close()
 
 
+def test_a_lagged_reader_gets_the_previous_batchs_sum_and_its_riders_arrive_a_batch_later():
+    from lightning_mlopt.distributed.step_exchange import step_exchange
+    from lightning_mlopt.perf.window_sum import WindowSum
+
+    trainer = _Trainer()
+    exchange = step_exchange(trainer)
+    seen = {"flag": 1.0}
+    exchange.provide("vote", lambda: torch.tensor([seen["flag"]]))
+    sums = WindowSum(trainer)
+    sums.submit([5.0], step=3)
+    assert exchange.read_previous(trainer, "vote") is None  # nothing started before: this batch's goes out
+    assert exchange.collectives == 1
+    assert sums.arrived() == []  # taken by the background sum, not moved to a sum of its own
+
+    trainer.progress.total.ready += 1
+    seen["flag"] = 0.0
+    assert exchange.read_previous(trainer, "vote") == [1.0]  # sampled at the previous batch end
+    assert sums.arrived() == [([5.0], 3)]  # rode along, delivered when that sum was read
+    assert exchange.collectives == 2
+
+    trainer.progress.total.ready += 1  # another callback reads in step first: fresh values, no second collective
+    seen["flag"] = 2.0
+    assert exchange.read(trainer, "vote") == [2.0]
+    assert exchange.read_previous(trainer, "vote") == [2.0]
+    assert exchange.collectives == 3
+    trainer.progress.total.ready += 1
+    assert exchange.read_previous(trainer, "vote") is None  # the one in flight was superseded by fresh values
+
+    sums.submit([6.0], step=9)
+    trainer.progress.total.ready += 1
+    exchange.read_previous(trainer, "vote")  # carries the window...
+    assert sums.drain() == [([6.0], 9)]  # ...and the end of training settles it
+    assert exchange.collectives == 5
+    sums.close()
+
+
 def _exchange_under_another_backend(rank: int, init_file: str, out: str) -> None:
     import json
 
@@ -92,7 +129,13 @@ def _exchange_under_another_backend(rank: int, init_file: str, out: str) -> None
     group = exchange._group
     trainer.progress.total.ready += 1
     second = exchange.read(trainer, "vote")
+    lagged = []
+    for _ in range(2):  # in the background, over the same group: the sum started a batch earlier
+        trainer.progress.total.ready += 1
+        lagged.append(exchange.read_previous(trainer, "vote"))
+    exchange.settle()
     record = {"first": first, "second": second, "own_group": group is not None, "same": exchange._group is group}
+    record["lagged"] = lagged
     record["backend"] = default_backend(group) if group is not None else None
     Path(f"{out}.{rank}").write_text(json.dumps(record))
     dist.destroy_process_group()
@@ -110,4 +153,5 @@ def test_under_nccl_the_exchange_sums_on_the_host_over_a_gloo_group_of_its_own(t
     mp.spawn(_exchange_under_another_backend, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=True)
     for rank in (0, 1):
         record = json.loads(Path(f"{out}.{rank}").read_text())
-        assert record == {"first": [3.0], "second": [3.0], "own_group": True, "same": True, "backend": "gloo"}
+        expected = {"first": [3.0], "second": [3.0], "own_group": True, "same": True, "backend": "gloo"}
+        assert record == {**expected, "lagged": [None, [3.0]]}

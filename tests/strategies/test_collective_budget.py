@@ -6,7 +6,8 @@ gloo), by torch.profiler, each collective attributed to who asked for it
 
 - the strategy's own collectives, exactly as many as a hand-written loop with the library alone issues for the
   same model and settings (``benchmarks/parity/hand_loop.py --count-collectives``; the table below);
-- one all-reduce of ours: the per-step exchange every callback shares (preemption, timers);
+- one all-reduce of ours: the per-step exchange every callback shares (preemption, timers), in step or started
+  in the background and read a batch later;
 - none from Lightning's loops (2.6 broadcast a SIGTERM flag every batch; skipped where our handler owns SIGTERM).
 
 The hand loop's counts were measured with torch 2.13 and DeepSpeed 0.19 on this model; a version that changes
@@ -29,7 +30,10 @@ HAND_WRITTEN_LOOP = {
     "zero2": 5,  # the same as ZeRO-1 on this model (one reduce bucket)
     "zero3": 56,  # 53 parameter all-gathers (with prefetch), 1 reduce-scatter, the clip norm (2)
 }
-EXCHANGE_SITE = "lightning_mlopt/distributed/step_exchange.py:flush allreduce"
+# The exchange sums in step, or (FaultTolerantCheckpoint's vote with short steps, as here) in the background.
+EXCHANGE_SITES = {
+    f"lightning_mlopt/distributed/step_exchange.py:{where} allreduce" for where in ("flush", "read_previous")
+}
 
 
 @pytest.mark.multiprocess
@@ -47,5 +51,6 @@ def test_a_training_step_issues_the_strategys_collectives_and_our_one_exchange(s
             issued = batch["by_issuer"]
             assert issued.get("lightning", 0) == 0, f"Lightning's loop issued a collective: {where}"
             assert issued.get("other", 0) == 0, where
-            assert batch["sites"].get("lightning_mlopt") == {EXCHANGE_SITE: 1}, where
+            ours = batch["sites"].get("lightning_mlopt", {})
+            assert sum(ours.values()) == 1 and set(ours) <= EXCHANGE_SITES, where
             assert issued.get("strategy", 0) == HAND_WRITTEN_LOOP[strategy], where
