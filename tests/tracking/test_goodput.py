@@ -419,7 +419,7 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock(tmp_path, c
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert report["final_step"] == metrics["global_step"] == MAX_STEPS
     assert report["steps_survived"] == MAX_STEPS
-    assert [launch["steps_run"] for launch in report["launches"]] == [7, 10, 4, MAX_STEPS - 16]
+    assert [launch["steps_run"] for launch in report["launches"]] == [7, 10, 5, MAX_STEPS - 17]
     assert report["steps_run"] == MAX_STEPS + 5  # steps 5-7 and 13-14 ran twice
     # goodput/* went to the final launch's logger, over every launch so far.
     newest = max((run_dir / "csv" / "lightning_logs").glob("version_*"), key=lambda path: int(path.name.split("_")[1]))
