@@ -165,8 +165,8 @@ ALL_THREE = "lightning+checkpoint+performance+goodput"
 # The ablation's arms, in the table's order, with what each runs per step.
 ABLATION_NOTES = {
     "lightning": "Lightning's own strategy, no callback of ours (its SIGTERM broadcast every batch)",
-    "lightning+checkpoint": "FaultTolerantCheckpoint: the per-step exchange (one all-reduce, in place of Lightning's "
-    "SIGTERM broadcast) and its bookkeeping",
+    "lightning+checkpoint": "FaultTolerantCheckpoint: the per-step vote (one all-reduce in place of Lightning's "
+    "SIGTERM broadcast, in the background with steps under a second) and its bookkeeping",
     "lightning+performance": "PerformanceMonitor: phase clocks every step, a window sum every logging step",
     "lightning+goodput": "GoodputLedger: one appended record per step",
     ALL_THREE: "the three together",

@@ -28,6 +28,8 @@ Example::
     exchange.provide("ftc.signal", lambda: torch.tensor(float(signal_seen())))  # in setup
     ...
     signalled = exchange.read(trainer, "ftc.signal")[0] > 0                    # at the batch's end
+    late = exchange.read_previous(trainer, "ftc.signal")  # or: the previous batch end's sum (None at first)
+    exchange.settle()                                     # at the end of training: what is in flight arrives
 """
 
 from __future__ import annotations
