@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mlopt.distributed.host_group import host_sum_group
+from lightning_mlopt.distributed.host_group import host_sum_group, start_host_sum
 from lightning_mlopt.distributed.packed import Packed
 
 _EXCHANGES: weakref.WeakKeyDictionary[Any, StepExchange] = weakref.WeakKeyDictionary()
@@ -146,7 +146,8 @@ class StepExchange:
         Otherwise the sum started by the previous call (its providers asked at the previous batch end),
         waiting only if it is not done; ``None`` if there is none (the first call, or after fresh ones). Then
         every provider not yet exchanged in this batch is asked and summed in the background, to be read by the
-        next call. Every rank must call it at the same batches, as every reader must.
+        next call (under a recording profiler it is summed before this returns: ``start_host_sum``). Every rank
+        must call it at the same batches, as every reader must.
         """
         self._enter(trainer)
         if name in self._results or name in self._pending:  # fresh ones, or values put for a reader: in step
@@ -160,7 +161,7 @@ class StepExchange:
         slots, self._pending = self._pending, Packed()
         vector = slots.tensor(torch.device("cpu"))
         if vector.numel():
-            work = dist.all_reduce(vector, group=self._host_group(), async_op=True) if self._several(trainer) else None
+            work = start_host_sum(vector, self._host_group()) if self._several(trainer) else None
             self._in_flight = (work, vector, slots)
             self._sent_in_background = {name for name in self._providers if name in slots}
             self.collectives += 1
