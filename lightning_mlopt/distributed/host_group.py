@@ -35,7 +35,9 @@ def start_host_sum(values: Tensor, group: Any) -> Any:
     collective is still in flight (a profiling window closing at the next batch) leaves that thread writing
     into freed profiler state. Seen as glibc's "unaligned tcache chunk detected" abort, 1 run in 22, with a
     per-batch profiler window and the sum started at the batch before. Where no profiler records, nothing
-    waits.
+    waits. (What is left is torch's: a profiler stopped within microseconds of any profiled gloo collective's
+    completion, a synchronous one too, can still race that thread; a window closes at a batch start, after
+    the batch's data fetch.)
     """
     work = dist.all_reduce(values, group=group, async_op=True)
     if profiler_enabled():

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from tests.distributed.two_ranks import on_two_ranks
 
-def _start_while_rank0_is_late(rank: int, init_file: str, out: str) -> None:
+
+def _start_while_rank0_is_late(rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_mlopt.distributed.background_sum import BackgroundSum
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     record = {}
     for profiled in (False, True):
         summer = BackgroundSum()
@@ -29,21 +29,20 @@ def _start_while_rank0_is_late(rank: int, init_file: str, out: str) -> None:
         summer.start([float(rank + 1)])
         returned_after = time.perf_counter() - started
         if profiler is not None:
-            profiler.stop()  # what a profiling window closing at the next batch does
+            # A window closes at the next batch's start, after that batch's data fetch: not at once. (Stopping a
+            # profiler within microseconds of any profiled gloo collective, even a synchronous one, can abort in
+            # torch itself: c10d may still be ending the record on gloo's thread after wait() returned.)
+            time.sleep(0.05)
+            profiler.stop()
         record["profiled" if profiled else "plain"] = {"seconds": returned_after, "sum": summer.result()}
-    Path(f"{out}.{rank}").write_text(json.dumps(record))
-    dist.destroy_process_group()
+    return record
 
 
 @pytest.mark.multiprocess
 def test_a_sum_started_under_a_profiler_is_done_before_start_returns(tmp_path):
     # c10d ends a profiled collective's record on gloo's thread when it completes: a profiler stopped while the
     # sum is in flight leaves that thread writing into freed state (a heap-corruption abort, 1 run in 22).
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "record"
-    mp.spawn(_start_while_rank0_is_late, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=True)
-    late_joiner_waited_for = json.loads(Path(f"{out}.1").read_text())
+    late_joiner_waited_for = on_two_ranks(_start_while_rank0_is_late, tmp_path)[1]
     assert late_joiner_waited_for["plain"]["sum"] == late_joiner_waited_for["profiled"]["sum"] == [3.0]
     assert late_joiner_waited_for["plain"]["seconds"] < 0.25  # in the background: returned before rank 0 came
     assert late_joiner_waited_for["profiled"]["seconds"] >= 0.4  # under the profiler: waited for rank 0

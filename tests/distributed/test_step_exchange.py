@@ -3,14 +3,15 @@ in step or one batch late (in the background)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.step_exchange import StepExchange
+from tests.distributed.two_ranks import on_two_ranks
 
 
 class _Trainer(SimpleNamespace):
@@ -112,14 +113,11 @@ def test_a_lagged_reader_gets_the_previous_batchs_sum_and_its_riders_arrive_a_ba
     sums.close()
 
 
-def _exchange_under_another_backend(rank: int, init_file: str, out: str) -> None:
-    import json
-
+def _exchange_under_another_backend(rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_mlopt.distributed import step_exchange as module
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     default_backend = dist.get_backend
     module.dist.get_backend = lambda group=None: "nccl" if group is None else default_backend(group)  # type: ignore[assignment]
     trainer, exchange = _Trainer(), StepExchange()
@@ -137,21 +135,13 @@ def _exchange_under_another_backend(rank: int, init_file: str, out: str) -> None
     record = {"first": first, "second": second, "own_group": group is not None, "same": exchange._group is group}
     record["lagged"] = lagged
     record["backend"] = default_backend(group) if group is not None else None
-    Path(f"{out}.{rank}").write_text(json.dumps(record))
-    dist.destroy_process_group()
+    return record
 
 
 @pytest.mark.multiprocess
 def test_under_nccl_the_exchange_sums_on_the_host_over_a_gloo_group_of_its_own(tmp_path):
     # Two real processes; training's backend reads as NCCL (no GPU here), so the exchange must make and keep
     # a gloo group of its own and sum the host values there.
-    import json
-
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "record"
-    mp.spawn(_exchange_under_another_backend, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=True)
-    for rank in (0, 1):
-        record = json.loads(Path(f"{out}.{rank}").read_text())
+    for record in on_two_ranks(_exchange_under_another_backend, tmp_path):
         expected = {"first": [3.0], "second": [3.0], "own_group": True, "same": True, "backend": "gloo"}
         assert record == {**expected, "lagged": [None, [3.0]]}

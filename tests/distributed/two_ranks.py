@@ -1,0 +1,31 @@
+"""Run a function in two real processes joined in one gloo group, and collect what each returned."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _rank_main(rank: int, target: Callable[[int], dict[str, Any]], init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    record = target(rank)
+    Path(f"{out}.{rank}").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def on_two_ranks(target: Callable[[int], dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
+    """``target(rank)`` on ranks 0 and 1 (a module-level function: each rank is a spawned process); their records.
+
+    Example::
+
+        records = on_two_ranks(_sum_my_rank, tmp_path)   # [{"sum": 1.0}, {"sum": 1.0}]
+    """
+    import torch.multiprocessing as mp
+
+    out = folder / "record"
+    mp.spawn(_rank_main, args=(target, str(folder / "init"), str(out)), nprocs=2, join=True)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
