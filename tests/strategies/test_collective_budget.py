@@ -30,9 +30,11 @@ HAND_WRITTEN_LOOP = {
     "zero2": 5,  # the same as ZeRO-1 on this model (one reduce bucket)
     "zero3": 56,  # 53 parameter all-gathers (with prefetch), 1 reduce-scatter, the clip norm (2)
 }
-# The exchange sums in step, or (FaultTolerantCheckpoint's vote with short steps, as here) in the background.
+# The exchange sums in step, or (FaultTolerantCheckpoint's vote with short steps, as here) in the background,
+# through start_host_sum.
 EXCHANGE_SITES = {
-    f"lightning_mlopt/distributed/step_exchange.py:{where} allreduce" for where in ("flush", "read_previous")
+    "lightning_mlopt/distributed/step_exchange.py:flush allreduce",
+    "lightning_mlopt/distributed/host_group.py:start_host_sum allreduce",
 }
 
 
