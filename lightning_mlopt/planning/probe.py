@@ -81,6 +81,8 @@ class _FusedAttention(TorchFunctionMode):
     def __init__(self, saved: dict[Any, int]) -> None:
         super().__init__()
         self.saved = saved
+        # Counted by id: the tensors are kept alive for the probe, so that no later tensor reuses an id.
+        self._alive: list[torch.Tensor] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -93,5 +95,6 @@ class _FusedAttention(TorchFunctionMode):
             output = func(*args, **kwargs)
         for tensor in (query, key, value, output):
             self.saved[id(tensor)] = _nbytes(tensor)
+            self._alive.append(tensor)
         self.saved[("logsumexp", id(output))] = query.shape[:-1].numel() * 4
         return output.requires_grad_()
