@@ -11,18 +11,23 @@ CPU accelerator ("DeepSpeed strategy is only supported on GPU").
 ``--with checkpoint|performance|goodput`` (repeatable) adds one of our default callbacks, with the CLI's
 defaults (``FaultTolerantCheckpoint``, ``PerformanceMonitor``, ``GoodputLedger``), to the plain Trainer: the
 parity benchmark's ``--ablation`` times each one alone against Lightning's own run.
+
+``--our-strategy`` runs our strategy instead (``configs/strategies/<strategy>.yaml``'s class and settings, ZeRO
+too) in the same plain Trainer, with no callback of ours: Lightning's loop around the library as our strategy
+drives it, the part of our step time that a Lightning plugin cannot remove (the parity table's "loop" arm).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hand_loop import load_config
+from hand_loop import REPO, STRATEGIES, load_config
 from step_clock import StepClock
 
 
@@ -41,6 +46,15 @@ def _fully_sharded(model_args: dict[str, Any]) -> Any:
     return FullyShardedGPT(**model_args)
 
 
+def _our_strategy(name: str) -> Any:
+    """Our strategy as ``configs/strategies/<name>.yaml`` configures it (its class_path and init_args)."""
+    import yaml
+
+    overlay = yaml.safe_load((REPO / "configs" / "strategies" / f"{name}.yaml").read_text())["trainer"]["strategy"]
+    module, _, class_name = overlay["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), class_name)(**overlay.get("init_args", {}))
+
+
 def _our_callbacks(names: list[str], root: str) -> list[Any]:
     """Our default callbacks named in ``names``, made as the CLI makes them (its defaults)."""
     from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor
@@ -56,7 +70,11 @@ def _our_callbacks(names: list[str], root: str) -> list[Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", choices=["ddp", "fsdp"], required=True)
+    parser.add_argument("--strategy", choices=STRATEGIES, required=True)
+    parser.add_argument(
+        "--our-strategy", action="store_true",
+        help="our strategy (configs/strategies/<strategy>.yaml) instead of Lightning's, no callback of ours",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--root", default=None, help="Lightning's default_root_dir (default: a temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
@@ -66,6 +84,8 @@ def main() -> None:
         help="add one of our default callbacks (repeatable)",
     )  # fmt: skip
     args = parser.parse_args()
+    if not args.our_strategy and args.strategy not in ("ddp", "fsdp"):
+        parser.error(f"Lightning's DeepSpeedStrategy refuses a CPU: {args.strategy} runs only with --our-strategy")
 
     import lightning.pytorch as pl
 
@@ -75,13 +95,17 @@ def main() -> None:
     pl.seed_everything(int(config["seed_everything"]), verbose=False)
     settings = {key: value for key, value in config["trainer"].items() if key not in ("accelerator", "devices")}
     settings["max_steps"] = args.steps
-    fsdp = args.strategy == "fsdp"
+    fsdp = args.strategy == "fsdp" and not args.our_strategy  # ours shards by its wrap_classes
+    if args.our_strategy:
+        strategy = _our_strategy(args.strategy)
+    else:
+        strategy = pl.strategies.ModelParallelStrategy() if fsdp else "ddp"
     root = args.root or tempfile.mkdtemp(prefix="lightning_parity_")
     callbacks = [StepClock(args.step_times)] if args.step_times else []
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=pl.strategies.ModelParallelStrategy() if fsdp else "ddp",
+        strategy=strategy,
         default_root_dir=root,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -207,6 +207,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._last_boundary: float | None = None
         self._step_s = 0.0  # this rank's last step, boundary to boundary
         self._save_step_at_vote = -1  # the last save when the vote now in the background was sampled
+        self._state_key: tuple[tuple[Any, ...], str] | None = None  # (the settings it was made from, the key)
 
     @property
     def last_saved(self) -> Path | None:
@@ -228,7 +229,11 @@ class FaultTolerantCheckpoint(Checkpoint):
     @property
     @override
     def state_key(self) -> str:
-        return callback_state_key(self, dirpath=self.dirpath, every_n_steps=self.every_n_steps)
+        # Lightning reads this at every hook call of every batch (its profiler's label): made once per settings.
+        fields = (self.dirpath, self.every_n_steps)
+        if self._state_key is None or self._state_key[0] != fields:
+            self._state_key = (fields, callback_state_key(self, dirpath=self.dirpath, every_n_steps=self.every_n_steps))
+        return self._state_key[1]
 
     @property
     def remote_url(self) -> str | None:
