@@ -160,6 +160,17 @@ def resume_start(trainer: Any, path: Any, weights_only: bool) -> None:
     _require(connector, "resume_start", "resuming from a checkpoint")(path, weights_only=weights_only)
 
 
+def log_this_steps_metrics(trainer: Any) -> None:
+    """Hand this training batch's logged metrics to the loggers now (on a logging step, as Lightning would).
+
+    Lightning does it once the batch's ``on_train_batch_end`` hooks have run. A run that stops inside those
+    hooks (a preemption save, then exit) never gets there, and the batch's row would reach no logger.
+    Reach: ``trainer._logger_connector.update_train_step_metrics``.
+    """
+    connector = _require(trainer, "_logger_connector", "logging the stopping step's metrics")
+    _require(connector, "update_train_step_metrics", "logging the stopping step's metrics")()
+
+
 def epoch_loaders(trainer: Any) -> tuple[Any, Any]:
     """The fit loop's data fetcher and combined loader of the current epoch (None before they exist).
 

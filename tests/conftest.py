@@ -184,6 +184,15 @@ def _count_collectives(out: Path) -> tuple[str, ...]:
     )
 
 
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[Any]:
+    """A real ``mlflow server`` (SQLite store) on loopback for one test, killed by pid at its end."""
+    from tests.mlflow_server import MLflowServer
+
+    with MLflowServer(tmp_path / "server") as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[Any]:
     """moto's S3-compatible server on loopback, for the whole session (started on first use, killed by pid)."""

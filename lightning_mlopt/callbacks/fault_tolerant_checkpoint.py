@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_mlopt._compat import callback_state_key
+from lightning_mlopt._compat import callback_state_key, log_this_steps_metrics
 from lightning_mlopt.checkpoint import (
     CheckpointStore,
     RetentionPolicy,
@@ -381,6 +381,9 @@ class FaultTolerantCheckpoint(Checkpoint):
             preemption.acknowledge()  # acted on: it must not end the process a second time
             if no_time:
                 self._exit_without_saving(trainer, finish_in_flight=not no_time_in_flight)
+            # This batch's row goes to the loggers before the save: the run ends in this hook, where Lightning's
+            # loop would log it next, and the checkpoint releases it to loggers that hold rows until one commits.
+            log_this_steps_metrics(trainer)
             _before_checkpoint(trainer)
             self.save(trainer, reason="signal", wait=True)
             self._tell_loggers(trainer)

@@ -3,7 +3,6 @@ events from the phase markers, bad input, and one requeued job (2 SIGKILLs, 1 SI
 
 from __future__ import annotations
 
-import csv
 import errno
 import json
 import os
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.cli import main
 from lightning_mlopt.process import launch_report
@@ -322,20 +322,27 @@ def test_the_report_as_text_json_and_chart(tmp_path, capsys):
 MAX_STEPS = 20
 
 
-def _command(run_dir: Path, clock: Path, hold_at: int | None = None, hold_s: float = 120.0) -> list[str]:
-    args = fit_args(
+def _command(
+    run_dir: Path, clock: Path, tracking_uri: str, hold_at: int | None = None, hold_s: float = 120.0
+) -> list[str]:
+    return fit_args(
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-        f"--trainer.logger.init_args.save_dir={run_dir / 'csv'}",
+        "--trainer.log_every_n_steps=1",
+        # The run is tracked on a real `mlflow server` on loopback: one run for the four launches.
+        *["--config", str(CONFIGS / "trackers" / "mlflow.yaml")],
+        f"--trainer.logger.init_args.tracking_uri={tracking_uri}",
+        "--trainer.logger.init_args.experiment_name=requeued",
+        "--trainer.logger.init_args.system_metrics_every_s=0.5",
+        "--trainer.logger.init_args.send_every_s=0.5",
         "--checkpoint.every_n_steps=4",
         # Saves are waited for (still committed on the writer's thread): a background write would slow the next
         # batch's fetch, which the ledger rightly counts in that step but the test's clock (at the batch's start,
         # after its fetch) cannot see.
         "--checkpoint.async_save=false",
-        # A tiny GPT: the scenario measures the ledger, not the model.
+        # A tiny GPT: the scenario measures the ledger and the tracker, not the model.
         "--model.init_args.n_layer=1",
         "--model.init_args.d_model=32",
         "--model.init_args.n_head=2",
@@ -345,21 +352,23 @@ def _command(run_dir: Path, clock: Path, hold_at: int | None = None, hold_s: flo
         f"--trainer.callbacks.hold_at={'null' if hold_at is None else hold_at}",
         f"--trainer.callbacks.hold_s={hold_s}",
         "--trainer.callbacks.pace_s=0.1",
+        "--trainer.callbacks+=tests.helpers.LogLaunch",  # each step's row names the launch that computed it
         strategy="ddp",
         steps=MAX_STEPS,
         run_dir=run_dir,
         quiet=False,
     )
-    return args
 
 
 def _clock(path: Path) -> list[tuple[int, float]]:
     return [(int(step), float(at)) for step, at in (line.split() for line in path.read_text().splitlines())]
 
 
-def _launch_until(command: list[str], clock: Path, step: int, cwd: Path) -> subprocess.Popen:
-    """Start the job; return once rank zero started the batch at global step ``step``."""
-    process = start_cli(command, cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _launch_until(command: list[str], clock: Path, step: int, cwd: Path, launch: int) -> subprocess.Popen:
+    """Start launch number ``launch`` of the job; return once rank zero started the batch at global step ``step``."""
+    os.environ.pop("MLFLOW_RUN_ID", None)  # an in-process test's export must not pick the run
+    env = {"TEST_LAUNCH": str(launch)}
+    process = start_cli(command, cwd, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not (clock.is_file() and any(seen == step for seen, _ in _clock(clock))):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -377,28 +386,44 @@ def _time_lost(clock: Path, resumed_at: int, killed_at: int) -> float:
 
 
 @pytest.mark.multiprocess
-def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock(tmp_path, capsys):
+def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock_and_mlflow_keeps_each_step_once(
+    tmp_path, capsys, mlflow_server
+):
+    # One requeued job, two trackers of what it did: the goodput ledger (time) and MLflow (each step's row).
     run_dir = tmp_path / "run"
     clocks = [tmp_path / f"clock-{n}.txt" for n in range(1, 5)]
     first_start = time.time()
+    starts = [first_start]
     # Launch 1: killed at the start of the batch at step 7 (checkpoint 4 committed): steps 5-7 are lost.
-    process = _launch_until(_command(run_dir, clocks[0], hold_at=7), clocks[0], 7, tmp_path)
+    process = _launch_until(_command(run_dir, clocks[0], mlflow_server.uri, hold_at=7), clocks[0], 7, tmp_path, 1)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(30)
     # Launch 2: resumes from 4, killed at the batch at step 14 (checkpoint 12 committed): steps 13-14 are lost.
-    process = _launch_until(_command(run_dir, clocks[1], hold_at=14), clocks[1], 14, tmp_path)
+    starts.append(time.time())
+    process = _launch_until(_command(run_dir, clocks[1], mlflow_server.uri, hold_at=14), clocks[1], 14, tmp_path, 2)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(30)
     # Launch 3: SIGTERM to every process while the batch at step 15 runs: seen at its end (step 16) and, with
     # steps this short, agreed a boundary later (the vote is summed in the background): step 17 saved, exit 75.
-    process = _launch_until(_command(run_dir, clocks[2], hold_at=15, hold_s=2.0), clocks[2], 15, tmp_path)
+    starts.append(time.time())
+    command = _command(run_dir, clocks[2], mlflow_server.uri, hold_at=15, hold_s=2.0)
+    process = _launch_until(command, clocks[2], 15, tmp_path, 3)
     os.killpg(process.pid, signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 75, stderr.decode()[-3000:]
-    # Launch 4: resumes and finishes.
-    final = run_cli(_command(run_dir, clocks[3]), cwd=tmp_path)
+    # Launch 4 names its checkpoint (`ckpt_path` changes; the run, and its MLflow parameters, do not), finishes.
+    starts.append(time.time())
+    command = [*_command(run_dir, clocks[3], mlflow_server.uri), "--ckpt_path=last"]
+    final = run_cli(command, cwd=tmp_path, env={"TEST_LAUNCH": "4"})
     assert final.returncode == 0, final.stderr[-3000:]
     wall_clock = time.time() - first_start
+    # The launches' parameters differ only in the test's own clock callback (its file, where it holds): the
+    # tracker keeps the first value and says so, and MLflow refuses nothing.
+    said = (stderr.decode() + final.stdout + final.stderr).splitlines()
+    noted = [line for line in said if any(word in line for word in ("INVALID_PARAMETER_VALUE", "refused", "differ"))]
+    assert noted and all(
+        line.endswith("keep their first value (MLflow cannot change a parameter): trainer.callbacks") for line in noted
+    ), noted
 
     assert tool.main([str(run_dir), "--format", "json", "--no-chart"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -421,8 +446,38 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock(tmp_path, c
     assert report["steps_survived"] == MAX_STEPS
     assert [launch["steps_run"] for launch in report["launches"]] == [7, 10, 5, MAX_STEPS - 17]
     assert report["steps_run"] == MAX_STEPS + 5  # steps 5-7 and 13-14 ran twice
+
+    # MLflow: one run for four launches of two processes, each step's row once, from the launch whose
+    # computation survived (a batch ending at global step s + 1 logs at step s): 0-3 the first launch (its 4-6
+    # were redone), 4-11 the second (its 12-13 redone), 12-16 the third, 17-19 the fourth.
+    client = mlflow_server.client()
+    (experiment,) = [e for e in client.search_experiments() if e.name == "requeued"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    run_id = run.info.run_id
+    assert run.info.status == "FINISHED"
+    assert json.loads((run_dir / "mlflow" / "run.json").read_text())["run_id"] == run_id
+    assert CheckpointStore(run_dir / "checkpoints").newest_valid().manifest.run_ids["mlflow"] == run_id
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(MAX_STEPS))
+    launches = {m.step: int(m.value) for m in client.get_metric_history(run_id, "launch")}
+    assert launches == {s: 1 if s < 4 else 2 if s < 12 else 3 if s < 17 else 4 for s in range(MAX_STEPS)}
     # goodput/* went to the final launch's logger, over every launch so far.
-    newest = max((run_dir / "csv" / "lightning_logs").glob("version_*"), key=lambda path: int(path.name.split("_")[1]))
-    rows = list(csv.DictReader((newest / "metrics.csv").open()))
-    logged = [row for row in rows if row.get("goodput/percent")]
-    assert logged and float(logged[-1]["goodput/wasted_s"]) == pytest.approx(seconds["wasted"], rel=1e-6)
+    wasted = client.get_metric_history(run_id, "goodput/wasted_s")
+    newest = max(wasted, key=lambda m: (m.step, m.timestamp))
+    assert newest.value == pytest.approx(seconds["wasted"], rel=1e-6)
+    # The resolved config as parameters (logged once: MLflow refuses a second, different value) and as a file.
+    params = run.data.params
+    assert params["trainer.max_steps"] == str(MAX_STEPS) and params["model.init_args.d_model"] == "32"
+    assert "ckpt_path" not in params and "run_dir" not in params
+    assert "config.yaml" in [a.path for a in client.list_artifacts(run_id)]
+    # System metrics, tagged with the node, continued after the resumes, numbered across launches.
+    (cpu,) = [
+        key for key in run.data.metrics if key.startswith("system/") and key.endswith("cpu_utilization_percentage")
+    ]
+    samples = client.get_metric_history(run_id, cpu)
+    assert any(m.timestamp >= starts[3] * 1000 for m in samples)
+    assert len({m.step for m in samples}) == len(samples)
+    # One record per committed checkpoint: 4 (launch 1), 8 and 12 (launch 2), 16 and the signal's 17 (launch 3),
+    # the final 20 (launch 4).
+    records = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
+    assert records == {f"checkpoints/step-{s}.json" for s in (4, 8, 12, 16, 17, 20)}
+    assert run.data.tags["mlopt.checkpoint.step"] == str(MAX_STEPS)

@@ -1,17 +1,16 @@
 """MLflowTracker: the outbox's survival rule, a plain Trainer on the local store, and a real `mlflow server` on
-loopback that the run outlives: a 2-process job killed with SIGKILL twice, and a server stopped mid-run."""
+loopback that the run outlives (a server stopped mid-run). A 2-process job killed with SIGKILL twice and requeued
+on SIGTERM, tracked on such a server, is tests/tracking/test_goodput.py's requeued job."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import lightning.pytorch as pl
-import pytest
 
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint
 from lightning_mlopt.checkpoint import CheckpointStore
@@ -160,13 +159,7 @@ def test_a_recorded_run_the_store_does_not_have_is_replaced_by_a_new_one_and_sai
 # ---------------------------------------------------------------------- a real server on loopback
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    with MLflowServer(tmp_path / "server") as server:
-        yield server
-
-
-def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, devices: int, max_steps: int) -> list[str]:
+def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, max_steps: int) -> list[str]:
     return [
         "fit",
         "--model=tests.helpers.ThirdPartyLM",
@@ -176,8 +169,7 @@ def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, devices: int, max
         "--trainer.logger.init_args.system_metrics_every_s=0.5",
         "--trainer.logger.init_args.send_every_s=0.5",
         "--trainer.accelerator=cpu",
-        f"--trainer.devices={devices}",
-        *(["--trainer.strategy=ddp"] if devices > 1 else []),
+        "--trainer.devices=1",
         f"--trainer.max_steps={max_steps}",
         "--trainer.max_epochs=-1",
         "--trainer.limit_val_batches=0",
@@ -206,61 +198,9 @@ def _wait_for(path: Path, job: subprocess.Popen[bytes], timeout: float = 240.0) 
         time.sleep(0.05)
 
 
-@pytest.mark.multiprocess
-def test_two_sigkills_then_a_finished_launch_make_one_run_with_each_step_once(tmp_path, mlflow_server):
-    run_dir, pace, log = tmp_path / "run", tmp_path / "pace", tmp_path / "launches.log"
-    args = _fit_args(run_dir, pace, mlflow_server, devices=2, max_steps=16)
-    starts = []
-    # Launch 1 is killed after step 8 (resumes from 5), launch 2 after step 13 (resumes from 10).
-    for launch, kill_after in ((1, 8), (2, 13)):
-        starts.append(time.time())
-        job = _launch(args, tmp_path, launch, log)
-        _wait_for(pace / f"step-{kill_after}.rank0", job)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-        for marker in pace.glob("step-*"):
-            marker.unlink()
-    starts.append(time.time())
-    # The third launch names its checkpoint (`ckpt_path` changes; the run, and its parameters, do not).
-    final = _launch([*args, "--ckpt_path=last"], tmp_path, 3, log)
-    assert final.wait(timeout=300) == 0, log.read_text()[-4000:]
-    said = log.read_text()
-    assert "INVALID_PARAMETER_VALUE" not in said and "refused" not in said and "differ from" not in said, said[-3000:]
-
-    client = mlflow_server.client()
-    (experiment,) = [e for e in client.search_experiments() if e.name == "kills"]
-    (run,) = client.search_runs([experiment.experiment_id])  # one run for three launches of two processes
-    run_id = run.info.run_id
-    assert run.info.status == "FINISHED"
-    assert json.loads((run_dir / "mlflow" / "run.json").read_text())["run_id"] == run_id
-    assert CheckpointStore(run_dir / "checkpoints").newest_valid().manifest.run_ids["mlflow"] == run_id
-    # Each step's loss exactly once, from the launch whose computation survived: 0-4 the first (its 5-7 were
-    # redone), 5-9 the second (its 10-12 redone), 10-15 the third.
-    losses = client.get_metric_history(run_id, "train_loss")
-    assert sorted(m.step for m in losses) == list(range(16))
-    launches = {m.step: int(m.value) for m in client.get_metric_history(run_id, "launch")}
-    assert launches == {s: 1 if s < 5 else 2 if s < 10 else 3 for s in range(16)}
-    # The resolved config as parameters (logged once: MLflow refuses a second, different value) and as a file.
-    params = run.data.params
-    assert params["trainer.max_steps"] == "16" and params["model.init_args.n_embd"] == "32"
-    assert "ckpt_path" not in params and "run_dir" not in params
-    assert "config.yaml" in [a.path for a in client.list_artifacts(run_id)]
-    # System metrics, tagged with the node, continued after the resumes.
-    (cpu,) = [
-        key for key in run.data.metrics if key.startswith("system/") and key.endswith("cpu_utilization_percentage")
-    ]
-    samples = client.get_metric_history(run_id, cpu)
-    assert any(m.timestamp >= starts[2] * 1000 for m in samples)
-    assert len({m.step for m in samples}) == len(samples)  # numbered across launches, never twice
-    # One record per committed checkpoint: steps 5 (launch 1), 10 (launch 2), 15 and the final 16 (launch 3).
-    records = sorted(a.path for a in client.list_artifacts(run_id, "checkpoints"))
-    assert records == [f"checkpoints/step-{s}.json" for s in (10, 15, 16, 5)]
-    assert run.data.tags["mlopt.checkpoint.step"] == "16"
-
-
 def test_a_server_stopped_mid_run_never_stops_training_and_gets_the_metrics_when_back(tmp_path, mlflow_server):
     run_dir, pace, log = tmp_path / "run", tmp_path / "pace", tmp_path / "launch.log"
-    args = _fit_args(run_dir, pace, mlflow_server, devices=1, max_steps=30)
+    args = _fit_args(run_dir, pace, mlflow_server, max_steps=30)
     job = _launch(args, tmp_path, 1, log)
     _wait_for(pace / "step-6.rank0", job)
     mlflow_server.stop()  # down for the rest of training
