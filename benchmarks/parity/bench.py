@@ -82,12 +82,11 @@ def _command(arm: str, strategy: str, model: str, steps: int, work: Path) -> lis
             *[str(HERE / "hand_loop.py"), f"--strategy={strategy}", f"--steps={steps}"],
             *[f"--out={work / 'hand_params.pt'}", f"--step-times={clock}", *sets],
         ]
-    ours = [f"--with={name}" for name in arm.split("+")[1:]]  # "lightning+checkpoint": Lightning's, plus one of ours
-    if arm == "loop":
-        ours = ["--our-strategy"]
+    # "loop": our strategy in a plain Trainer; "lightning+checkpoint": Lightning's, plus one of our callbacks.
+    extra = ["--our-strategy"] if arm == "loop" else [f"--with={name}" for name in arm.split("+")[1:]]
     return [
         *[sys.executable, str(HERE / "lightning_loop.py"), f"--strategy={strategy}", f"--steps={steps}"],
-        *[f"--root={work / 'lightning'}", f"--step-times={clock}", *sets, *ours],
+        *[f"--root={work / 'lightning'}", f"--step-times={clock}", *sets, *extra],
     ]
 
 

@@ -20,7 +20,6 @@ drives it, the part of our step time that a Lightning plugin cannot remove (the 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import tempfile
 from pathlib import Path
@@ -50,9 +49,10 @@ def _our_strategy(name: str) -> Any:
     """Our strategy as ``configs/strategies/<name>.yaml`` configures it (its class_path and init_args)."""
     import yaml
 
-    overlay = yaml.safe_load((REPO / "configs" / "strategies" / f"{name}.yaml").read_text())["trainer"]["strategy"]
-    module, _, class_name = overlay["class_path"].rpartition(".")
-    return getattr(importlib.import_module(module), class_name)(**overlay.get("init_args", {}))
+    from lightning_mlopt.planning.probe import instantiate
+
+    overlay = yaml.safe_load((REPO / "configs" / "strategies" / f"{name}.yaml").read_text())
+    return instantiate(overlay["trainer"]["strategy"])
 
 
 def _our_callbacks(names: list[str], root: str) -> list[Any]:

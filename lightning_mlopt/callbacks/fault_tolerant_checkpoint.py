@@ -232,7 +232,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         # Lightning reads this at every hook call of every batch (its profiler's label): made once per settings.
         fields = (self.dirpath, self.every_n_steps)
         if self._state_key is None or self._state_key[0] != fields:
-            self._state_key = (fields, callback_state_key(self, dirpath=self.dirpath, every_n_steps=self.every_n_steps))
+            self._state_key = (fields, callback_state_key(self, dirpath=fields[0], every_n_steps=fields[1]))
         return self._state_key[1]
 
     @property
