@@ -12,7 +12,8 @@ The reaches:
   resuming from a checkpoint we loaded or checked ourselves), ``fit_loop._data_fetcher`` and
   ``fit_loop._combined_loader`` (repositioning a resumed epoch), the data fetcher's ``_start_profiler`` (where
   a batch's fetch starts: PerformanceMonitor's data wait), checkpoint migration,
-  ``Callback._generate_state_key`` (callbacks' state keys), ``LightningCLI._parser`` (the resolved config),
+  ``Callback._generate_state_key`` (callbacks' state keys), the logger connector's per-batch conversion of
+  progress-bar metrics (deferred to when the bar reads them), ``LightningCLI._parser`` (the resolved config),
   strategies' ``_timeout``, ``_setup_distributed``/``_init_deepspeed_distributed`` and ``_device_mesh`` (process
   group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
   ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory).
@@ -169,6 +170,43 @@ def log_this_steps_metrics(trainer: Any) -> None:
     """
     connector = _require(trainer, "_logger_connector", "logging the stopping step's metrics")
     _require(connector, "update_train_step_metrics", "logging the stopping step's metrics")()
+
+
+def defer_progress_bar_scalars() -> None:
+    """Keep ``prog_bar`` metrics as tensors until something reads ``trainer.progress_bar_metrics``.
+
+    Lightning turns every metric logged with ``prog_bar=True`` into a Python number after every batch (its
+    logger connector's ``on_batch_end``, through ``_ResultCollection.metrics``): on a GPU, ``.item()`` per
+    metric and step, each a device synchronisation that stops the host queueing the next step. Only a progress
+    bar reads those numbers, and ours does it only on the steps it draws. After this call the per-batch
+    bookkeeping keeps the (detached) tensors, and ``trainer.progress_bar_metrics`` converts them when read, so
+    every reader still gets Python numbers. Process-wide and idempotent; nothing else changes.
+
+    Reach: ``logger_connector.result.convert_tensors_to_scalars`` (used there for the ``pbar`` values alone)
+    and ``logger_connector.logger_connector._LoggerConnector.progress_bar_metrics`` (Lightning 2.x).
+    """
+    from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
+
+    what = "reading progress-bar metrics only when the bar draws"
+    if getattr(_require(result, "convert_tensors_to_scalars", what), "_keeps_tensors", False):
+        return
+    connector = _require(logger_connector, "_LoggerConnector", what)
+    stored = _require(connector, "progress_bar_metrics", what)
+    if not isinstance(stored, property) or stored.fget is None:
+        raise CompatError(f"{what}: _LoggerConnector.progress_bar_metrics is no longer a property")
+    read_stored = stored.fget
+
+    def keep_tensor(value: Any) -> Any:
+        return value
+
+    keep_tensor._keeps_tensors = True  # type: ignore[attr-defined]
+
+    def progress_bar_metrics(self: Any) -> dict[str, Any]:
+        return convert_tensors_to_scalars(read_stored(self))
+
+    result.convert_tensors_to_scalars = keep_tensor  # type: ignore[assignment]
+    connector.progress_bar_metrics = property(progress_bar_metrics, doc=stored.__doc__)
 
 
 def epoch_loaders(trainer: Any) -> tuple[Any, Any]:

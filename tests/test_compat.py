@@ -417,3 +417,32 @@ def test_each_training_batch_fetch_is_marked_where_the_loop_asks_the_dataloader(
     trainer.fit(Model())
     fetched = ["getitem"] * 4
     assert events == [*fetched, "step", "fetch", *fetched, "step"], "the second batch's fetch is marked, once"
+
+
+def test_progress_bar_metrics_stay_tensors_until_something_reads_them():
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class LogsOnTheBar(BoringModel):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            out = super().training_step(batch, batch_idx)
+            self.log("on_bar", out["loss"].detach() * 2, prog_bar=True)
+            return out
+
+    kept: list[object] = []
+
+    class Look(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if batch_idx:  # what the loop's per-batch bookkeeping left of the previous batch
+                kept.append(trainer._logger_connector._progress_bar_metrics["on_bar"])
+
+    _compat.defer_progress_bar_scalars()
+    _compat.defer_progress_bar_scalars()  # idempotent
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        enable_model_summary=False, callbacks=[Look()],
+    )  # fmt: skip
+    trainer.fit(LogsOnTheBar())
+    assert kept and all(isinstance(value, torch.Tensor) for value in kept), "converted after every batch"
+    assert isinstance(trainer.progress_bar_metrics["on_bar"], float)  # readers still get numbers

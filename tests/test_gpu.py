@@ -108,14 +108,20 @@ def test_out_of_memory_writes_a_snapshot_named_in_the_error(tmp_path):
 def test_no_host_sync_off_logging_steps_with_the_default_callbacks(tmp_path, overlay):
     # Steps 3-7 of a log_every_n_steps=10 run: no logging step among them. The per-step exchange
     # (FaultTolerantCheckpoint's vote) sums host values over gloo; PerformanceMonitor reads its CUDA events on
-    # logging steps only. ZeRO is left out: DeepSpeed's own clipping reads the global norm on the host.
+    # logging steps only. The bar is drawn, as in a terminal, by the clock (it draws the first batch, then not
+    # for an hour), and the DDP run's model puts a metric of its own on it. ZeRO is left out: DeepSpeed's own
+    # step reads its global norm's validity on the host (tests/perf/test_host_reads.py pins those reads).
+    model = ["--model=tests.support.host_reads.GPTWithBarMetrics"] if overlay == "ddp" else []
     result = _fit_on_gpus(
         tmp_path,
         overlay,
+        *model,
         "--trainer.max_steps=10",
         "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0",
-        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=lightning_mlopt.callbacks.ThroughputProgressBar",
+        "--trainer.callbacks.log_every_n_steps=0",
+        "--trainer.callbacks.min_interval_s=3600",
         "--trainer.callbacks+=tests.helpers.NoHostSyncBetween",
         "--trainer.callbacks.first_step=3",
         "--trainer.callbacks.last_step=8",

@@ -27,7 +27,7 @@ def test_the_gpu_checklist_runs_every_section_on_cpu_in_smoke_mode(tmp_path):
             sys.executable,
             str(REPO / "benchmarks" / "gpu" / "checklist.py"),
             "--smoke",
-            "--strategies=fsdp",
+            "--strategies=fsdp,cli_ddp",
             f"--results={tmp_path}",
         ],
         capture_output=True,
@@ -40,8 +40,11 @@ def test_the_gpu_checklist_runs_every_section_on_cpu_in_smoke_mode(tmp_path):
     for text in files.values():
         assert "- Versions: Python" in text and "- Command: `python" in text
 
-    (pair,) = _table_rows(files["gpu_step_time"])
-    assert pair[:2] == ["ours_fsdp", "lightning_fsdp2"] and float(pair[4]) > 0  # ratio to Lightning's own
+    # What a user runs (the CLI with its defaults, in a pseudo-terminal) against a plain PyTorch loop; ours
+    # against Lightning's own.
+    cli, fsdp = _table_rows(files["gpu_step_time"])
+    assert cli[:3] == ["cli_ddp", "cli_ddp", "plain"] and float(cli[5]) > 0 and cli[6].startswith("<= 1.02: ")
+    assert fsdp[:3] == ["fsdp", "ours_fsdp", "lightning_fsdp2"] and float(fsdp[5]) > 0
 
     ours, lightnings = _table_rows(files["gpu_mfu"])
     # Our FLOP count (FlopCounterMode on the first real batch) and Lightning's measure_flops (meta device) agree.

@@ -47,7 +47,7 @@ PINNED = {
     WandbTracker: "project name save_dir id mode entity group tags checkpoint_dir upload_checkpoints log_provenance",
     MLflowTracker: "experiment_name run_name tracking_uri tags save_dir prefix artifact_location run_id checkpoint_dir "
     "system_metrics_every_s send_every_s flush_timeout_s hold_until_checkpoint log_provenance",
-    ThroughputProgressBar: "refresh_rate window leave log_every_n_steps",
+    ThroughputProgressBar: "refresh_rate window leave log_every_n_steps min_interval_s",
     GoodputLedger: "path log_goodput",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",
     GPTLanguageModel: "vocab_size block_size n_layer n_head d_model dropout lr weight_decay warmup_steps",

@@ -4,18 +4,19 @@
 # nine minutes, not one per section. Run there from the repository root (the device tool's `run`, carry
 # [".whl"], after `bash benchmarks/gpu/wheels.sh` here):
 #
-#     bash benchmarks/gpu/session.sh 540                        # seconds this call may take
-#     bash benchmarks/gpu/session.sh 540 checkpoint,step_time   # the timed sections, in this order
+#     bash benchmarks/gpu/session.sh 540        # seconds this call may take
 #
-# Phase 1 runs the two untimed checks side by side (the CUDA test tier, items 1 and 5, and the memory
-# planner against max_memory_allocated, item 6: both per-process readings); phase 2 runs the timed ones
-# alone, one repeat each, by default in the order step time (item 2), MFU (3), checkpoint stall (4); each
-# gets an equal share of the time left when it starts. Everything lands in $OUT/session.tgz (the tool brings back 8 files at most), the result tables
-# also as plain files.
+# Three phases, the new measurements first:
+#   1. step time, alone (45% of the budget): what a user runs (the CLI with its defaults, in a pseudo-terminal)
+#      against a plain PyTorch loop, our FSDP CLI against Lightning's ModelParallelStrategy, our ZeRO-2 against
+#      Lightning's (and with Lightning's bucket sizes); 2 interleaved repeats, the table rewritten after each job
+#      so that what ran is kept if the phase runs out;
+#   2. the CUDA test tier and the memory planner against max_memory_allocated, side by side (untimed readings);
+#   3. the checkpoint stall (sharded first, a half-size model) and MFU, sharing what is left.
+# Everything lands in $OUT/session.tgz, the result tables also as plain files (the tool brings back 8 at most).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 budget=${1:-540}
-timed=${2:-step_time,mfu,checkpoint}
 work=/tmp/gpu_session
 mkdir -p "$OUT" "$work"
 left() { echo $((budget - SECONDS)); }
@@ -34,24 +35,24 @@ checklist() {  # checklist SECTION SECONDS [more arguments]: one section, stoppe
   timeout -k 10 "$seconds" python3 benchmarks/gpu/checklist.py --sections "$section" --results "$work" "$@" \
     >"$work/$section.log" 2>&1
   echo "$section: exit $?" | tee -a "$work/exits.txt"
-  tail -n 12 "$work/$section.log"
+  tail -n 14 "$work/$section.log"
 }
 
-# Phase 1: untimed, side by side (a third of the budget at most).
-phase1=$(( $(left) * 2 / 5 ))
-echo "== tier and memory ($phase1 s at most)"
-# pytest-xdist is in the image: the tests are separate processes on one GPU (35-41 s with -n 10 on an H200).
-timeout -k 10 "$phase1" python3 -m pytest tests/test_gpu.py -m requires_cuda -p no:cacheprovider -v -ra -n 10 \
+# Phase 1: step time, alone. 7 arms x 2 repeats of 40 steps, about 20 s a job.
+checklist step_time "$(( $(left) * 45 / 100 ))" --repeats 2 --strategies cli_ddp,cli_fsdp,zero2,zero2_buckets
+
+# Phase 2: untimed, side by side (pytest-xdist is in the image: 35-41 s with -n 10 on an H200).
+phase2=$(( $(left) * 45 / 100 ))
+echo "== tier and memory ($phase2 s at most)"
+timeout -k 10 "$phase2" python3 -m pytest tests/test_gpu.py -m requires_cuda -p no:cacheprovider -v -ra -n 10 \
   --timeout 200 >"$work/tier.log" 2>&1 &
 tier=$!
-checklist memory "$((phase1 - 5))" &
+checklist memory "$((phase2 - 5))" --repeats 1 &
 wait "$tier"
 echo "tier: exit $?" | tee -a "$work/exits.txt"
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$work/tier.log" | tail -n 20
 wait
 
-# Phase 2: timed, alone; each section gets an equal share of what is left, less a reserve for packing up.
-IFS=, read -ra sections <<<"$timed"
-for i in "${!sections[@]}"; do
-  checklist "${sections[i]}" "$(( ($(left) - 15) / (${#sections[@]} - i) ))" --repeats 1
-done
+# Phase 3: timed, alone; checkpoint (async arms first) then MFU, less a reserve for packing up.
+checklist checkpoint "$(( ($(left) - 15) * 3 / 4 ))" --repeats 1
+checklist mfu "$(( $(left) - 15 ))" --repeats 1

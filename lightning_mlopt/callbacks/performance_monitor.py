@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mlopt._compat import defer_progress_bar_scalars
 from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
@@ -151,6 +152,8 @@ class PerformanceMonitor(PhaseMarkers):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # A model's `prog_bar=True` metrics would otherwise be read on the host after every batch, bar or none.
+        defer_progress_bar_scalars()
         folder, rank = self.folder(trainer), trainer.global_rank
         self._oom = OOMSnapshot(folder / f"oom-rank{rank}.pickle", self.oom_snapshot_entries)
         self._oom.start()  # before the model reaches the GPU, so its allocations are in the history

@@ -14,6 +14,8 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from lightning_mlopt._compat import defer_progress_bar_scalars
+
 
 def count_items(batch: Any) -> tuple[int, str]:
     """How much data a batch holds: tokens for integer sequences (``[batch, time]``), else samples.
@@ -114,17 +116,24 @@ class ThroughputProgressBar(TQDMProgressBar):
 
     Shows ``samples/s`` (or ``tokens/s`` for integer ``[batch, time]`` inputs) summed over all ranks, assuming
     every rank sees batches of the same size (true with the DistributedSampler), and ``eta``: time until
-    ``max_steps``/``max_epochs`` at the recent pace, validation excluded. Costs no collective and no host
-    sync. The CLI uses it by default; ``trainer.enable_progress_bar: false`` turns it off.
+    ``max_steps``/``max_epochs`` at the recent pace, validation excluded. The CLI uses it by default;
+    ``trainer.enable_progress_bar: false`` turns it off.
 
-    When stdout is not a terminal (a SLURM log, a pipe, a file), a redrawn bar fills the log with carriage
-    returns; it prints one plain line every ``log_every_n_steps`` optimizer steps instead (rank zero).
+    Costs no collective, and no host sync on a step it does not draw: the metrics on the bar (``train/loss``
+    logged with ``prog_bar=True``) are tensors on the device, and reading them waits for the GPU, so it reads
+    them only when it draws: at most every ``min_interval_s`` seconds in a terminal (Lightning's bar reads them
+    after every batch, and so does its logger connector, which this bar defers to the draws: see
+    ``_compat.defer_progress_bar_scalars``). When stdout is not a terminal (a SLURM log, a pipe, a file), a
+    redrawn bar fills the log with carriage returns; it prints one plain line every ``log_every_n_steps``
+    optimizer steps instead (rank zero), and reads the metrics then.
 
     Args:
-        refresh_rate: update the bar every N batches.
+        refresh_rate: update the bar at most every N batches.
         window: batches the throughput is averaged over.
         leave: keep each epoch's bar on screen.
         log_every_n_steps: with stdout not a terminal, one line every N optimizer steps; 0: draw the bar anyway.
+        min_interval_s: in a terminal, draw at most this often (seconds; the last batch of an epoch always);
+            each draw is one device synchronisation, so 0.5 s costs a 60 ms step one wait in eight.
 
     Example::
 
@@ -133,21 +142,31 @@ class ThroughputProgressBar(TQDMProgressBar):
     """
 
     def __init__(
-        self, refresh_rate: int = 1, window: int = 20, leave: bool = False, log_every_n_steps: int = 50
+        self,
+        refresh_rate: int = 1,
+        window: int = 20,
+        leave: bool = False,
+        log_every_n_steps: int = 50,
+        min_interval_s: float = 0.5,
     ) -> None:
         if log_every_n_steps < 0:
             raise ValueError(f"log_every_n_steps must be >= 0, got {log_every_n_steps}")
+        if not min_interval_s >= 0:
+            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}")
         super().__init__(refresh_rate=refresh_rate, leave=leave)
         self.window = window
         self.log_every_n_steps = log_every_n_steps
+        self.min_interval_s = min_interval_s
         self._meter = ThroughputMeter(window)
         self._unit = "samples"
         self._lines = False
         self._last_line_step = -1
+        self._drawn_at = -math.inf
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        defer_progress_bar_scalars()
         self._lines = self.log_every_n_steps > 0 and not sys.stdout.isatty()
         if self._lines:
             self.disable()  # no bars at all; on_train_batch_end prints the lines
@@ -158,14 +177,39 @@ class ThroughputProgressBar(TQDMProgressBar):
         self._meter.pause()
 
     @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        self._drawn_at = -math.inf  # the epoch's first batch draws its bar
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         items, self._unit = count_items(batch)
         self._meter.batch_done(items * trainer.world_size)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._lines:
+            self._print_line_if_due(trainer, pl_module)
+        else:
+            self._draw_if_due(trainer, pl_module, batches_done=batch_idx + 1)
+
+    def _draw_if_due(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches_done: int) -> None:
+        """Redraw the bar, metrics included, if ``min_interval_s`` has passed (Lightning's would every batch)."""
+        bar = self.train_progress_bar
+        if not self.is_enabled or bar.disable:
+            return
+        last = batches_done == bar.total
+        if batches_done % self.refresh_rate != 0 and not last:
+            return
+        now = time.monotonic()
+        if now - self._drawn_at < self.min_interval_s and not last:
+            return
+        self._drawn_at = now
+        bar.n = batches_done
+        bar.set_postfix(self.get_metrics(trainer, pl_module))  # draws: the one read of the metrics
+
+    def _print_line_if_due(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
-        due = step % self.log_every_n_steps == 0 or step == trainer.max_steps if self._lines else False
+        due = step % self.log_every_n_steps == 0 or step == trainer.max_steps
         if due and trainer.is_global_zero and step != self._last_line_step:
             self._last_line_step = step
             print(self._line(trainer, pl_module), flush=True)
