@@ -1,6 +1,7 @@
 """The torture harness itself keeps working: one short trial of a kill at a random instant (DDP, checkpoints in a
 loopback S3 store: the relaunch ends bitwise equal to an uninterrupted run, the store's newest checkpoint is the
-final one). The other faults' trials run in the benchmark script (an unwritable folder is also a test of its own
+final one; and one process with 2 DataLoader workers, where the kill lands mid-epoch more often than not).
+The other faults' trials run in the benchmark script (an unwritable folder is also a test of its own
 in test_fault_tolerant_checkpoint)."""
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ from tests.conftest import REPO
 
 
 @pytest.mark.multiprocess
-def test_the_torture_script_runs_its_trials_and_reports_the_cells(tmp_path):
+@pytest.mark.parametrize(
+    ("strategy", "store"),
+    [("ddp", "s3"), ("single-w2", "local")],
+    ids=["ddp-2proc-s3", "one-process-2-workers"],
+)
+def test_the_torture_script_runs_its_trials_and_reports_the_cells(tmp_path, strategy, store):
+    # The one-process cell: no DistributedSampler orders its data, and 2 DataLoader workers seed themselves from
+    # the loader: a kill mid-epoch must resume at the same sample, with the same worker seeds.
     result = subprocess.run(
         [
             sys.executable,
             str(REPO / "benchmarks" / "torture" / "torture.py"),
             "--trials=1",
-            "--strategies=ddp",
+            f"--strategies={strategy}",
             "--faults=kill",
-            "--store=s3",
+            f"--store={store}",
             "--no-publish",
             f"--work={tmp_path}",
         ],
@@ -37,4 +45,4 @@ def test_the_torture_script_runs_its_trials_and_reports_the_cells(tmp_path):
         if line.startswith("| ") and "fault" not in line
     }
     assert rows == {"kill": "1/1"}
-    assert "No failures." in result.stdout and "Store: s3" in result.stdout
+    assert "No failures." in result.stdout and ("Store: s3" in result.stdout) == (store == "s3")

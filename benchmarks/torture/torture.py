@@ -1,7 +1,9 @@
 """Torture trials: faults as a cluster delivers them, N trials per fault and strategy, pass x/N per cell.
 
 Each trial runs the real CLI on 2 CPU processes (the GPT demo, dropout on, a checkpoint every 2 steps) in its
-own process group and delivers one fault:
+own process group and delivers one fault. The one-process cells (``single``: Lightning's single-device strategy;
+``single-w2``: the same with 2 DataLoader workers; ``ddp1``: our DDP at devices=1) run the same job in one
+process, where no DistributedSampler orders the data:
 
 - ``kill``: SIGKILL to every process at a random instant of the run (start-up, mid-step, mid-save, the final
   save), then the identical command again: it must finish with parameters bitwise equal to an uninterrupted
@@ -57,7 +59,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
+STRATEGIES = ("ddp", "fsdp", "zero2", "zero3", "single", "single-w2", "ddp1")
+# The one-process cells (the single-GPU user's run): Lightning's single-device strategy, with the data in the
+# training process or in 2 DataLoader workers, and our DDP at devices=1. Each is the overlay (or strategy name),
+# the process count and the extra arguments.
+CELLS: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "single": ("auto", 1, ()),
+    "single-w2": ("auto", 1, ("--data.init_args.num_workers=2",)),
+    "ddp1": ("ddp", 1, ()),
+}
 FAULTS = ("kill", "sigterm", "sigusr1", "unwritable", "full", "corrupt", "sigterm-launcher", "grace", "notice")
 NEEDS_REFERENCE = {"kill", "sigterm", "sigusr1", "corrupt", "sigterm-launcher", "grace", "notice"}
 GRACE_S, SAVE_S = 4.0, 3.5  # the `grace` fault: each save takes 3.5 s more; the grace leaves 3 s after its margin
@@ -90,10 +100,14 @@ def _env() -> dict[str, str]:
 
 
 def command(run_dir: Path, strategy: str, *extra: str, launcher: list[str] | None = None) -> list[str]:
-    """The job: GPT demo, 2 CPU processes, dropout (the RNG state matters), a checkpoint every 2 steps.
+    """The job: GPT demo, 2 CPU processes (1 for the one-process cells), dropout (the RNG state matters), a
+    checkpoint every 2 steps; epochs of 5 steps (10 in one process), so a random kill lands mid-epoch often.
 
     ``launcher``: e.g. ``["launch", "--nproc-per-node=2"]`` to start it with ``launch`` instead of Lightning.
     """
+    overlay, devices, cell_extra = CELLS.get(strategy, (strategy, 2, ()))
+    overlay_file = REPO / "configs" / "strategies" / f"{overlay}.yaml"
+    strategy_args = ["--config", str(overlay_file)] if overlay_file.is_file() else [f"--trainer.strategy={overlay}"]
     return [
         sys.executable,
         "-m",
@@ -102,10 +116,10 @@ def command(run_dir: Path, strategy: str, *extra: str, launcher: list[str] | Non
         "fit",
         "--config",
         str(REPO / "configs" / "gpt.yaml"),
-        "--config",
-        str(REPO / "configs" / "strategies" / f"{strategy}.yaml"),
+        *strategy_args,
         "--trainer.accelerator=cpu",
-        "--trainer.devices=2",
+        f"--trainer.devices={devices}",
+        *cell_extra,
         f"--trainer.max_steps={MAX_STEPS}",
         "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0",
@@ -586,7 +600,7 @@ def main() -> int:
         sys.path.insert(0, str(REPO / "benchmarks"))
         from _common import publish
 
-        publish("torture", "cpu-2proc", body)
+        publish("torture", "cpu-1proc" if set(strategies) <= set(CELLS) else "cpu-2proc", body)
     return 0 if all(not cell.failures for cell in cells.values()) else 1
 
 

@@ -23,7 +23,16 @@ from lightning_mlopt.checkpoint import (
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE
 from lightning_mlopt.checkpoint.replicator import Replicator
-from lightning_mlopt.checkpoint.resume import ResumeChoice, choose_checkpoint, load_rng, position_in_epoch, preload
+from lightning_mlopt.checkpoint.resume import (
+    DATA_POSITION_KEY,
+    ResumeChoice,
+    choose_checkpoint,
+    data_position,
+    load_rng,
+    order_this_epoch,
+    position_in_epoch,
+    preload,
+)
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.checkpoint.tiers import attach_remote, check_tier_settings, local_folder, store_url
@@ -69,9 +78,11 @@ class FaultTolerantCheckpoint(Checkpoint):
     intact (the CLI exits with status 74).
 
     Exact resume: besides what Lightning saves (model, optimizer, scheduler, scaler, loops, callbacks), each
-    rank's Python, NumPy, torch and CUDA RNG states are saved and restored, and a mid-epoch resume skips the
-    batches the epoch already consumed (at the sampler, without loading them). With a seeded sampler (the
-    DistributedSampler of every multi-process run) the resumed run is bitwise identical on CPU.
+    rank's Python, NumPy, torch and CUDA RNG states are saved and restored, each training epoch's data order
+    and worker seeds are a function of (seed, epoch) (``checkpoint/data_order.py``: one process as many), and
+    a mid-epoch resume skips the batches the epoch already consumed (at the sampler, without loading them):
+    the resumed run is bitwise identical on CPU. A loader that cannot be placed exactly (an IterableDataset
+    without ``state_dict``, a sampler with hidden state) is named in one line at start and at resume.
 
     Args:
         dirpath: where checkpoints go: a folder, or an S3-compatible object store (``s3://bucket/prefix``, with
@@ -318,13 +329,18 @@ class FaultTolerantCheckpoint(Checkpoint):
             rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
             self.resumed_from = None
         self._tell_loggers_resumed(trainer, Path(str(explicit)) if explicit else self.resumed_from)
-        if self.resumed_from is None:
-            return
-        if self._resume_final:
+        if self.resumed_from is not None and self._resume_final:
             trainer.should_stop = True  # even if max_steps was raised since: a finished run stays finished
             return
-        rng_state = load_rng(self.resumed_from, trainer.global_rank, trainer.world_size, self.trust_pickles)
-        self._pending_rng = position_in_epoch(trainer, rng_state)
+        rng_state = None
+        if self.resumed_from is not None:
+            rng_state = load_rng(self.resumed_from, trainer.global_rank, trainer.world_size, self.trust_pickles)
+        # Fresh or resumed, this epoch's data comes in the order (seed, epoch) gives: a later resume finds it.
+        self._pending_rng = position_in_epoch(trainer, rng_state, resumed=self.resumed_from is not None)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        order_this_epoch(trainer)  # before Lightning creates the epoch's iterator
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -444,6 +460,10 @@ class FaultTolerantCheckpoint(Checkpoint):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"last_saved": str(self.last_saved) if self.last_saved else None}
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint[DATA_POSITION_KEY] = data_position(trainer)  # where the epoch is, in samples of the whole job
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,13 +1,14 @@
 """Resuming: which checkpoint (verified, trusted, fitting the strategy), loading it, and the exact position.
 
-The position: a mid-epoch resume skips the batches the epoch already used, at the sampler, without loading
-them, and puts every RNG back where the uninterrupted run had it for the next step.
+The position: each epoch's data order is a function of (seed, epoch) (``data_order.py``); a mid-epoch resume
+skips the batches the epoch already used, at the sampler, without loading them, and puts every RNG back where
+the uninterrupted run had it for the next step.
 
 Example::
 
     choice = choose_checkpoint(store, ("DDPStrategy", "one file"), trust_pickles=False, resume_final=False)  # rank 0
     preload(trainer, choice.path, trust_pickles=False)
-    pending_rng = position_in_epoch(trainer, load_rng(choice.path, rank, world_size))
+    pending_rng = position_in_epoch(trainer, load_rng(choice.path, rank, world_size), resumed=True)
 """
 
 from __future__ import annotations
@@ -18,9 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Sampler
 
 from lightning_mlopt._compat import epoch_loaders, preload_checkpoint, resume_start
+from lightning_mlopt.checkpoint.data_order import (
+    data_seed,
+    exactness_notes,
+    resumable_loaders,
+    samples_in_epoch,
+    seed_epoch,
+    seed_evaluation,
+)
 from lightning_mlopt.checkpoint.layout import can_resume, layout_of_manifest
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
@@ -149,32 +158,82 @@ def load_rng(folder: Path, rank: int, world_size: int, trust_pickles: bool) -> d
     return load_file(path, trust_pickles=trust_pickles)
 
 
-def position_in_epoch(trainer: Any, rng_state: dict[str, Any] | None) -> dict[str, Any] | None:
-    """At train start of a resumed run: skip the epoch's used batches and set the RNGs as the saved run had them.
+def position_in_epoch(trainer: Any, rng_state: dict[str, Any] | None, resumed: bool) -> dict[str, Any] | None:
+    """At train start: this epoch's data in the order (seed, epoch) gives; resumed, the position and the RNGs too.
 
-    Returns RNG states to restore right before the next step (mid-epoch), else None. Reads Lightning's loop
-    progress and its data fetcher and combined loader (the loop's own record of the position).
+    Lightning created this epoch's iterator before this hook, drawing its order from the global RNG
+    (``checkpoint/data_order.py``): it is created again, from (seed, epoch). Resumed mid-epoch, the batches the
+    epoch used are skipped at the sampler, and the RNG states to restore right before the next step are
+    returned; resumed at an epoch's end, the RNGs are restored now. Reads Lightning's loop progress and its data
+    fetcher and combined loader (the loop's own record of the position).
     """
+    fetcher, combined = epoch_loaders(trainer)
+    loaders = combined.flattened if combined is not None else []
+    say_what_is_not_exact(loaders, "Resuming" if resumed else "Exact resume")
+    for line in seed_epoch(loaders, data_seed(), trainer.current_epoch):
+        rank_zero_info(f"Exact resume: {line}.")
+    seed_evaluation(_flat(trainer.val_dataloaders), data_seed())
     # `processed`, not `completed`: a save inside on_train_batch_end precedes that batch's completion,
     # which Lightning itself counts again on restart.
-    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    fetcher, combined = epoch_loaders(trainer)  # Lightning created this epoch's iterator before this hook
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if resumed else 0
+    pending = None
     if 0 < done < trainer.num_training_batches:
-        skip_first_batches(combined.flattened if combined is not None else [], done)
-        rank_zero_info(f"Resuming mid-epoch: skipping the {done} batches epoch {trainer.current_epoch} used")
-        if fetcher is not None:
-            iter(fetcher)  # a new iterator that starts after the skipped batches
-        # The uninterrupted run created this epoch's iterator (which draws a seed from the global RNG) before
-        # it saved; here it was just created again. Restoring the RNG right before the next step puts both
-        # runs in the same state for it.
-        return rng_state
-    if rng_state is not None:
-        # Saved at the end of an epoch: the uninterrupted run created the next epoch's iterator after the
-        # save, from the saved RNG state. Do the same: restore, then create it again.
+        skip_first_batches(loaders, done)
+        samples = samples_in_epoch(done, loaders, trainer.world_size)
+        counted = f" ({samples} samples in all)" if samples is not None else ""
+        rank_zero_info(f"Resuming mid-epoch: skipping the {done} batches{counted} epoch {trainer.current_epoch} used")
+        # The uninterrupted run's next step drew from the RNGs as they were at the save: restored right before it.
+        pending = rng_state
+    elif rng_state is not None:
+        # Saved at the end of an epoch: the uninterrupted run went on from the saved RNG state.
         restore_rng_state(rng_state)
-        if fetcher is not None:
-            iter(fetcher)
-    return None
+    if fetcher is not None:
+        iter(fetcher)  # a new iterator, in the (seed, epoch) order, starting after any skipped batches
+    return pending
+
+
+DATA_POSITION_KEY = "data_position"  # in every checkpoint's state: see data_position()
+
+
+def data_position(trainer: Any) -> dict[str, Any]:
+    """Where the training data stands, world-size free: epoch, order seed and samples the job consumed in it.
+
+    ``samples`` is None where a loader's batch size is unknown.
+
+    Example::
+
+        {"epoch": 1, "seed": 1234, "batches_per_rank": 8, "samples": 512}
+    """
+    _, combined = epoch_loaders(trainer)
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    loaders = combined.flattened if combined is not None else []
+    return {
+        "epoch": trainer.current_epoch,
+        "seed": data_seed(),
+        "batches_per_rank": batches,
+        "samples": samples_in_epoch(batches, loaders, trainer.world_size),
+    }
+
+
+def order_this_epoch(trainer: Any) -> None:
+    """At an epoch's start, before Lightning creates its iterator: its order from (seed, epoch)."""
+    _, combined = epoch_loaders(trainer)
+    seed_epoch(combined.flattened if combined is not None else [], data_seed(), trainer.current_epoch)
+
+
+def say_what_is_not_exact(loaders: Iterable[Any], when: str) -> None:
+    """One line per training loader a mid-epoch resume cannot place exactly (rank zero), naming the remedy."""
+    for note in exactness_notes(loaders):
+        rank_zero_warn(f"{when}: not exact: {note}.")
+
+
+def _flat(loaders: Any) -> list[Any]:
+    """The loaders in Lightning's ``trainer.val_dataloaders`` (one, a list, a dict, or None)."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
 
 
 class _SkipOnce(Sampler[list[int]]):
@@ -203,14 +262,10 @@ class _SkipOnce(Sampler[list[int]]):
 def skip_first_batches(loaders: Iterable[Any], count: int) -> None:
     """Make each map-style DataLoader's next iteration start at batch ``count``.
 
-    Raises:
-        ValueError: a loader cannot skip at the sampler (an iterable-style dataset, or no batch sampler).
-
+    Loaders that cannot skip at a sampler (an iterable-style dataset, not a DataLoader) or restore their own
+    position (a ``state_dict``: Lightning loads it) are left as they are; ``exactness_notes`` names the former.
     """
-    for loader in loaders:
-        if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
-            raise ValueError(
-                f"cannot resume mid-epoch with {type(loader).__name__}: it has no batch sampler to skip through"
-            )
+    for loader in resumable_loaders(loaders):
         # DataLoader forbids reassigning batch_sampler after construction; this is the one sanctioned use.
+        assert loader.batch_sampler is not None  # map-style: DataLoader always has one
         object.__setattr__(loader, "batch_sampler", _SkipOnce(loader.batch_sampler, count))
