@@ -52,8 +52,9 @@ def test_the_gpu_checklist_runs_every_section_on_cpu_in_smoke_mode(tmp_path):
     assert 0 < float(ours[3]) <= 1  # MFU against the measured matmul peak
 
     (sharded,) = _table_rows(files["gpu_checkpoint"])
-    assert sharded[0] == "sharded (FSDP)" and float(sharded[3]) > 0 and float(sharded[4]) > 0
-    assert 0 <= float(sharded[5]) <= float(sharded[4])  # the wait for the previous write: part of the blocking
+    assert sharded[0] == "sharded (FSDP)" and float(sharded[3]) >= 0  # the device drain, apart
+    assert float(sharded[4]) > 0 and float(sharded[5]) > 0  # sync and async blocking
+    assert 0 <= float(sharded[6]) <= float(sharded[5])  # the wait for the previous write: part of the blocking
 
     (fsdp,) = _table_rows(files["gpu_memory"])
     assert fsdp[:2] == ["fsdp", "zero3/fsdp"]

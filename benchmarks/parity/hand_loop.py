@@ -76,6 +76,10 @@ def main() -> None:
         metavar="FILE",
         help="rank 0 writes each step's collectives by issuer here (COUNTED_STEPS, as the budget test counts)",
     )
+    parser.add_argument(
+        "--trace", default=None, metavar="START,STOP,FILE",
+        help="rank 0 profiles steps START..STOP-1 into FILE (trace_window.py)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -108,6 +112,12 @@ def main() -> None:
     else:
         train = _torch_loop(module, args.strategy, clip)
     batches = iter(loader)
+    window = None
+    if args.trace:
+        from trace_window import TraceWindow
+
+        start, stop, out = args.trace.split(",", 2)
+        window = TraceWindow(int(start), int(stop), Path(out))
     counted: list[dict[str, Any]] = []
     step_s: list[float] = []
     last: float | None = None
@@ -118,6 +128,8 @@ def main() -> None:
             sampler.set_epoch(sampler.epoch + 1)
             batches = iter(loader)
             batch = next(batches)
+        if window is not None:
+            window.at_step(step)
         now = time.perf_counter()  # where StepClock stamps a Lightning step: the batch fetched, before the step
         if last is not None:
             step_s.append(now - last)
@@ -130,6 +142,8 @@ def main() -> None:
             counted.append({"step": step, "by_issuer": counter.by_issuer(), "sites": counter.by_site("strategy")})
         else:
             train(batch)
+    if window is not None:
+        window.close()
     if args.step_times is not None and rank == 0:
         args.step_times.write_text(json.dumps({"step_s": step_s}))
     if args.count_collectives is not None and rank == 0:

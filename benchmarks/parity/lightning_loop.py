@@ -83,6 +83,10 @@ def main() -> None:
         "--with", dest="ours", action="append", default=[], choices=["checkpoint", "performance", "goodput"],
         help="add one of our default callbacks (repeatable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--trace", default=None, metavar="START,STOP,FILE",
+        help="rank 0 profiles steps START..STOP-1 into FILE (trace_window.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     if not args.our_strategy and args.strategy not in ("ddp", "fsdp"):
         parser.error(f"Lightning's DeepSpeedStrategy refuses a CPU: {args.strategy} runs only with --our-strategy")
@@ -101,7 +105,12 @@ def main() -> None:
     else:
         strategy = pl.strategies.ModelParallelStrategy() if fsdp else "ddp"
     root = args.root or tempfile.mkdtemp(prefix="lightning_parity_")
-    callbacks = [StepClock(args.step_times)] if args.step_times else []
+    callbacks: list[Any] = [StepClock(args.step_times)] if args.step_times else []
+    if args.trace:
+        from trace_window import TraceSteps
+
+        start, stop, out = args.trace.split(",", 2)
+        callbacks.append(TraceSteps(int(start), int(stop), out))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
