@@ -26,6 +26,7 @@ from lightning_mlopt.checkpoint.replicator import Replicator
 from lightning_mlopt.checkpoint.resume import (
     DATA_POSITION_KEY,
     ResumeChoice,
+    ResumingStrategy,
     choose_checkpoint,
     data_position,
     load_rng,
@@ -43,6 +44,7 @@ from lightning_mlopt.process.grace import ANY_SIGNAL, SaveBudget, graces_from_en
 from lightning_mlopt.process.phase import phase
 from lightning_mlopt.process.signals import DEFAULT_DEADLINE_S, preemption
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
+from lightning_mlopt.strategies import LAYOUTS, layout_named
 from lightning_mlopt.strategies.contract import contract_of
 
 log = logging.getLogger(__name__)
@@ -291,7 +293,8 @@ class FaultTolerantCheckpoint(Checkpoint):
         assert self.saver is not None  # made at setup
         choice = None
         if self.auto_resume and trainer.is_global_zero:
-            current = (type(trainer.strategy).__name__, contract.checkpoint_layout)
+            layout = layout_named(contract.checkpoint_layout)
+            current = ResumingStrategy(type(trainer.strategy).__name__, layout, tuple(LAYOUTS.values()))
             choice = choose_checkpoint(
                 store,
                 current,

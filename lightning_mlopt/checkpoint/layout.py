@@ -1,25 +1,23 @@
-"""Checkpoint layouts, registered by the strategies that write them, and what a save asks of a strategy.
+"""Checkpoint layouts: what a save asks of a strategy, and what the package knows of the formats strategies write.
 
-Every layout belongs to a strategy, which registers it here when its module is imported (:func:`register_layout`:
-its name, how to read it as one full state dict, how to recognise its files, which layouts it can resume from),
-so this package imports no strategy class; ``import lightning_mlopt.strategies`` registers ours, and a
-question asked before any registration fails loudly instead of answering from an empty table. The saver
-writes ``one file`` itself (rank zero saves the whole state, as Lightning's base strategy does); the other
-layouts are written by their strategies. A strategy answers the
+A layout is described by the strategy that writes it, in its spec (``strategies/spec.py``): its name, how to
+read it as one full state dict, how to recognise its files, which layouts it can resume from. Nothing is
+registered: the functions here are given the layouts they judge (the strategies' table,
+``lightning_mlopt.strategies.LAYOUTS``, passed in by the floors above), so this package imports no strategy
+and works whatever was imported before. The saver writes ``one file`` itself (rank zero saves the whole state,
+as Lightning's base strategy does); the other layouts are written by their strategies. A strategy answers the
 questions a save asks through :class:`CheckpointingStrategy` (``strategies/contract.py`` declares the full
 contract; a strategy that is not ours goes through its adapter there).
 
 Example::
 
-    register_layout(CheckpointLayout("DCP shards", FSDPStrategy.consolidate_checkpoint, is_dcp_folder,
-                                     resumes_from=(ONE_FILE,), written_by=("FSDPStrategy",)))
-    can_resume(saved="one file", current="DCP shards")      # True: DCP reads a full state dict and shards it
-    full = consolidator(layout_of_folder(state))(state)     # any registered layout, as one Lightning dict
+    can_resume(saved="one file", current=LAYOUTS["DCP shards"])  # True: DCP reads a full state dict, shards it
+    full = layout_of_folder(state, LAYOUTS.values()).read(state)  # any known layout, as one Lightning dict
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -27,6 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 from lightning_mlopt.checkpoint.manifest import FileEntry
 
 ONE_FILE = "one file"
+DCP_SHARDS = "DCP shards"  # a torch.distributed.checkpoint folder (FSDP, Lightning's ModelParallelStrategy)
+ZERO_PARTITIONS = "ZeRO partitions"  # DeepSpeed's checkpoint folder
 # Lightning's name for the non-tensor state next to DCP's shards (it loads it from there; so does our tool).
 DCP_META_NAME = "meta.pt"
 
@@ -66,12 +66,12 @@ class CheckpointingStrategy(Protocol):
 
 @dataclass(frozen=True)
 class CheckpointLayout:
-    """A layout a strategy writes, as the checkpoint package needs to know it.
+    """A layout a strategy writes, as the checkpoint package needs to know it; part of the strategy's spec.
 
     Args:
         name: the name manifests record (``"DCP shards"``).
         consolidate: reads a checkpoint of this layout as one full Lightning state dict on CPU, called as
-            ``consolidate(state, trust_pickles)``.
+            ``consolidate(state, trust_pickles)``; None for a format no strategy of ours reads.
         recognise: whether a saved ``state`` path (file or folder) is in this layout, by its files alone.
         resumes_from: other layouts a strategy writing this one can resume from.
         written_by: strategy class names whose manifests predate the recorded layout.
@@ -79,67 +79,45 @@ class CheckpointLayout:
     """
 
     name: str
-    consolidate: Callable[..., dict[str, Any]]
-    recognise: Callable[[Path], bool]
+    consolidate: Callable[..., dict[str, Any]] | None = None
+    recognise: Callable[[Path], bool] = lambda _: False
     resumes_from: tuple[str, ...] = ()
     written_by: tuple[str, ...] = ()
 
+    def read(self, state: Path, trust_pickles: bool = False) -> dict[str, Any]:
+        """The checkpoint at ``state`` as one full Lightning dict on CPU.
 
-_LAYOUTS: dict[str, CheckpointLayout] = {}
+        Raises:
+            ValueError: no strategy of ours reads this layout.
 
-
-def _layouts() -> dict[str, CheckpointLayout]:
-    if not _LAYOUTS:
-        raise RuntimeError("no checkpoint layouts are registered: import lightning_mlopt.strategies first")
-    return _LAYOUTS
-
-
-def register_layout(layout: CheckpointLayout) -> None:
-    """Make ``layout`` known to resume, ``checkpoint consolidate`` and ``export`` (a strategy module does this)."""
-    _LAYOUTS[layout.name] = layout
+        """
+        if self.consolidate is None:
+            raise ValueError(f"no strategy of ours reads {self.name!r}; resume it with the strategy that wrote it")
+        return self.consolidate(state, trust_pickles)
 
 
-def registered_layouts() -> list[str]:
-    """The names of every registered layout."""
-    return list(_LAYOUTS)
+def can_resume(saved: str, current: CheckpointLayout) -> bool:
+    """Whether a checkpoint in layout ``saved`` loads into a strategy that writes ``current``."""
+    return saved == current.name or saved in current.resumes_from
 
 
-def layout_of_manifest(layout: str | None, strategy_name: str) -> str:
+def layout_of_manifest(layout: str | None, strategy_name: str, known: Iterable[CheckpointLayout]) -> str:
     """The layout a manifest records, or for manifests that predate the field, the one its strategy wrote."""
     if layout:
         return layout
-    return next((known.name for known in _layouts().values() if strategy_name in known.written_by), ONE_FILE)
+    return next((each.name for each in known if strategy_name in each.written_by), ONE_FILE)
 
 
-def can_resume(saved: str, current: str) -> bool:
-    """Whether a checkpoint in layout ``saved`` loads into a strategy that writes ``current``."""
-    if saved == current:
-        return True
-    layouts = _layouts()
-    return current in layouts and saved in layouts[current].resumes_from
-
-
-def layout_of_folder(state: Path) -> str:
+def layout_of_folder(state: Path, known: Iterable[CheckpointLayout]) -> CheckpointLayout:
     """The layout of a saved ``state`` by its files (for checkpoints without a manifest that records it).
 
     Raises:
-        FileNotFoundError: nothing there that any registered layout writes.
+        FileNotFoundError: nothing there that any of the ``known`` layouts writes.
 
     """
-    found = next((known.name for known in _layouts().values() if known.recognise(state)), None)
+    layouts = list(known)
+    found = next((each for each in layouts if each.recognise(state)), None)
     if found is None:
-        raise FileNotFoundError(f"{state}: not a checkpoint in any known layout ({', '.join(_LAYOUTS)})")
+        names = ", ".join(each.name for each in layouts)
+        raise FileNotFoundError(f"{state}: not a checkpoint in any known layout ({names})")
     return found
-
-
-def consolidator(layout: str) -> Callable[..., dict[str, Any]]:
-    """How to read a checkpoint of ``layout`` as one full state dict: ``consolidator(layout)(state, trust)``.
-
-    Raises:
-        ValueError: no registered strategy reads ``layout``.
-
-    """
-    layouts = _layouts()
-    if layout not in layouts:
-        raise ValueError(f"no strategy of ours reads {layout!r}; resume it with the strategy that wrote it")
-    return layouts[layout].consolidate

@@ -6,7 +6,7 @@ the uninterrupted run had it for the next step.
 
 Example::
 
-    choice = choose_checkpoint(store, ("DDPStrategy", "one file"), trust_pickles=False, resume_final=False)  # rank 0
+    choice = choose_checkpoint(store, ResumingStrategy("DDPStrategy", LAYOUTS["one file"]), False, False)  # rank 0
     preload(trainer, choice.path, trust_pickles=False)
     pending_rng = position_in_epoch(trainer, load_rng(choice.path, rank, world_size), resumed=True)
 """
@@ -30,7 +30,7 @@ from lightning_mlopt.checkpoint.data_order import (
     seed_epoch,
     seed_evaluation,
 )
-from lightning_mlopt.checkpoint.layout import can_resume, layout_of_manifest
+from lightning_mlopt.checkpoint.layout import CheckpointLayout, can_resume, layout_of_manifest
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
 from lightning_mlopt.checkpoint.rng import restore_rng_state
@@ -56,9 +56,25 @@ class ResumeChoice:
     failure: str | None = None
 
 
+@dataclass(frozen=True)
+class ResumingStrategy:
+    """The run's strategy as resume judges a checkpoint against it.
+
+    Args:
+        name: its class name (what manifests record).
+        layout: the layout it writes (what it can resume from).
+        known: every layout the package knows (a manifest older than the recorded layout names its strategy).
+
+    """
+
+    name: str
+    layout: CheckpointLayout
+    known: tuple[CheckpointLayout, ...] = ()
+
+
 def choose_checkpoint(
     store: CheckpointStore,
-    strategy: tuple[str, str],
+    strategy: ResumingStrategy,
     trust_pickles: bool,
     resume_final: bool,
     remote: RemoteCheckpoints | None = None,
@@ -66,7 +82,7 @@ def choose_checkpoint(
 ) -> ResumeChoice | None:
     """Rank zero: clean interrupted saves, take the newest checkpoint that verifies, check it fits and is trusted.
 
-    ``strategy`` is the run's strategy as ``(class name, checkpoint layout)``. ``remote``: a remote tier whose
+    ``strategy``: the run's strategy, its layout and the layouts known. ``remote``: a remote tier whose
     newer checkpoints are downloaded (verified) into ``store`` first; ``remote_required``: a remote that cannot
     be read fails the resume (else the local tier is used, with a warning). None when there is nothing to
     resume from.
@@ -108,15 +124,12 @@ def choose_checkpoint(
     return ResumeChoice(entry.path, manifest=entry.manifest)
 
 
-def strategy_switch_refusal(saved: Manifest, strategy: tuple[str, str], path: Path) -> str | None:
-    """A one-line refusal when the checkpoint's layout cannot be resumed by this run's strategy, else None.
-
-    ``strategy`` is the run's strategy as ``(class name, checkpoint layout)``.
-    """
-    saved_layout = layout_of_manifest(saved.layout, saved.strategy)
-    current, current_layout = strategy
-    if can_resume(saved_layout, current_layout):
+def strategy_switch_refusal(saved: Manifest, strategy: ResumingStrategy, path: Path) -> str | None:
+    """A one-line refusal when the checkpoint's layout cannot be resumed by this run's strategy, else None."""
+    saved_layout = layout_of_manifest(saved.layout, saved.strategy, strategy.known)
+    if can_resume(saved_layout, strategy.layout):
         return None
+    current, current_layout = strategy.name, strategy.layout.name
     return (
         f"cannot resume {path} (written by {saved.strategy}: {saved_layout}) with {current} ({current_layout}). "
         "Resuming works with the same strategy family at any world size (DDP, FSDP; ZeRO at the same world size), "

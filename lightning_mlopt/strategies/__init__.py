@@ -13,38 +13,43 @@ from typing import Any
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from lightning_mlopt.checkpoint.layout import CheckpointLayout
+from lightning_mlopt.strategies import ddp, deepspeed, fsdp
 from lightning_mlopt.strategies.ddp import DDPStrategy
 from lightning_mlopt.strategies.deepspeed import DeepSpeedStrategy
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
+from lightning_mlopt.strategies.spec import StrategySpec, layouts_table, names_table, registered_name
 
-__all__ = ["STRATEGIES", "DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "registered_name", "resolve_strategy"]
+__all__ = [
+    "LAYOUTS",
+    "SPECS",
+    "STRATEGIES",
+    "DDPStrategy",
+    "DeepSpeedStrategy",
+    "FSDPStrategy",
+    "StrategySpec",
+    "layout_named",
+    "registered_name",
+    "resolve_strategy",
+]
 
+# The one table: every strategy family of ours, each described in its own module's SPEC.
+SPECS: tuple[StrategySpec, ...] = (ddp.SPEC, fsdp.SPEC, deepspeed.SPEC)
 # name -> (class, constructor arguments, one-line description)
-STRATEGIES: dict[str, tuple[type[Strategy], dict[str, Any], str]] = {
-    "ddp": (DDPStrategy, {}, "DDP, CPU (gloo) or GPU (NCCL)"),
-    "ddp_fp16": (DDPStrategy, {"comm_hook": "fp16"}, "DDP with fp16 gradient compression"),
-    "ddp_bf16": (DDPStrategy, {"comm_hook": "bf16"}, "DDP with bf16 gradient compression"),
-    "ddp_powersgd": (DDPStrategy, {"comm_hook": "powersgd"}, "DDP with PowerSGD gradient compression"),
-    "fsdp": (FSDPStrategy, {}, "FSDP2 full shard; every direct child of the LightningModule is a unit"),
-    "zero1": (DeepSpeedStrategy, {"preset": "zero1"}, "DeepSpeed ZeRO-1: optimizer state sharded"),
-    "zero2": (DeepSpeedStrategy, {"preset": "zero2"}, "DeepSpeed ZeRO-2: optimizer state and gradients sharded"),
-    "zero2_offload": (
-        DeepSpeedStrategy,
-        {"preset": "zero2", "offload_optimizer": True},
-        "DeepSpeed ZeRO-2 with optimizer state offloaded to CPU memory",
-    ),
-    "zero3": (DeepSpeedStrategy, {"preset": "zero3"}, "DeepSpeed ZeRO-3: parameters sharded too"),
-    "zero3_offload": (
-        DeepSpeedStrategy,
-        {"preset": "zero3_offload"},
-        "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to CPU memory",
-    ),
-}
+STRATEGIES: dict[str, tuple[type[Strategy], dict[str, Any], str]] = names_table(SPECS)
+# layout name -> the layout (its reader, how to recognise its files, what it resumes from)
+LAYOUTS: dict[str, CheckpointLayout] = layouts_table(SPECS)
 
 
-def registered_name(name: str) -> str:
-    """Lightning-registry name of one of our strategies: ``ddp`` -> ``mlopt_ddp``."""
-    return f"mlopt_{name}"
+def layout_named(name: str) -> CheckpointLayout:
+    """The layout called ``name``; a format no strategy of ours writes gets an entry that reads nothing.
+
+    Example::
+
+        layout_named("DCP shards").read(state)        # FSDP's reader
+        layout_named("the format of MyStrategy")       # resumes only itself; .read raises
+    """
+    return LAYOUTS.get(name) or CheckpointLayout(name, resumes_from=())
 
 
 def resolve_strategy(name: str) -> str:

@@ -7,7 +7,7 @@ them a :class:`StrategyContract`:
 - ``sharding``: which gradient and parameter pieces this rank holds, which tensors are replicated where
   (GradNormMonitor, ReplicaConsistencyCheck, module norms);
 - ``checkpoint_layout`` and ``consolidate_checkpoint``: the layout it writes and how to read one back whole
-  (the layout is registered in ``checkpoint/layout.py`` by the strategy's module);
+  (the layout is described in the family's spec, ``strategies/spec.py``);
 - ``background_saves``, ``save_checkpoint_async`` and ``checkpoint_process_group``: async saves;
 - ``check_model``: a check of the model against the strategy's settings, before anything runs.
 
@@ -17,9 +17,9 @@ uses what the strategy itself has (a ``checkpoint_layout``, ``sharding``, ``chec
 ``save_checkpoint_async``) and otherwise recognises Lightning's DeepSpeed, FSDP and model-parallel strategies
 by class; a strategy with its own ``save_checkpoint`` writes "the format of <its class>", any other one file.
 
-Adding a strategy (e.g. tensor parallel): one file with a ``DeclaresContract`` subclass (its layout
-registered at the bottom if it writes a new one), one row in ``strategies/__init__.py``'s table, an overlay
-in ``configs/strategies/``, its tests.
+Adding a strategy (e.g. tensor parallel): one file with a ``DeclaresContract`` subclass and its ``SPEC``
+(names, layout, overlay: ``strategies/spec.py``), one entry in ``strategies/__init__.py``'s ``SPECS``, an
+overlay in ``configs/strategies/``, its tests.
 
 Example::
 
@@ -35,12 +35,16 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointingStrategy, PendingWrite, consolidator
+from lightning_mlopt.checkpoint.layout import (
+    DCP_SHARDS,
+    ONE_FILE,
+    ZERO_PARTITIONS,
+    CheckpointingStrategy,
+    PendingWrite,
+)
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 
-# Layouts that belong to strategy families; their strategies' modules register them.
-DCP_SHARDS = "DCP shards"
-ZERO_PARTITIONS = "ZeRO partitions"
+__all__ = ["DCP_SHARDS", "ZERO_PARTITIONS", "DeclaresContract", "ForeignStrategy", "StrategyContract", "contract_of"]
 
 
 class StrategyContract(CheckpointingStrategy, Protocol):
@@ -88,8 +92,10 @@ class DeclaresContract:
         raise NotImplementedError(f"{type(self).__name__} has no background saves")
 
     def consolidate_checkpoint(self, state: Path, trust_pickles: bool = False) -> dict[str, Any]:
-        """Read through the registered reader of this strategy's layout."""
-        return consolidator(self.checkpoint_layout)(state, trust_pickles)
+        """Read through the reader of this strategy's layout (the spec of the family that writes it)."""
+        from lightning_mlopt.strategies import layout_named  # the table imports this module: at call time
+
+        return layout_named(self.checkpoint_layout).read(state, trust_pickles)
 
 
 _PLAIN_TENSORS = TensorSharding()

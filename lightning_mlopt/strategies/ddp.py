@@ -14,9 +14,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointLayout, register_layout
+from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointLayout
 from lightning_mlopt.distributed.sharding import TensorSharding
 from lightning_mlopt.strategies.contract import DeclaresContract
+from lightning_mlopt.strategies.spec import StrategySpec
 
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 
@@ -66,8 +67,6 @@ class DDPStrategy(DeclaresContract, _LightningDDPStrategy):
         trainer = Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(comm_hook="fp16"))
 
     """
-
-    strategy_name = "mlopt_ddp"
 
     checkpoint_layout = ONE_FILE  # rank zero writes the whole state (see checkpoint/layout.py)
     sharding = TensorSharding()  # every rank holds the whole model and, after backward, the same gradients
@@ -158,4 +157,14 @@ def _comm_hook(name: CommHook, powersgd_rank: int | None, powersgd_start_iter: i
     return state, powerSGD_hook.powerSGD_hook
 
 
-register_layout(CheckpointLayout(ONE_FILE, DDPStrategy.consolidate_checkpoint, recognise=Path.is_file))
+SPEC = StrategySpec(
+    DDPStrategy,
+    names={
+        "ddp": ({}, "DDP, CPU (gloo) or GPU (NCCL)"),
+        "ddp_fp16": ({"comm_hook": "fp16"}, "DDP with fp16 gradient compression"),
+        "ddp_bf16": ({"comm_hook": "bf16"}, "DDP with bf16 gradient compression"),
+        "ddp_powersgd": ({"comm_hook": "powersgd"}, "DDP with PowerSGD gradient compression"),
+    },
+    layout=CheckpointLayout(ONE_FILE, DDPStrategy.consolidate_checkpoint, recognise=Path.is_file),
+    overlays=("ddp.yaml",),
+)

@@ -27,12 +27,13 @@ from lightning_mlopt._compat import (
     restore_zero_state,
     zero3_step_starts_at_the_outermost_forward,
 )
-from lightning_mlopt.checkpoint.layout import CheckpointLayout, register_layout
+from lightning_mlopt.checkpoint.layout import ZERO_PARTITIONS, CheckpointLayout
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
-from lightning_mlopt.strategies.contract import ZERO_PARTITIONS, DeclaresContract
+from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.sharding import ZeroSharding
+from lightning_mlopt.strategies.spec import StrategySpec
 
 Preset = Literal["zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -104,9 +105,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
 
     """
 
-    strategy_name = "mlopt_deepspeed"
-
-    checkpoint_layout = ZERO_PARTITIONS  # DeepSpeed's checkpoint folder (registered at the bottom)
+    checkpoint_layout = ZERO_PARTITIONS  # DeepSpeed's checkpoint folder (its spec at the bottom)
     background_saves = True
 
     @property
@@ -343,11 +342,27 @@ def _is_deepspeed_folder(state: Path) -> bool:
     return (state / "checkpoint").is_dir() or (state / "latest").is_file()  # DeepSpeed's tag folder
 
 
-register_layout(
-    CheckpointLayout(
+SPEC = StrategySpec(
+    DeepSpeedStrategy,
+    names={
+        "zero1": ({"preset": "zero1"}, "DeepSpeed ZeRO-1: optimizer state sharded"),
+        "zero2": ({"preset": "zero2"}, "DeepSpeed ZeRO-2: optimizer state and gradients sharded"),
+        "zero2_offload": (
+            {"preset": "zero2", "offload_optimizer": True},
+            "DeepSpeed ZeRO-2 with optimizer state offloaded to CPU memory",
+        ),
+        "zero3": ({"preset": "zero3"}, "DeepSpeed ZeRO-3: parameters sharded too"),
+        "zero3_offload": (
+            {"preset": "zero3_offload"},
+            "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to CPU memory",
+        ),
+    },
+    layout=CheckpointLayout(
         ZERO_PARTITIONS,
         DeepSpeedStrategy.consolidate_checkpoint,
         recognise=_is_deepspeed_folder,
         written_by=("DeepSpeedStrategy",),
-    )
+    ),
+    overlays=("zero1.yaml", "zero2.yaml", "zero3.yaml", "zero3_offload.yaml"),
+    family="deepspeed",
 )

@@ -26,14 +26,15 @@ from lightning_mlopt._compat import (
     setup_distributed,
 )
 from lightning_mlopt.checkpoint.checksum import digest_of
-from lightning_mlopt.checkpoint.layout import DCP_META_NAME, ONE_FILE, CheckpointLayout, PendingWrite, register_layout
+from lightning_mlopt.checkpoint.layout import DCP_META_NAME, DCP_SHARDS, ONE_FILE, CheckpointLayout, PendingWrite
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import dcp_stager, load_file, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.sharding import TensorSharding
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
-from lightning_mlopt.strategies.contract import DCP_SHARDS, DeclaresContract
+from lightning_mlopt.strategies.contract import DeclaresContract
+from lightning_mlopt.strategies.spec import StrategySpec
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -81,9 +82,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
 
     """
 
-    strategy_name = "mlopt_fsdp"
-
-    checkpoint_layout = DCP_SHARDS  # a torch.distributed.checkpoint folder (registered at the bottom)
+    checkpoint_layout = DCP_SHARDS  # a torch.distributed.checkpoint folder (its spec at the bottom)
     background_saves = True
     sharding = TensorSharding()  # parameters and gradients are DTensors whose placements say who holds what
     # DCP's async checkpointer: "thread" (chosen: see benchmarks/results/checkpoint_sharded_*) or "process".
@@ -380,12 +379,15 @@ def _is_dcp_folder(state: Path) -> bool:
     return state.is_dir() and any(state.glob("*.distcp"))
 
 
-register_layout(
-    CheckpointLayout(
+SPEC = StrategySpec(
+    FSDPStrategy,
+    names={"fsdp": ({}, "FSDP2 full shard; every direct child of the LightningModule is a unit")},
+    layout=CheckpointLayout(
         DCP_SHARDS,
         FSDPStrategy.consolidate_checkpoint,
         recognise=_is_dcp_folder,
         resumes_from=(ONE_FILE,),  # DCP reads a full state dict and shards it
         written_by=("FSDPStrategy", "ModelParallelStrategy"),
-    )
+    ),
+    overlays=("fsdp.yaml",),
 )

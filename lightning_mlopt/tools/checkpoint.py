@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_mlopt.checkpoint.layout import consolidator, layout_of_folder
+from lightning_mlopt.checkpoint.layout import layout_of_folder
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
 from lightning_mlopt.checkpoint.object_store import ObjectURL, is_object_url
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore, refuse_url
@@ -133,16 +133,16 @@ def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, 
     Every pickle in it is checked against the allowlist first (raises UntrustedCheckpointError), unless
     ``trust_pickles``; then the strategy that writes its layout consolidates it.
     """
-    import lightning_mlopt.strategies  # noqa: F401  (importing our strategies registers their layouts' readers)
+    from lightning_mlopt.strategies import LAYOUTS, layout_named
 
     check_trusted(state, trust_pickles)
     manifest = state.parent / MANIFEST_NAME
     recorded = Manifest.from_json(manifest.read_text()).layout if manifest.is_file() else None
     try:
-        layout = recorded or layout_of_folder(state)
+        layout = layout_named(recorded) if recorded else layout_of_folder(state, LAYOUTS.values())
     except FileNotFoundError as error:
         raise CheckpointInvalidError(str(error)) from None
-    return consolidator(layout)(state, trust_pickles)
+    return layout.read(state, trust_pickles)
 
 
 def _byte_size(text: str) -> int:
