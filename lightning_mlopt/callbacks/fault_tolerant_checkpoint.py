@@ -217,6 +217,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         self._training_started = False
         self._final_saved = False
         self._vote_lagged = False  # agreed at each boundary from the ranks' mean step time (identical on all)
+        self._may_lag = True  # whether the vote may be summed in the background at all (set at setup)
         self._last_boundary: float | None = None
         self._step_s = 0.0  # this rank's last step, boundary to boundary
         self._save_step_at_vote = -1  # the last save when the vote now in the background was sampled
@@ -284,6 +285,9 @@ class FaultTolerantCheckpoint(Checkpoint):
         self.saver.check_writable(trainer)
         if self._votes():  # each batch's exchange carries what this rank saw (read in on_train_batch_end)
             step_exchange(trainer).provide(_VOTE, lambda: self._local_flags(trainer))
+        # On CPU the vote shares training's gloo group: left in flight across a boundary it would delay a
+        # strategy that gathers at the step's start (FSDP: 13% a step), so such a strategy votes in step there.
+        self._may_lag = not (trainer.world_size > 1 and _on_gloo() and contract.collectives_at_step_start)
         # Finding, verifying and loading the checkpoint is the run's restore time (the goodput ledger's figure).
         with phase("restore"):
             self._resume(trainer, store, contract, remote)
@@ -575,7 +579,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         else:
             total = exchange.read(trainer, _VOTE)
         # Every rank reads the same sums, so every rank votes the same way at the next boundary.
-        self._vote_lagged = trainer.world_size > 1 and total[5] / trainer.world_size < _LAG_BELOW_S
+        self._vote_lagged = self._may_lag and trainer.world_size > 1 and total[5] / trainer.world_size < _LAG_BELOW_S
         signalled, due, write_failed, no_time, no_time_in_flight = (value > 0 for value in total[:5])
         if write_failed:
             self.saver.wait(trainer)  # collective: every rank raises the same error
@@ -623,3 +627,12 @@ def _before_checkpoint(trainer: pl.Trainer) -> None:
         vet = getattr(callback, "before_checkpoint", None)
         if vet is not None:
             vet(trainer)
+
+
+def _on_gloo() -> bool:
+    """Whether training's own process group is gloo (CPU), the one the vote's sums then share."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and (torch.distributed.get_backend() == "gloo")
+    )

@@ -109,6 +109,11 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
     background_saves = True
 
     @property
+    def collectives_at_step_start(self) -> bool:  # type: ignore[override]
+        """ZeRO-3 gathers parameters as the forward reaches them; ZeRO-1/2 reduce late in backward."""
+        return bool((self.config or {}).get("zero_optimization", {}).get("stage") == 3)
+
+    @property
     def sharding(self) -> ZeroSharding:
         """What each rank holds: ZeRO partitions (see strategies/sharding.py)."""
         return ZeroSharding(self)

@@ -84,6 +84,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
 
     checkpoint_layout = DCP_SHARDS  # a torch.distributed.checkpoint folder (its spec at the bottom)
     background_saves = True
+    collectives_at_step_start = True  # each unit's parameters are all-gathered as the forward reaches it
     sharding = TensorSharding()  # parameters and gradients are DTensors whose placements say who holds what
     # DCP's async checkpointer: "thread" (chosen: see benchmarks/results/checkpoint_sharded_*) or "process".
     async_checkpointer: Literal["thread", "process"] = "thread"

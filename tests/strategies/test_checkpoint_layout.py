@@ -175,3 +175,14 @@ def test_the_checkpoint_package_needs_no_strategy_imported(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_which_strategies_gather_at_the_start_of_a_step():
+    # FaultTolerantCheckpoint votes in step on CPU under these: a sum in flight on training's gloo group across
+    # the boundary delayed FSDP's first all-gathers (benchmarks/results/parity-trace-fsdp_cpu-2proc_202611.md).
+    assert contract_of(FSDPStrategy()).collectives_at_step_start
+    assert contract_of(DeepSpeedStrategy(preset="zero3")).collectives_at_step_start
+    assert not contract_of(DeepSpeedStrategy(preset="zero2")).collectives_at_step_start
+    assert not contract_of(DDPStrategy()).collectives_at_step_start
+    assert contract_of(LightningFSDP()).collectives_at_step_start  # a foreign DCP writer: FSDP
+    assert not contract_of(SingleDeviceStrategy("cpu")).collectives_at_step_start
