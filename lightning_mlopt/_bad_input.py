@@ -27,6 +27,26 @@ _CLASS = re.compile(r"<class '([\w.]+)'>")
 _UNKNOWN = re.compile(r"(?:does not accept option|unrecognized arguments:)\s+'?-*([\w.]+)")
 _NOT_ACCEPTED = re.compile(r"Option '(\w+)' is not accepted")
 _BAD_CLASS = re.compile(r"Problem with given class_path '([\w.]+)'")
+_WHERE = re.compile(r" \(set (?:in [^)]*|on the command line)\)")
+# Names other tools give a setting (the Hugging Face Trainer, Keras, hand-written scripts): an unknown key that
+# is one of them is offered our key that means the same, e.g. `learning_rate` -> `model.init_args.lr`.
+_SYNONYMS = {
+    "learning_rate": ("lr",),
+    "lr": ("learning_rate",),
+    "wd": ("weight_decay",),
+    "epochs": ("max_epochs",),
+    "num_epochs": ("max_epochs",),
+    "n_epochs": ("max_epochs",),
+    "steps": ("max_steps",),
+    "num_steps": ("max_steps",),
+    "max_iters": ("max_steps",),
+    "bs": ("batch_size",),
+    "train_batch_size": ("batch_size",),
+    "seed": ("seed_everything",),
+    "workers": ("num_workers",),
+    "gpus": ("devices",),
+    "nodes": ("num_nodes",),
+}
 # What `model:` and `data:` can name without writing a class of one's own.
 DEMO_CLASSES = {
     "model": ("lightning_mlopt.demos.ResNetClassifier", "lightning_mlopt.demos.GPTLanguageModel"),
@@ -92,7 +112,9 @@ def explain_parser_error(message: str, known_keys: Iterable[str], argv: Sequence
     unknown = _UNKNOWN.search(message)
     if unknown:
         key = unknown.group(1)
-        lines = [f"unknown key {key!r}{_where(key, argv)}", *_key_choices(key, known)]
+        lines = [f"unknown key {key!r}{_where(key, argv)}", *_key_choices(key, [*known, *_init_keys(argv)])]
+        if "." not in key:  # a bare name, as other tools write them: the keys it most likely meant to set
+            lines += _init_key_lines(argv)
     else:
         key_match = re.match(r'Parser key "([\w.]+)"', lines[0]) if lines else None
         key = key_match.group(1) if key_match else ""
@@ -105,6 +127,9 @@ def explain_parser_error(message: str, known_keys: Iterable[str], argv: Sequence
         not_accepted = _NOT_ACCEPTED.search(message)
         if not_accepted and section:
             accepted = _accepted_arguments(_class_path_of(section, argv))
+            close = difflib.get_close_matches(not_accepted.group(1), accepted, n=3, cutoff=0.6)
+            if close:
+                lines.append(f"did you mean: {', '.join(f'{section}.init_args.{name}' for name in close)}?")
             if accepted:
                 lines.append(f"valid keys under {section}.init_args: {', '.join(accepted)}")
     if len(lines) > MAX_LINES:
@@ -120,9 +145,60 @@ def _shorten_value(line: str) -> str:
     return f"  got: {value if len(value) <= 80 else value[:77] + '...'}"
 
 
+def without_where(message: str) -> str:
+    """A parser message without its ``(set in FILE)`` notes, for a caller that says itself where a key came from."""
+    return _WHERE.sub("", message)
+
+
+def close_keys(key: str, known: Iterable[str], n: int = 3) -> list[str]:
+    """Keys in ``known`` that ``key`` may have meant: close spellings, else keys whose last part matches it.
+
+    The last part is compared by name and by synonym, so a bare key from another tool finds ours.
+
+    Example::
+
+        >>> close_keys("learning_rate", ["model.init_args.lr", "trainer.max_epochs"])
+        ['model.init_args.lr']
+        >>> close_keys("trainer.max_epoch", ["model.init_args.lr", "trainer.max_epochs"])
+        ['trainer.max_epochs']
+    """
+    candidates = sorted(set(known))
+    matches = difflib.get_close_matches(key, candidates, n=n, cutoff=0.6)
+    if matches:
+        return matches
+    by_last: dict[str, list[str]] = {}
+    for candidate in candidates:
+        by_last.setdefault(candidate.rsplit(".", 1)[-1], []).append(candidate)
+    last = key.rsplit(".", 1)[-1].lower().replace("-", "_")
+    names = [name for name in (last, *_SYNONYMS.get(last, ())) if name in by_last]
+    names = names or difflib.get_close_matches(last, list(by_last), n=n, cutoff=0.75)
+    # The model's and the data's own arguments first: what a sweep or a one-off override usually means.
+    found = [candidate for name in names for candidate in by_last[name]]
+    return sorted(found, key=lambda candidate: (not candidate.startswith(("model.", "data.")), len(candidate)))[:n]
+
+
+def _init_keys(argv: Sequence[str]) -> list[str]:
+    """``model.init_args.<name>`` and ``data.init_args.<name>`` for the classes the command line configures."""
+    return [
+        f"{section}.init_args.{name}"
+        for section in ("model", "data")
+        for name in _accepted_arguments(_class_path_of(section, argv))
+    ]
+
+
+def _init_key_lines(argv: Sequence[str]) -> list[str]:
+    """``valid keys under model.init_args: ...`` and the same for ``data``, for the classes configured."""
+    lines = []
+    for section in ("model", "data"):
+        accepted = _accepted_arguments(_class_path_of(section, argv))
+        if accepted:
+            lines.append(f"valid keys under {section}.init_args: {', '.join(accepted)}")
+    return lines
+
+
 def _key_choices(key: str, known: list[str]) -> list[str]:
     """Lines of "did you mean" for an unknown dotted key."""
-    matches = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    matches = close_keys(key, known)
     if matches:
         return [f"did you mean: {', '.join(matches)}?"]
     section = key.rsplit(".", 1)[0] if "." in key else ""

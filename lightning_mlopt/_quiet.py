@@ -27,6 +27,8 @@ _WARNINGS = (
 _LOG_LINES = (
     "💡 Tip: For seamless",  # an advertisement for a cloud service, on every run
     "Loading `train_dataloader` to estimate number of stepping batches",  # the progress bar's ETA asks for it
+    # The CLI brings its own model summary (FLOPs only where measured); Lightning says it skips its default.
+    "Trainer already configured with model summary callbacks",
 )
 _OUTSIDE_SLURM = r"The `srun` command is available on your system but is not used"
 

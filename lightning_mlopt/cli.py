@@ -9,9 +9,10 @@ text, before anything is written. Tools (``plan``, ``checkpoint``, ...) never re
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -19,7 +20,7 @@ from typing import Any, NoReturn
 from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
@@ -28,14 +29,25 @@ from lightning_mlopt._bad_input import check_config_files, config_paths, explain
 from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subcommand_parsers
 from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor, ThroughputProgressBar
-from lightning_mlopt.cli_support import SaveResolvedConfig, StartupComplete, describe_outputs, poll_preemption_notices
+from lightning_mlopt.cli_support import (
+    MeasuredModelSummary,
+    RunFinished,
+    SaveResolvedConfig,
+    StartupComplete,
+    default_optimizer_replaced,
+    describe_outputs,
+    finished_run,
+    poll_preemption_notices,
+    unused_model_arguments,
+    write_final_metrics,
+)
 from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
-from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, METRICS_NAME, resolve_run_dir
+from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, resolve_run_dir
 from lightning_mlopt.strategies.contract import contract_of
 from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
 from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
@@ -141,6 +153,9 @@ class MLOptCLI(LightningCLI):
             except ValueError as error:
                 raise BadInputError(f"trainer.strategy: {error}") from None
         self.run_dir = self._resolve_run_dir(config)
+        finished = finished_run(config.as_dict(), self.run_dir) if self.subcommand == "fit" else None
+        if finished:  # before any Trainer: a relaunch of a finished run makes no log folder and logs nothing
+            raise RunFinished(finished)
         # Recorded in the saved config.yaml, so relaunching from that file lands in this run, whatever its name.
         config["run_dir"] = str(self.run_dir.resolve())
         trainer["default_root_dir"] = str(self.run_dir)
@@ -210,10 +225,17 @@ class MLOptCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         # Constructors validate their arguments (STYLE.md: "the constructor is the config"), so an error
         # here is the user's input, not our bug: report it like a parser error, before any file exists.
+        replaced = default_optimizer_replaced(self._get_section())
         try:
-            super().instantiate_classes()
+            with warnings.catch_warnings():
+                if replaced is not None:  # a demo's default optimizer, replaced as the config asks: no warning
+                    overridden = rf"`{re.escape(replaced.__name__)}\.configure_optimizers` will be overridden"
+                    warnings.filterwarnings("ignore", message=overridden)
+                super().instantiate_classes()
         except (ValueError, FileNotFoundError, MisconfigurationException) as error:
             raise BadInputError(explain_parser_error(str(error), _known_keys(self.parser), _Parser.argv)) from None
+        if replaced is not None and (unused := unused_model_arguments(self._get_section(), replaced)):
+            _rank_zero_print(unused)
 
     @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
@@ -228,6 +250,8 @@ class MLOptCLI(LightningCLI):
         given = [*callbacks, *(config.get("callbacks") or [])]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks.append(ThroughputProgressBar())  # Lightning's bar plus samples/s and the run's ETA
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in given):
+            callbacks.append(MeasuredModelSummary())  # FLOPs only where measured, not a column of zeros
         return super()._instantiate_trainer(config, callbacks)
 
     def before_fit(self) -> None:
@@ -256,34 +280,8 @@ class MLOptCLI(LightningCLI):
 
     def after_fit(self) -> None:
         """Rank zero: write ``metrics.json`` (final metrics, for sweeps and scripts) and print the result."""
-        if not self.trainer.is_global_zero:
-            return
-        assert self.run_dir is not None
-        metrics = {}
-        for key, value in self.trainer.callback_metrics.items():
-            try:
-                metrics[key] = float(value)
-            except (TypeError, ValueError, RuntimeError):
-                continue  # not a scalar: no place in a table of final metrics
-        # A relaunch (a requeued job, a resumed run) logs only what it ran itself: keep what the run logged
-        # before, newer values winning, so a sweep ranking by val/loss still finds it.
-        metrics = {**_previous_metrics(self.run_dir / METRICS_NAME), **metrics}
-        record = {"global_step": self.trainer.global_step, "epoch": self.trainer.current_epoch, "metrics": metrics}
-        (self.run_dir / METRICS_NAME).write_text(json.dumps(record, indent=2, sort_keys=True))
-        validation = {key: value for key, value in metrics.items() if key.startswith("val")}
-        if validation:
-            summary = "  ".join(f"{key}={value:.4f}" for key, value in sorted(validation.items()))
-            print(f"Final validation metrics: {summary}")
-        print(f"Run directory: {self.run_dir}")
-
-
-def _previous_metrics(path: Path) -> dict[str, float]:
-    """The metrics an earlier launch of this run wrote; empty when there is none or it is unreadable."""
-    try:
-        metrics = json.loads(path.read_text()).get("metrics", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return {str(key): float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+        if self.trainer.is_global_zero and self.run_dir is not None:
+            write_final_metrics(self.trainer, self.run_dir)
 
 
 class _ParseOnlyCLI(MLOptCLI):
@@ -380,6 +378,8 @@ def main(args: Sequence[str] | None = None) -> None:
             print(print_config(argv[1:], argv[0]), end="")
             raise SystemExit(0)
         MLOptCLI(argv)
+    except RunFinished as finished:  # every rank reads the same files: each ends here, with nothing to do
+        finished.say()
     except BadInputError as error:
         sys.stderr.write(f"error: {error}\n")
         exit_after_launcher(exit_codes.BAD_INPUT)

@@ -1,4 +1,6 @@
-"""What the CLI adds around a Trainer run: its resolved config, the end of start-up, where its outputs go.
+"""What the CLI adds around a Trainer run: its config, start-up, outputs, final metrics and model summary.
+
+Also: a run that finished before (nothing to train), and the optimizer a config chooses for a demo model.
 
 Example::
 
@@ -8,20 +10,30 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from jsonargparse import Namespace
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck, PerformanceMonitor
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
+from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.checkpoint.tiers import store_url
+from lightning_mlopt.demos import OPTIMIZER_DEFAULTS
 from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, PreemptionNotices, start_polling
 from lightning_mlopt.process.signals import preemption
 from lightning_mlopt.process.startup import startup_guard
-from lightning_mlopt.run_dir import METRICS_NAME
+from lightning_mlopt.run_dir import CHECKPOINTS_DIR, METRICS_NAME
 
 
 class SaveResolvedConfig(SaveConfigCallback):
@@ -94,3 +106,189 @@ def poll_preemption_notices(trainer: Trainer, settings: Namespace | None) -> Non
     if settings is None or os.environ.get(NOTICES_BY_LAUNCHER_ENV) or trainer.local_rank != 0:
         return
     start_polling(PreemptionNotices(**settings.as_dict()), preemption.notify)
+
+
+def write_final_metrics(trainer: Trainer, run_dir: Path) -> None:
+    """Rank zero: write ``metrics.json`` (final metrics, for sweeps and scripts) and print the result."""
+    metrics = {}
+    for key, value in trainer.callback_metrics.items():
+        try:
+            metrics[key] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue  # not a scalar: no place in a table of final metrics
+    # A relaunch (a requeued job, a resumed run) logs only what it ran itself: keep what the run logged
+    # before, newer values winning, so a sweep ranking by val/loss still finds it.
+    metrics = {**_previous_metrics(run_dir / METRICS_NAME), **metrics}
+    record = {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "metrics": metrics}
+    (run_dir / METRICS_NAME).write_text(json.dumps(record, indent=2, sort_keys=True))
+    validation = {key: value for key, value in metrics.items() if key.startswith("val")}
+    if validation:
+        summary = "  ".join(f"{key}={value:.4f}" for key, value in sorted(validation.items()))
+        print(f"Final validation metrics: {summary}")
+    print(f"Run directory: {run_dir}")
+
+
+def _previous_metrics(path: Path) -> dict[str, float]:
+    """The metrics an earlier launch of this run wrote; empty when there is none or it is unreadable."""
+    try:
+        metrics = json.loads(path.read_text()).get("metrics", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {str(key): float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+
+
+class RunFinished(Exception):
+    """A ``fit`` whose run finished before (its newest checkpoint is marked final): nothing to train or log."""
+
+    def say(self) -> None:
+        """The message, as FaultTolerantCheckpoint says it (Lightning's info log, rank zero)."""
+        rank_zero_info(str(self))
+
+
+def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
+    """Why a ``fit`` of this config would not train, before any Trainer, logger or log folder exists; or None.
+
+    It would not when FaultTolerantCheckpoint resumes (``auto_resume``, no ``ckpt_path``) from a checkpoint
+    marked final, without ``resume_final``: the same rule it applies, read here from the newest committed
+    manifest (verified only when it is final: a relaunch of an unfinished run pays nothing). Only with the
+    checkpoints in one folder: a node-local tier (``local_dirpath``) may differ from node to node, and every
+    rank must come to the same answer without a collective.
+    """
+    checkpoint = config.get("checkpoint") or {}
+    if not checkpoint or config.get("ckpt_path") or not checkpoint.get("auto_resume", True):
+        return None
+    if checkpoint.get("resume_final") or checkpoint.get("local_dirpath") or store_url(checkpoint.get("dirpath")):
+        return None
+    store = CheckpointStore(Path(checkpoint.get("dirpath") or run_dir / CHECKPOINTS_DIR))
+    committed = store.committed()
+    if not committed:
+        return None
+    step, path = committed[-1]
+    try:
+        manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not manifest.final or not _strategy_resumes(config.get("trainer") or {}, manifest):
+        return None  # a strategy that cannot resume it is refused by FaultTolerantCheckpoint, in one line
+    if not store.inspect(step, path).valid:
+        return None  # FaultTolerantCheckpoint falls back to an older checkpoint, and trains on from it
+    return (
+        f"{path} is marked final: this run already finished at step {step}; not training again (nothing is "
+        "logged, no log folder is made). To train on (e.g. with a larger max_steps), set checkpoint.resume_final: "
+        "true."
+    )
+
+
+def _strategy_resumes(trainer: dict[str, Any], manifest: Manifest) -> bool:
+    """Whether the configured strategy (a registered name or a class_path) can resume ``manifest``'s layout.
+
+    True when the strategy's class cannot be told here (Lightning's own names): FaultTolerantCheckpoint judges.
+    """
+    from lightning_mlopt.checkpoint.layout import can_resume, layout_of_manifest
+    from lightning_mlopt.strategies import LAYOUTS, STRATEGIES, layout_named
+    from lightning_mlopt.strategies.spec import REGISTRY_PREFIX
+
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, str) and strategy.startswith(REGISTRY_PREFIX):
+        strategy_class: Any = STRATEGIES.get(strategy.removeprefix(REGISTRY_PREFIX), (None,))[0]
+    else:
+        strategy_class = _imported_class(strategy.get("class_path")) if isinstance(strategy, dict) else None
+    layout = getattr(strategy_class, "checkpoint_layout", None)
+    if not isinstance(layout, str):
+        return True
+    saved = layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values())
+    return can_resume(saved, layout_named(layout))
+
+
+def default_optimizer_replaced(section: Namespace) -> type[LightningModule] | None:
+    """The demo class whose default ``configure_optimizers`` the config's ``optimizer:`` replaces, or None.
+
+    LightningCLI warns that a model's ``configure_optimizers`` "will be overridden" whenever ``optimizer:`` is
+    set; for the demos (``demos.OPTIMIZER_DEFAULTS``), whose method is only a default, that is what the config
+    asks for. A model that defines its own keeps the warning.
+    """
+    if section.get("optimizer") is None:
+        return None
+    model_class = _class_of(section.get("model"))
+    if model_class is None:
+        return None
+    for demo in OPTIMIZER_DEFAULTS:
+        if model_class.configure_optimizers is demo.configure_optimizers:  # its own, or inherited unchanged
+            return model_class
+    return None
+
+
+def unused_model_arguments(section: Namespace, model_class: type[LightningModule]) -> str | None:
+    """A line naming the demo's optimizer arguments that the config set and ``optimizer:`` makes unused."""
+    init_args = (section.get("model") or Namespace()).get("init_args") or Namespace()
+    defaults = inspect.signature(model_class).parameters
+    unused = [
+        f"model.init_args.{name}={init_args.get(name)}"
+        for name in ("lr", "weight_decay", "warmup_steps")
+        if name in defaults and init_args.get(name, defaults[name].default) != defaults[name].default
+    ]
+    if not unused:
+        return None
+    optimizer = section["optimizer"].get("class_path", "optimizer")
+    return (
+        f"Not used: {', '.join(unused)}: the config's optimizer ({optimizer}) replaces {model_class.__name__}'s "
+        "default; set it under optimizer.init_args"
+    )
+
+
+def _class_of(value: Any) -> type[LightningModule] | None:
+    class_path = value.get("class_path") if isinstance(value, (Namespace, dict)) else None
+    found = _imported_class(class_path)
+    return found if found is not None and issubclass(found, LightningModule) else None
+
+
+def _imported_class(class_path: Any) -> type | None:
+    """The class a ``class_path`` names, or None when it does not import (the parser reports that)."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return found if isinstance(found, type) else None
+
+
+class MeasuredModelSummary(ModelSummary):
+    """Lightning's model summary, with its FLOPs column and total only when they were measured.
+
+    Lightning counts FLOPs by running the model's ``example_input_array`` through it; without one (most models,
+    ours included: an image model does not know its image size) it prints a column of zeros and "0 Total Flops",
+    which reads as a measurement. ``perf/mfu`` (PerformanceMonitor) is where this package measures FLOPs.
+    """
+
+    @staticmethod
+    @override
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        columns = [column for column in summary_data if total_flops or column[0] != "FLOPs"]
+        widths = [max(len(header), *(len(str(cell)) for cell in cells)) for header, cells in columns]
+        rule = "-" * (sum(widths) + 3 * (len(columns) + 1))
+        rows = [" | ".join(header.ljust(width) for (header, _), width in zip(columns, widths, strict=True)), rule]
+        for index in range(len(columns[0][1]) if columns else 0):
+            rows.append(
+                " | ".join(str(cells[index]).ljust(width) for (_, cells), width in zip(columns, widths, strict=True))
+            )
+        totals = [
+            (get_human_readable_count(trainable_parameters), "Trainable params"),
+            (get_human_readable_count(total_parameters - trainable_parameters), "Non-trainable params"),
+            (get_human_readable_count(total_parameters), "Total params"),
+            (get_formatted_model_size(model_size), "Total estimated model params size (MB)"),
+            (str(total_training_modes["train"]), "Modules in train mode"),
+            (str(total_training_modes["eval"]), "Modules in eval mode"),
+            *([(get_human_readable_count(total_flops), "Total Flops")] if total_flops else []),
+        ]
+        rows += [rule, *(f"{value:<10}{label}" for value, label in totals)]
+        rank_zero_info("\n" + "\n".join(rows))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_mlopt import strategies
@@ -197,3 +198,69 @@ def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path)
         "strategy: auto chose ddp" in result.stdout + result.stderr or records["auto"][0]["strategy"] == "DDPStrategy"
     )
     assert [r["losses"] for r in records["auto"]] == [r["losses"] for r in records["ddp"]]
+
+
+def test_a_relaunch_of_a_finished_run_trains_nothing_and_makes_no_log_folder(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    _fit("--run_dir=run")
+    assert [p.name for p in (tmp_path / "run" / "lightning_logs").iterdir()] == ["version_0"]
+    metrics = (tmp_path / "run" / "metrics.json").read_text()
+    _fit("--run_dir=run", "--trainer.max_steps=4")  # finished at step 2 (marked final): not trained again
+    assert "is marked final: this run already finished at step 2; not training again" in caplog.text
+    assert [p.name for p in (tmp_path / "run" / "lightning_logs").iterdir()] == ["version_0"], "no version_1"
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] == ["step-000000002"]
+    assert (tmp_path / "run" / "metrics.json").read_text() == metrics
+
+
+def test_an_optimizer_and_scheduler_from_yaml_replace_a_demos_default_without_a_warning(
+    tmp_path, monkeypatch, recwarn, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adam.yaml").write_text(
+        "optimizer:\n  class_path: torch.optim.Adam\n  init_args: {lr: 0.002, weight_decay: 0.0001}\n"
+        "lr_scheduler:\n  class_path: torch.optim.lr_scheduler.StepLR\n  init_args: {step_size: 1, gamma: 0.5}\n"
+    )
+    _fit("--config", "adam.yaml", "--run_dir=run", "--model.init_args.lr=0.1")
+    overridden = [str(w.message) for w in recwarn if "configure_optimizers` will be overridden" in str(w.message)]
+    assert overridden == [], "the demo's SGD is a default, replaced as the config asks"
+    out = capsys.readouterr().out
+    assert "Not used: model.init_args.lr=0.1: the config's optimizer (torch.optim.Adam) replaces" in out
+    state = torch.load(next((tmp_path / "run" / "checkpoints").glob("step-*/state.ckpt")), weights_only=False)
+    (group,) = state["optimizer_states"][0]["param_groups"]
+    assert "betas" in group and group["initial_lr"] == 0.002 and group["weight_decay"] == 0.0001  # Adam's
+    (scheduler,) = state["lr_schedulers"]
+    assert scheduler["step_size"] == 1 and scheduler["gamma"] == 0.5  # StepLR, stepped once per epoch
+
+
+def test_the_model_summary_has_flops_only_where_they_were_measured(caplog):
+    import logging
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_mlopt.cli_support import MeasuredModelSummary
+
+    class WithExampleInput(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.example_input_array = torch.zeros(4, 32)
+
+    tables = []
+    for model in (BoringModel(), WithExampleInput()):
+        caplog.clear()
+        trainer = Trainer(
+            max_steps=1,
+            callbacks=[MeasuredModelSummary()],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+        )
+        with caplog.at_level(logging.INFO):
+            trainer.fit(model)
+        tables.append(next(record.getMessage() for record in caplog.records if "Trainable params" in record.message))
+    unmeasured, measured = tables
+    assert "FLOPs" not in unmeasured and "Total Flops" not in unmeasured  # not a column of zeros
+    assert "| Params | Mode  | FLOPs" in measured
+    flops = next(line for line in measured.splitlines() if line.endswith("Total Flops"))
+    assert flops.split()[0] == "512"  # a 32 -> 2 linear layer on 4 samples: 2 FLOPs x 4 x 32 x 2 multiply-adds

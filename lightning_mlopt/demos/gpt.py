@@ -105,7 +105,9 @@ class GPTLanguageModel(pl.LightningModule):
         dropout: dropout probability (0 keeps runs bitwise reproducible across strategies).
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay (applied to matrices, not to biases and norms).
-        warmup_steps: linear warm-up steps of the LR schedule; 0 keeps the LR constant.
+        warmup_steps: linear warm-up steps of the LR schedule; 0 keeps the LR constant. A config's
+            ``optimizer:`` (and ``lr_scheduler:``) replaces this default AdamW and schedule; ``lr``,
+            ``weight_decay`` and ``warmup_steps`` are then unused.
 
     Example::
 

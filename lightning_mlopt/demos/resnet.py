@@ -117,7 +117,9 @@ class ResNetClassifier(pl.LightningModule):
         width: channels of the first stage (64 in the paper; 16 trains fast on CPU).
         in_channels: image channels.
         num_classes: number of classes.
-        lr: learning rate of the default SGD optimizer (momentum 0.9, Nesterov).
+        lr: learning rate of the default SGD optimizer (momentum 0.9, Nesterov): an SGD rate, about ten times an
+            Adam one. A config's ``optimizer:`` (and ``lr_scheduler:``) replaces this default; ``lr`` and
+            ``weight_decay`` are then unused (``docs/configuration.md``).
         weight_decay: weight decay of the default optimizer.
 
     Example::

@@ -5,7 +5,9 @@ SLURMEnvironment reads the ranks from SLURM), asks SLURM for SIGUSR1 ``--signal_
 limit, and requeues itself when the job saved and exited with FaultTolerantCheckpoint's status (75) after
 SIGUSR1 or SIGTERM; the requeued job runs the same command in the same run directory and resumes. The task
 count is checked twice: here against the config's ``trainer.devices``/``trainer.num_nodes``, and in the
-script against the allocation SLURM actually gave.
+script against the allocation SLURM actually gave. ``--gpus_per_node 0 --cpu_workers N`` is a CPU job (no GPU
+request); a GPU request for a config that trains on the CPU is refused. ``--setup`` lines (``module load``,
+``conda activate``) run in the batch shell before the job step, which inherits what they set up.
 """
 
 from __future__ import annotations
@@ -13,22 +15,20 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lightning_mlopt._bad_input import config_paths
-from lightning_mlopt.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.process import exit_codes
-from lightning_mlopt.process.grace import GRACE_ENV
 from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments, without_options
+from lightning_mlopt.tools.slurm_script import SlurmJob, sbatch_script  # the script itself
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 _NAME = re.compile(r"^[\w.+-]+$")
-SLURM_KILL_WAIT_S = 30  # slurm.conf KillWait's default: SIGTERM to SIGKILL when a job is cancelled or preempted
 
 
 def time_limit_seconds(limit: str) -> int:
@@ -63,8 +63,10 @@ def _as_count(value: Any) -> int | None:
     return None
 
 
-def check_task_count(trainer: dict[str, Any], nodes: int, gpus_per_node: int) -> None:
+def check_task_count(trainer: dict[str, Any], nodes: int, gpus_per_node: int, flag: str = "--gpus_per_node") -> None:
     """Srun starts ``gpus_per_node`` tasks per node and Lightning needs one per device: they must agree.
+
+    ``flag`` is the option that set the per-node count (``--cpu_workers`` for a CPU job), for the message.
 
     Raises:
         BadInputError: naming both numbers and the fix.
@@ -73,161 +75,81 @@ def check_task_count(trainer: dict[str, Any], nodes: int, gpus_per_node: int) ->
     devices = _as_count(trainer.get("devices"))
     if devices is not None and devices != gpus_per_node:
         raise BadInputError(
-            f"trainer.devices is {devices} in the config but --gpus_per_node is {gpus_per_node}: the script starts "
+            f"trainer.devices is {devices} in the config but {flag} is {gpus_per_node}: the script starts "
             f"one task per device ({nodes} x {gpus_per_node} = {nodes * gpus_per_node} tasks), and Lightning needs "
-            f"them equal; set trainer.devices: {gpus_per_node} (or auto) or --gpus_per_node {devices}"
+            f"them equal; set trainer.devices: {gpus_per_node} (or auto) or {flag} {devices}"
         )
     num_nodes = _as_count(trainer.get("num_nodes"))
     if num_nodes not in (None, 1, nodes):
         raise BadInputError(f"trainer.num_nodes is {num_nodes} in the config but --nodes is {nodes}; make them equal")
 
 
-@dataclass(frozen=True)
-class SlurmJob:
-    """What the sbatch directives ask for (``add_slurm_arguments`` defines the flags).
+def add_slurm_arguments(parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """The sbatch flags shared by ``slurm`` and ``sweep --slurm``.
 
-    Example::
-
-        job = SlurmJob(nodes=2, gpus_per_node=8, time="1-00:00:00", partition="a100")
-        script = sbatch_script(["python", "-m", "lightning_mlopt", "fit", "--config", "gpt.yaml"], run_dir, job)
+    Returns:
+        The option strings added, and those of them that take no value: what ``sweep`` keeps out of the
+        command each array task runs.
 
     """
-
-    nodes: int
-    gpus_per_node: int
-    gpus: bool = True  # False for trainer.accelerator: cpu (no GPU request)
-    job_name: str = "lightning_mlopt"
-    time: str | None = None
-    partition: str | None = None
-    account: str | None = None
-    cpus_per_task: int | None = None
-    signal_seconds: int = 120
-    extra_directives: tuple[str, ...] = ()  # e.g. ("--mem=64G", "--constraint=a100"), from --sbatch_option
-
-    @property
-    def tasks(self) -> int:
-        """One task per device over all nodes."""
-        return self.nodes * self.gpus_per_node
-
-    def trainer_arguments(self) -> list[str]:
-        """The Trainer's placement for this allocation, appended to every command the script runs."""
-        return [f"--trainer.num_nodes={self.nodes}", f"--trainer.devices={self.gpus_per_node}"]
-
-
-def sbatch_script(
-    command: Sequence[str],
-    log_dir: Path,
-    job: SlurmJob,
-    *,
-    requeue_exit_code: int = exit_codes.REQUEUE,
-    array: str | None = None,
-    workdir: Path | None = None,
-    script_path: Path | None = None,
-) -> str:
-    """The text of an sbatch script that runs ``command`` under ``srun`` on ``job.tasks`` tasks.
-
-    With ``array`` (e.g. ``0-23%4``) it is a job array: ``$SLURM_ARRAY_TASK_ID`` may appear in ``command``,
-    and a requeue targets the one array task.
-    """
-    log_dir = log_dir.resolve()
-    directives = [
-        f"--job-name={job.job_name}",
-        f"--nodes={job.nodes}",
-        f"--ntasks-per-node={job.gpus_per_node}",
-        *([f"--gpus-per-node={job.gpus_per_node}"] if job.gpus else []),
-        *([f"--cpus-per-task={job.cpus_per_task}"] if job.cpus_per_task else []),
-        *([f"--time={job.time}"] if job.time else []),
-        *([f"--partition={job.partition}"] if job.partition else []),
-        *([f"--account={job.account}"] if job.account else []),
-        *([f"--array={array}"] if array else []),
-        f"--signal=USR1@{job.signal_seconds}",
-        "--requeue",
-        "--open-mode=append",
-        f"--output={log_dir}/slurm-{'%A_%a' if array else '%j'}.out",
-        *job.extra_directives,
+    # None of them is required by argparse: slurm_job() reports a missing --nodes/--gpus_per_node itself, with
+    # the flags that match the config's placement.
+    options = [
+        parser.add_argument("--nodes", type=int, default=None, help="nodes of the allocation (required)"),
+        parser.add_argument(
+            "--gpus_per_node",
+            type=int,
+            default=None,
+            help="GPUs per node, one task each (= trainer.devices; required); 0: a CPU job of --cpu_workers tasks",
+        ),
+        parser.add_argument(
+            "--cpu_workers", type=int, default=1, help="tasks per node of a CPU job (--gpus_per_node 0)"
+        ),
+        parser.add_argument("--partition", default=None),
+        parser.add_argument("--time", default=None, help="time limit, e.g. 04:00:00 or 1-12:00:00"),
+        parser.add_argument("--account", default=None),
+        parser.add_argument("--job_name", default=None, help="default: the config file stems"),
+        parser.add_argument("--cpus_per_task", type=int, default=None),
+        parser.add_argument("--signal_seconds", type=int, default=120, help="SIGUSR1 this long before the time limit"),
+        parser.add_argument(
+            "--sbatch_option",
+            action="append",
+            default=[],
+            metavar="OPTION",
+            help="an extra #SBATCH line, in the = form: --sbatch_option=--mem=64G (repeatable; never passed to srun)",
+        ),
+        parser.add_argument(
+            "--setup",
+            action="append",
+            default=[],
+            metavar="LINE",
+            help="a shell line run before the job step, e.g. --setup 'module load cuda/12.4' (repeatable, in order)",
+        ),
+        parser.add_argument(
+            "--python",
+            default=None,
+            help="the interpreter the job runs (default: this one, by absolute path); e.g. python after a "
+            "`conda activate` in --setup, or a container's: 'apptainer exec image.sif python'",
+        ),
+        parser.add_argument("--workdir", default=None, help="the folder the job runs in (default: this one)"),
+        parser.add_argument(
+            "--error_log", action="store_true", help="stderr to slurm-<job id>.err (default: into the .out)"
+        ),
     ]
-    quoted = " ".join(arg if "$SLURM_ARRAY_TASK_ID" in arg else shlex.quote(arg) for arg in command)
-    where = script_path or log_dir / SBATCH_NAME
-    lines = [
-        "#!/bin/bash",
-        "# Written by lightning_mlopt; submit with: sbatch " + shlex.quote(str(where)),
-        *[f"#SBATCH {directive}" for directive in directives],
-        "",
-        "# SLURM sends SIGUSR1 to every task --signal seconds before the time limit (and SIGTERM on preemption):",
-        f"# FaultTolerantCheckpoint saves, every rank exits {requeue_exit_code}, and this script requeues the job,",
-        "# which resumes from that checkpoint in the same run directory.",
-        "set -uo pipefail",
-        "# This shell must outlive the signals meant for the tasks: `scancel --signal=USR1 --full` and a",
-        "# preemption SIGTERM reach it too, and bash's default action would end the job FAILED before the",
-        "# tasks have saved. Each is passed on to the job step, and the shell goes on waiting for it.",
-        'srun_pid=""',
-        "forward() {",
-        '  echo "batch shell: SIG$1 received; passing it to the job step"',
-        '  if [ -n "$srun_pid" ]; then kill -s "$1" "$srun_pid" 2>/dev/null; fi',
-        "}",
-        *[f"trap 'forward {name}' {name}" for name in ("TERM", "USR1", "USR2", "INT")],
-        f"cd {shlex.quote(str((workdir or Path.cwd()).resolve()))}",
-        "export PYTHONUNBUFFERED=1",
-        "# The time from each signal to the kill: SIGUSR1 comes --signal seconds before the time limit; a",
-        "# preemption or scancel SIGTERM is followed by SIGKILL after KillWait (30 s, SLURM's default). A signal",
-        "# save that would not end in time is not started.",
-        f"export {GRACE_ENV}=SIGUSR1={job.signal_seconds},SIGTERM={SLURM_KILL_WAIT_S}",
-        f'if [ "${{SLURM_NTASKS:-{job.tasks}}}" != "{job.tasks}" ]; then',
-        f'  echo "error: SLURM allocated $SLURM_NTASKS tasks but the run needs {job.nodes} x {job.gpus_per_node} = '
-        f'{job.tasks} (one per device); resubmit with matching --nodes/--ntasks-per-node" >&2',
-        "  exit 2",
-        "fi",
-        # An array task is requeued as <array job>_<task>, a plain job by its id.
-        'job="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"',
-        'job="${job:-$SLURM_JOB_ID}"',
-        f'echo "job $job (restart ${{SLURM_RESTART_COUNT:-0}}): {job.nodes} node(s) x {job.gpus_per_node} tasks, '
-        f'logs in {log_dir}"',
-        "srun " + (f"--cpus-per-task={job.cpus_per_task} " if job.cpus_per_task else "") + quoted + " &",
-        "srun_pid=$!",
-        "while :; do",
-        '  wait "$srun_pid"; status=$?',
-        '  kill -0 "$srun_pid" 2>/dev/null || break  # still running: a trapped signal interrupted the wait',
-        "done",
-        "# A signal that interrupted the wait as the step ended left its status unread: read it.",
-        'if [ "$status" -gt 128 ]; then',
-        '  wait "$srun_pid" 2>/dev/null; again=$?',
-        '  if [ "$again" -ne 127 ]; then status=$again; fi',
-        "fi",
-        f'if [ "$status" -eq {requeue_exit_code} ]; then',
-        '  echo "checkpoint saved after a signal; requeueing job $job"',
-        '  scontrol requeue "$job"',
-        "fi",
-        'exit "$status"',
-        "",
-    ]
-    return "\n".join(lines)
+    names = [action.option_strings[0] for action in options]
+    return names, [action.option_strings[0] for action in options if action.nargs == 0]
 
 
-def add_slurm_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    """The sbatch flags shared by ``slurm`` and ``sweep --slurm``."""
-    parser.add_argument("--nodes", type=int, required=required, default=None)
-    parser.add_argument("--gpus_per_node", type=int, required=required, default=None, help="devices (= tasks) per node")
-    parser.add_argument("--partition", default=None)
-    parser.add_argument("--time", default=None, help="time limit, e.g. 04:00:00 or 1-12:00:00")
-    parser.add_argument("--account", default=None)
-    parser.add_argument("--job_name", default=None, help="default: the config file stems")
-    parser.add_argument("--cpus_per_task", type=int, default=None)
-    parser.add_argument("--signal_seconds", type=int, default=120, help="SIGUSR1 this long before the time limit")
-    parser.add_argument(
-        "--sbatch_option",
-        action="append",
-        default=[],
-        metavar="OPTION",
-        help="an extra #SBATCH line, in the = form: --sbatch_option=--mem=64G (repeatable)",
-    )
-
-
-def slurm_job(options: argparse.Namespace, trainer: dict[str, Any], default_name: str) -> SlurmJob:
-    """Check the sbatch flags against each other and the config's trainer section; raise BadInputError."""
-    if options.nodes is None or options.gpus_per_node is None:
-        raise BadInputError("--nodes and --gpus_per_node are required for a SLURM script")
-    if options.nodes < 1 or options.gpus_per_node < 1:
-        raise BadInputError("--nodes and --gpus_per_node must be >= 1")
+def check_slurm_flags(options: argparse.Namespace) -> None:
+    """Check the sbatch flags that need no config (time, names, options, set-up lines); raise BadInputError."""
+    if options.nodes is not None and options.nodes < 1:
+        raise BadInputError(f"--nodes must be >= 1, got {options.nodes}")
+    if options.gpus_per_node is not None and options.gpus_per_node < 0:
+        raise BadInputError(f"--gpus_per_node must be >= 0 (0: a CPU job), got {options.gpus_per_node}")
+    if options.cpu_workers < 1:
+        raise BadInputError(f"--cpu_workers must be >= 1, got {options.cpu_workers}")
+    if options.gpus_per_node and options.cpu_workers != 1:
+        raise BadInputError("--cpu_workers is for CPU jobs (--gpus_per_node 0); with GPUs there is one task per GPU")
     if options.signal_seconds < 1:
         raise BadInputError(f"--signal_seconds must be >= 1, got {options.signal_seconds}")
     if options.time and time_limit_seconds(options.time) <= options.signal_seconds:
@@ -238,23 +160,70 @@ def slurm_job(options: argparse.Namespace, trainer: dict[str, Any], default_name
         value = getattr(options, name)
         if value is not None and not _NAME.match(value):
             raise BadInputError(f"--{name} {value!r}: letters, digits and . _ + - only")
-    extra = tuple(getattr(options, "sbatch_option", None) or ())
-    for option in extra:
+    for option in options.sbatch_option:
         if not option.startswith("--") or any(char in option for char in "\n;`$"):
             raise BadInputError(f"--sbatch_option {option!r}: give one sbatch option, e.g. --sbatch_option=--mem=64G")
-    check_task_count(trainer, options.nodes, options.gpus_per_node)
+    for line in options.setup:
+        if not line.strip() or "\n" in line:
+            raise BadInputError(f"--setup {line!r}: give one non-empty shell line per --setup")
+    if options.python is not None:
+        try:
+            words = shlex.split(options.python)
+        except ValueError as error:
+            raise BadInputError(f"--python {options.python!r}: {error}") from None
+        if not words or "\n" in options.python:
+            raise BadInputError(f"--python {options.python!r}: give an interpreter, e.g. --python python")
+
+
+def slurm_job(options: argparse.Namespace, trainer: dict[str, Any], default_name: str) -> SlurmJob:
+    """Check the sbatch flags against each other and the config's trainer section; raise BadInputError."""
+    check_slurm_flags(options)
+    accelerator = trainer.get("accelerator")
+    on_cpu = accelerator == "cpu"
+    if options.nodes is None or options.gpus_per_node is None:
+        raise BadInputError(
+            "a SLURM script needs --nodes N (nodes) and --gpus_per_node G (GPUs per node, one task each, "
+            f"= trainer.devices; 0 with --cpu_workers N for a CPU job), e.g. {_example_allocation(trainer)}"
+        )
+    if options.gpus_per_node and on_cpu:
+        count = options.gpus_per_node
+        raise BadInputError(
+            f"--gpus_per_node {count} asks SLURM for GPUs, but trainer.accelerator is cpu in the config: they would "
+            f"sit idle. For a CPU job give --gpus_per_node 0 --cpu_workers {count}; to train on the GPUs, "
+            f"--trainer.accelerator=gpu; to ask for GPUs anyway, --sbatch_option=--gpus-per-node={count}"
+        )
+    if options.gpus_per_node == 0 and accelerator not in (None, "auto", "cpu"):
+        raise BadInputError(
+            f"--gpus_per_node 0 is a CPU job (no GPU requested), but trainer.accelerator is {accelerator}; "
+            "give --gpus_per_node G, or set --trainer.accelerator=cpu"
+        )
+    flag = "--gpus_per_node" if options.gpus_per_node else "--cpu_workers"
+    check_task_count(trainer, options.nodes, options.gpus_per_node or options.cpu_workers, flag)
     return SlurmJob(
         nodes=options.nodes,
         gpus_per_node=options.gpus_per_node,
-        gpus=trainer.get("accelerator") != "cpu",
+        cpu_workers=options.cpu_workers,
         job_name=options.job_name or default_name,
         time=options.time,
         partition=options.partition,
         account=options.account,
         cpus_per_task=options.cpus_per_task,
         signal_seconds=options.signal_seconds,
-        extra_directives=extra,
+        extra_directives=tuple(options.sbatch_option),
+        setup=tuple(options.setup),
+        python=options.python or sys.executable,
+        workdir=Path(options.workdir) if options.workdir else None,
+        error_log=options.error_log,
     )
+
+
+def _example_allocation(trainer: dict[str, Any]) -> str:
+    """The flags that match the config's placement, for the message that asks for them."""
+    nodes = _as_count(trainer.get("num_nodes")) or 1
+    devices = _as_count(trainer.get("devices"))
+    if trainer.get("accelerator") == "cpu":
+        return f"--nodes {nodes} --gpus_per_node 0 --cpu_workers {devices or 1} (this config trains on the CPU)"
+    return f"--nodes {nodes} --gpus_per_node {devices or 8}" + ("" if devices else " (8 GPUs per node)")
 
 
 def requeue_exit_code(config: dict[str, Any]) -> int:
@@ -288,15 +257,15 @@ def main(argv: Sequence[str]) -> int:
     fit_args = fit_arguments(options.config, extra)
     stems = "-".join(Path(path).stem for path in options.config)
     try:
-        slurm_job(options, {}, stems)  # the flags alone first: cheap, before parsing the config
+        check_slurm_flags(options)  # the flags alone first: cheap, before parsing the config
         config = check_arguments(fit_args).as_dict()
         job = slurm_job(options, config.get("trainer") or {}, stems)
     except BadInputError as error:
         return bad_input(error)
     trainer = config.get("trainer") or {}
-    resolved = {**config, "trainer": {**trainer, "num_nodes": job.nodes, "devices": job.gpus_per_node}}
+    resolved = {**config, "trainer": {**trainer, "num_nodes": job.nodes, "devices": job.tasks_per_node}}
     run_dir = resolve_run_dir(resolved, config_paths(fit_args)).resolve()
-    command = command_line(
+    command = job.command(
         "fit",
         *without_options(fit_args, ["--run_dir"]),  # the script names it explicitly
         *job.trainer_arguments(),
@@ -306,6 +275,7 @@ def main(argv: Sequence[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens the --output file there before the job starts
     script = sbatch_script(command, run_dir, job, requeue_exit_code=requeue_exit_code(config), script_path=target)
     write_script(target, script)
-    print(f"Wrote {target} ({job.nodes} node(s) x {job.gpus_per_node} tasks). Submit with: sbatch {target}")
+    placement = f"{job.gpus_per_node} GPU(s)" if job.gpus_per_node else f"{job.cpu_workers} CPU task(s)"
+    print(f"Wrote {target} ({job.nodes} node(s) x {placement}). Submit with: sbatch {target}")
     print(f"Run directory: {run_dir} (checkpoints, logs, slurm-<job id>.out)")
     return 0

@@ -59,7 +59,11 @@ class Journal:
         entries = self._read()
         closed = {e["segment"] for e in entries if "closed" in e or "replayed_into" in e}
         lost = {e["segment"] for e in entries if "metrics" in e or "artifact" in e} - closed - {self.segment}
-        artifacts = [Path(e["artifact"]) for e in entries if e.get("segment") in lost and "artifact" in e]
+        # Each folder once: one recorded by several segments that never closed is logged again once.
+        artifacts = [
+            Path(a)
+            for a in dict.fromkeys(e["artifact"] for e in entries if e.get("segment") in lost and "artifact" in e)
+        ]
         rows = [
             {**e["metrics"], **({"trainer/global_step": e["step"]} if e["step"] is not None else {})}
             for e in entries

@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_mlopt._compat import wandb_init_kwargs, wandb_requested_id, wandb_run_if_started
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.redaction import redact
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 from lightning_mlopt.tracking.journal import Journal
@@ -46,8 +47,11 @@ class WandbTracker(WandbLogger):
     - Secrets (secret-named environment variables, URL credentials) are redacted from everything this
       logger sends; W&B's own git capture is off, since it records the remote URL as written.
     - ``upload_checkpoints``: each checkpoint FaultTolerantCheckpoint commits is logged as a ``model``
-      artifact ``checkpoint-<run id>`` with aliases ``latest``, ``step-<N>`` (and ``final``). Costs one copy
-      of the checkpoint into W&B's staging folder on rank zero per save; offline runs upload on sync.
+      artifact ``checkpoint-<run id>`` with aliases ``latest``, ``step-<N>`` (and ``final``), once: a folder
+      committed again (the last periodic save, re-saved as final) is logged as its newer manifest only. Costs
+      one copy of the checkpoint into W&B's staging folder on rank zero per save; offline runs upload on sync.
+    - The run is finished by this logger as the process ends (W&B would, but its own closing lines write raw
+      ANSI colour codes into log files), and after a successful run whose process leaves without exit hooks.
 
     Args:
         project: W&B project (``WANDB_PROJECT`` when unset).
@@ -95,6 +99,10 @@ class WandbTracker(WandbLogger):
         self.log_provenance = log_provenance
         self._journal: Journal | None = None
         self._replayed = False
+        # The newest committed folder, logged when the next one comes, at the next row or at the end: the
+        # final save of a step already saved replaces it, so that checkpoint is one artifact, not two.
+        self._pending_artifact: tuple[Path, Manifest] | None = None
+        self._finished = False
 
     def resolved_mode(self) -> str:
         """The mode a run created now would use (``auto`` resolved)."""
@@ -119,6 +127,9 @@ class WandbTracker(WandbLogger):
             if self.log_provenance:
                 run.config.update({"lightning_mlopt": run_provenance()}, allow_val_change=True)
             self._open_journal(run)
+            # After the journal's exit hook: LIFO, so the run finishes first, then the journal closes.
+            atexit.register(self._finish)
+            launch_report.on_exit(self._finish_after_success)
         run = wandb_run_if_started(self)
         assert run is not None  # started above
         return run
@@ -128,6 +139,7 @@ class WandbTracker(WandbLogger):
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         _ = self.experiment  # creates the run, which opens the journal
         self._replay_lost(before_step=step)
+        self._log_pending_artifact()
         if self._journal is not None:
             self._journal.record(metrics, step)
         super().log_metrics(metrics, step)
@@ -168,13 +180,31 @@ class WandbTracker(WandbLogger):
 
     @rank_zero_only
     def log_checkpoint_artifact(self, path: Path, manifest: Manifest) -> None:
-        """Log a committed checkpoint folder as an artifact, when ``upload_checkpoints`` is on (rank zero)."""
+        """Log a committed checkpoint folder as an artifact, when ``upload_checkpoints`` is on (rank zero).
+
+        It is logged when the next folder, the next row or the end of the run comes (see ``__init__``); the
+        journal has it at once, so a launch killed before then leaves it to the next one.
+        """
         if not self.upload_checkpoints or not path.is_dir():
+            return
+        _ = self.experiment  # creates the run, which opens the journal
+        self._replay_lost(before_step=manifest.step)
+        if self._pending_artifact is not None and self._pending_artifact[0] != path:
+            self._log_pending_artifact()
+        if self._journal is not None and self._pending_artifact is None:
+            self._journal.record_artifact(path)
+        self._pending_artifact = (path, manifest)
+
+    def _log_pending_artifact(self) -> None:
+        if self._pending_artifact is None:
             return
         import wandb
 
+        path, manifest = self._pending_artifact
+        self._pending_artifact = None
+        if not path.is_dir():
+            return  # retention removed it since
         run = self.experiment
-        self._replay_lost(before_step=manifest.step)
         metadata = {"step": manifest.step, "epoch": manifest.epoch, "strategy": manifest.strategy}
         if manifest.metric:
             metadata.update(manifest.metric)
@@ -182,8 +212,30 @@ class WandbTracker(WandbLogger):
         artifact.add_dir(str(path))
         aliases = ["latest", f"step-{manifest.step}", *(["final"] if manifest.final else [])]
         run.log_artifact(artifact, aliases=aliases)
+
+    @override
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._log_pending_artifact()
+        super().finalize(status)
+
+    def _finish(self, exit_code: int | None = None) -> None:
+        """Log what is pending and finish the run (``exit_code`` None: the one W&B's exit hooks saw)."""
+        run = wandb_run_if_started(self)
+        if run is None or self._finished:
+            return
+        self._finished = True
+        self._log_pending_artifact()
+        run.finish(exit_code=exit_code)
         if self._journal is not None:
-            self._journal.record_artifact(path)
+            self._journal.close("finished")
+
+    def _finish_after_success(self, status: int) -> None:
+        # Only a success: finishing waits for W&B's uploads, which must not eat into a preemption's grace. A
+        # failed or preempted process finishes at interpreter exit (_finish, registered with atexit), where W&B
+        # itself would, or not at all when it leaves without exit hooks (the journal covers that).
+        if status == exit_codes.SUCCESS:
+            self._finish(exit_code=0)
 
     def describe_location(self) -> str:
         """Where this logger's files go and how to see them, for the CLI's start-up summary."""

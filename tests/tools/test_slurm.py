@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 
@@ -31,12 +32,12 @@ def test_time_limits_and_task_counts():
 def test_a_task_count_mismatch_is_an_error_and_writes_nothing(tmp_path, monkeypatch):
     result = run_tool_here(
         "slurm",
-        ["--config", str(CONFIGS / "quickstart.yaml"), "--nodes", "2", "--gpus_per_node", "8"],
+        ["--config", str(CONFIGS / "quickstart.yaml"), "--nodes", "2", "--gpus_per_node", "0", "--cpu_workers", "8"],
         tmp_path,
         monkeypatch,
     )
     assert result.returncode == 2
-    assert "trainer.devices is 1 in the config but --gpus_per_node is 8" in result.stderr
+    assert "trainer.devices is 1 in the config but --cpu_workers is 8" in result.stderr
     assert not (tmp_path / "runs").exists()
     late = run_tool_here(
         "slurm",
@@ -101,6 +102,63 @@ def test_the_script_for_gpus_asks_for_them_and_names_its_pieces(tmp_path, monkey
     assert "--trainer.num_nodes=2 --trainer.devices=8" in script and 'scontrol requeue "$job"' in script
 
 
+def test_a_gpu_request_for_a_cpu_config_is_refused_and_a_cpu_job_asks_for_none(tmp_path, monkeypatch):
+    quickstart = ["--config", str(CONFIGS / "quickstart.yaml"), "--nodes", "1", "--output", "job.sbatch"]
+    refused = run_tool_here("slurm", [*quickstart, "--gpus_per_node", "1"], tmp_path, monkeypatch)
+    assert refused.returncode == 2
+    assert "--gpus_per_node 1 asks SLURM for GPUs, but trainer.accelerator is cpu in the config" in refused.stderr
+    assert (
+        "--gpus_per_node 0 --cpu_workers 1" in refused.stderr and "--sbatch_option=--gpus-per-node=1" in refused.stderr
+    )
+    assert not (tmp_path / "job.sbatch").exists() and not (tmp_path / "runs").exists()
+    missing = run_tool_here("slurm", quickstart, tmp_path, monkeypatch)
+    assert missing.returncode == 2 and "needs --nodes N (nodes) and --gpus_per_node G" in missing.stderr
+
+    cpu_job = run_tool_here("slurm", [*quickstart, "--gpus_per_node", "0", "--error_log"], tmp_path, monkeypatch)
+    assert cpu_job.returncode == 0, cpu_job.stderr
+    assert "(1 node(s) x 1 CPU task(s))" in cpu_job.stdout
+    lines = (tmp_path / "job.sbatch").read_text().splitlines()
+    assert "#SBATCH --ntasks-per-node=1" in lines and not any("--gpus-per-node" in line for line in lines)
+    output = next(line for line in lines if line.startswith("#SBATCH --output="))
+    assert any(line == output.replace("--output=", "--error=").replace(".out", ".err") for line in lines)
+    # Where it runs is said at the top: this folder and this interpreter, by path.
+    assert f"#   working directory  {tmp_path.resolve()}" in lines
+    assert f"#   interpreter        {sys.executable} (the one that wrote this script)" in lines
+
+
+def test_setup_lines_run_before_the_job_step_which_inherits_them_and_a_failing_one_stops_the_job(tmp_path, monkeypatch):
+    # An interpreter that records what it was started with, standing in for the cluster's (here a container's,
+    # given as a command: `apptainer exec image.sif python`).
+    recorder = tmp_path / "python-on-the-cluster"
+    recorder.write_text('#!/bin/sh\necho "$CUDA_HOME|$*" >> "$(dirname "$0")/started.log"\n')
+    recorder.chmod(0o755)
+    args = ["--config", str(CONFIGS / "quickstart.yaml"), *("--nodes", "1", "--gpus_per_node", "0")]
+    args += ["--python", f"{recorder} exec image.sif", "--sbatch_option=--mem=128G", "--output", "job.sbatch"]
+    setup = ["--setup", "export CUDA_HOME=/opt/cuda-12.4  # as `module load cuda/12.4` would", "--setup", "true"]
+    written = run_tool_here("slurm", [*args, *setup], tmp_path, monkeypatch)
+    assert written.returncode == 0, written.stderr
+    assert subprocess.run(["bash", "-n", "job.sbatch"], cwd=tmp_path).returncode == 0
+    ran = subprocess.run(
+        ["bash", "job.sbatch"], cwd=tmp_path, env=slurm_environment(tmp_path, tasks_per_node=1), capture_output=True
+    )
+    assert ran.returncode == 0, ran.stderr
+    (started,) = (tmp_path / "started.log").read_text().splitlines()
+    exported, command = started.split("|")
+    assert exported == "/opt/cuda-12.4", "the job step inherits what the set-up lines set"
+    assert command.startswith("exec image.sif -m lightning_mlopt fit --config ") and "--mem" not in command
+
+    failing = ["--setup", "module load cuda/99.9 2>/dev/null || false"]
+    written = run_tool_here("slurm", [*args, *failing], tmp_path, monkeypatch)
+    assert written.returncode == 0, written.stderr
+    stopped = subprocess.run(
+        ["bash", "job.sbatch"], cwd=tmp_path, env=slurm_environment(tmp_path, tasks_per_node=1), capture_output=True
+    )
+    assert stopped.returncode == 2
+    assert b"error: the set-up line failed (exit 1): module load cuda/99.9" in stopped.stderr
+    assert len((tmp_path / "started.log").read_text().splitlines()) == 1, "the job step never started"
+    assert (tmp_path / "calls.log").read_text().count("srun ") == 1, "srun ran for the first script only"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.skipif(missing_requirement() is None, reason="runs on a real SLURM cluster in test_slurm_cluster.py")
 def test_the_generated_script_saves_on_the_signal_requeues_and_the_requeued_job_resumes(tmp_path):
@@ -113,6 +171,8 @@ def test_the_generated_script_saves_on_the_signal_requeues_and_the_requeued_job_
             "--nodes",
             "1",
             "--gpus_per_node",
+            "0",
+            "--cpu_workers",
             "2",
             "--time",
             "00:10:00",

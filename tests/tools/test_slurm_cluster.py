@@ -45,6 +45,8 @@ def _write_script(tmp_path: Path, *extra: str, time_limit: str = "00:10:00", sig
             "--nodes",
             "1",
             "--gpus_per_node",
+            "0",
+            "--cpu_workers",
             "2",
             "--cpus_per_task",
             "1",
@@ -178,7 +180,8 @@ def test_a_sweep_as_a_job_array_runs_every_trial_and_the_results_are_read_back(c
         "--trainer.enable_progress_bar=false",
     ]
     emitted = run_cli(
-        [*sweep_args, "--slurm", "--nodes", "1", "--gpus_per_node", "2", "--max_parallel", "1"], cwd=tmp_path
+        [*sweep_args, "--slurm", "--nodes", "1", "--gpus_per_node", "0", "--cpu_workers", "2", "--max_parallel", "1"],
+        cwd=tmp_path,
     )
     assert emitted.returncode == 0, emitted.stderr
     job_id = _submit(cluster, tmp_path / "sweep" / "sweep.sbatch")

@@ -61,18 +61,24 @@ def test_bad_sweep_files_are_named(tmp_path, text, message):
         load_sweep(_sweep_file(tmp_path, text))
 
 
+def _refused_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parameters: str) -> tuple[Path, str]:
+    """A grid sweep of ``parameters`` (YAML lines), refused with exit 2 before anything is created: its stderr."""
+    sweep = _sweep_file(tmp_path, "method: grid\nmetric: {name: val/acc, goal: maximize}\nparameters:\n" + parameters)
+    result = run_tool_here("sweep", [*BASE, "--sweep", str(sweep)], tmp_path, monkeypatch)
+    assert result.returncode == 2, result.stderr
+    assert not (tmp_path / "runs").exists()
+    return sweep, result.stderr
+
+
 def test_a_typo_in_a_swept_key_fails_at_once_naming_it_and_nothing_is_created(tmp_path, monkeypatch):
-    sweep = _sweep_file(
+    _, stderr = _refused_grid(
         tmp_path,
-        "method: grid\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
+        monkeypatch,
         "  model.init_args.lr: {values: [0.01, 0.1]}\n  model.init_args.widht: {values: [8, 16]}\n",
     )
-    result = run_tool_here("sweep", [*BASE, "--sweep", str(sweep)], tmp_path, monkeypatch)
-    assert result.returncode == 2
-    assert "sweep parameter 'model.init_args.widht'" in result.stderr
-    assert "valid keys under model.init_args:" in result.stderr and "width" in result.stderr
-    assert len(result.stderr.splitlines()) <= 15
-    assert not (tmp_path / "runs").exists()
+    assert "sweep parameter 'model.init_args.widht'" in stderr
+    assert "valid keys under model.init_args:" in stderr and "width" in stderr
+    assert len(stderr.splitlines()) <= 15
 
 
 def test_a_value_of_the_wrong_type_fails_naming_key_and_value(tmp_path, monkeypatch):
@@ -83,6 +89,101 @@ def test_a_value_of_the_wrong_type_fails_naming_key_and_value(tmp_path, monkeypa
     assert result.returncode == 2
     assert "sweep parameter 'model.init_args.lr' (value 'fast')" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_key_written_as_another_tool_names_it_is_named_in_the_sweep_file_with_the_key_it_means(tmp_path, monkeypatch):
+    # The workshop's sweep file: its keys are its own script's names, not the CLI's dotted keys.
+    sweep, stderr = _refused_grid(
+        tmp_path, monkeypatch, "  learning_rate: {values: [0.1, 0.01]}\n  batch_size: {values: [64, 128]}\n"
+    )
+    lines = stderr.splitlines()
+    assert lines[0] == f"error: sweep parameter 'learning_rate' (value 0.1) in {sweep}:"
+    assert "command line" not in stderr, "it was set in the sweep file, not on the command line"
+    assert "did you mean: model.init_args.lr?" in lines
+    assert any(line.startswith("valid keys under model.init_args: depth, width,") for line in lines)
+    assert any(line.startswith("valid keys under data.init_args:") and "batch_size" in line for line in lines)
+    assert not (tmp_path / "runs").exists()
+
+
+def _small_model_config(tmp_path: Path) -> list[str]:
+    """A user's model (train_loss and val_loss, its own dataloaders) that fits in seconds."""
+    path = tmp_path / "lm.yaml"
+    path.write_text("trainer: {accelerator: cpu, devices: 1}\nmodel: {class_path: tests.helpers.ThirdPartyLM}\n")
+    return ["--config", str(path)]
+
+
+def test_a_metric_the_model_never_logs_fails_before_any_trial_naming_what_it_logs(tmp_path):
+    sweep = _sweep_file(
+        tmp_path,
+        "method: grid\nmetric: {name: Validation Accuracy, goal: maximize}\nparameters:\n"
+        "  model.init_args.lr: {values: [0.01, 0.001]}\n",
+    )
+    # A dry run too: it checks what a run would, the metric included.
+    args = ["sweep", *_small_model_config(tmp_path), "--sweep", str(sweep), "--sweep_dir=sweep", "--dry_run"]
+    result = run_cli(args, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "metric.name 'Validation Accuracy'" in result.stderr
+    assert "a two-batch fit of trial 0 logged train_loss, val_loss. Set metric.name to one of them" in result.stderr
+    assert not (tmp_path / "sweep").exists(), "no trial ran, nothing was written"
+
+
+def test_a_trial_that_ends_without_the_metric_stops_the_sweep_listing_what_it_logged(tmp_path):
+    sweep = _sweep_file(
+        tmp_path,
+        "method: grid\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
+        "  model.init_args.lr: {values: [0.01, 0.001]}\n",
+    )
+    result = run_cli(
+        [
+            "sweep",
+            *_small_model_config(tmp_path),
+            "--sweep",
+            str(sweep),
+            "--sweep_dir=sweep",
+            "--no_probe",
+            "--trainer.max_steps=1",
+            "--trainer.enable_progress_bar=false",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "trial-000 logged train_loss. Set metric.name to one of them" in result.stderr
+    assert "the sweep stopped after trial-000" in result.stderr
+    assert (tmp_path / "sweep" / "trial-000" / "metrics.json").is_file()
+    assert not (tmp_path / "sweep" / "trial-001").exists(), "the second trial would log the same names"
+
+
+def test_slurm_needs_an_allocation_and_a_dry_run_shows_the_script_without_writing_it(tmp_path, monkeypatch):
+    sweep = _sweep_file(
+        tmp_path,
+        "method: grid\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
+        "  model.init_args.lr: {values: [0.1, 0.01]}\n  data.init_args.batch_size: {values: [32, 64]}\n",
+    )
+    args = [*BASE, "--sweep", str(sweep), "--sweep_dir=sweep", "--slurm"]
+    missing = run_tool_here("sweep", args, tmp_path, monkeypatch)
+    assert missing.returncode == 2
+    assert "needs --nodes N (nodes) and --gpus_per_node G" in missing.stderr
+    assert "e.g. --nodes 1 --gpus_per_node 0 --cpu_workers 1 (this config trains on the CPU)" in missing.stderr
+
+    allocation = ["--nodes", "1", "--gpus_per_node", "0", "--cpu_workers", "1", "--max_parallel", "2"]
+    job = ["--sbatch_option=--mem=128G", "--setup", "module load cuda/12.4", "--python", "python", "--error_log"]
+    shown = run_tool_here("sweep", [*args, *allocation, *job, "--dry_run"], tmp_path, monkeypatch)
+    assert shown.returncode == 0, shown.stderr
+    assert "sweep.sbatch not written" in shown.stdout.splitlines()[-1]
+    assert not (tmp_path / "sweep").exists()
+    script = shown.stdout[shown.stdout.index("#!/bin/bash") : shown.stdout.index("\nDry run:")]
+    assert "#SBATCH --array=0-3%2" in script.splitlines() and "#SBATCH --mem=128G" in script.splitlines()
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert srun.startswith("srun python -m lightning_mlopt sweep ")
+    for sbatch_only in ("--mem", "--sbatch_option", "--setup", "--python", "--error_log", "--cpu_workers", "--slurm"):
+        assert sbatch_only not in srun, f"{sbatch_only} is the allocation's, not the job step's"
+    (tmp_path / "shown.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "shown.sbatch")]).returncode == 0
+
+    written = run_tool_here("sweep", [*args, *allocation, *job], tmp_path, monkeypatch)
+    assert written.returncode == 0, written.stderr
+    assert (tmp_path / "sweep" / "sweep.sbatch").read_text() == script
+    assert "metric.name 'val/acc': the first array task to finish checks it" in written.stdout
 
 
 @pytest.mark.multiprocess
@@ -144,7 +245,11 @@ def test_wandb_mode_needs_a_key_and_its_agent_command_is_our_cli(tmp_path, monke
     assert local_bayes.returncode == 2 and "bayes needs the W&B server" in local_bayes.stderr
 
     shown = run_tool_here(
-        "sweep", [*BASE, "--sweep", str(sweep), "--mode", "wandb", "--dry_run"], tmp_path, monkeypatch, env
+        "sweep",
+        [*BASE, "--sweep", str(sweep), "--mode", "wandb", "--dry_run", "--no_probe"],
+        tmp_path,
+        monkeypatch,
+        env,
     )
     assert shown.returncode == 0, shown.stderr
     config = json.loads(shown.stdout[shown.stdout.index("{") :])
@@ -176,7 +281,12 @@ def test_a_sweep_as_a_slurm_job_array_runs_one_trial_per_array_task_and_the_resu
     ]
     sweep_args = ["sweep", *BASE, "--sweep", str(sweep), "--sweep_dir=sweep", *fit_args]
     emitted = run_cli(
-        [*sweep_args, "--slurm", "--nodes", "1", "--gpus_per_node", "2", "--max_parallel", "1", "--time", "01:00:00"],
+        [
+            *sweep_args,
+            "--slurm",
+            *("--nodes", "1", "--gpus_per_node", "0", "--cpu_workers", "2"),
+            *("--max_parallel", "1", "--time", "01:00:00"),
+        ],
         cwd=tmp_path,
     )
     assert emitted.returncode == 0, emitted.stderr

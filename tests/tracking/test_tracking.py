@@ -315,3 +315,31 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
     # The killed launch's checkpoint artifact (step 5) is logged again too, before this launch's own.
     aliases = [set(artifact["aliases"]) for artifact in summary_of(resumed)["artifacts"]]
     assert "step-5" in aliases[0] and "step-15" in aliases[-2] | aliases[-1]
+
+
+def test_wandb_logs_each_checkpoint_once_and_its_closing_lines_carry_no_colour_codes(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        [
+            "fit",
+            "--model=tests.helpers.ThirdPartyLM",
+            *WANDB,
+            "--trainer.max_steps=4",
+            "--trainer.max_epochs=-1",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
+            "--checkpoint.every_n_steps=2",  # step 4 is saved by every_n_steps, then again as the final save
+            "--trainer.logger.init_args.upload_checkpoints=true",
+            f"--run_dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env={**_wandb_env(tmp_path), "WANDB_SILENT": "false"},  # W&B's own lines, as a user's log file has them
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = _offline_runs(run_dir)
+    artifacts = summary_of(run)["artifacts"]
+    assert [set(a["aliases"]) for a in artifacts] == [{"latest", "step-2"}, {"latest", "step-4", "final"}]
+    output = result.stdout + result.stderr
+    assert output.count("Adding directory to artifact") == 2, "one upload per checkpoint"
+    assert "wandb sync" in output, "W&B's closing lines are there"
+    assert "\x1b[" not in output, "an output that is not a terminal gets no ANSI colour codes"

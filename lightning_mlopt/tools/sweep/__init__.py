@@ -11,23 +11,27 @@ Parameters
       model.init_args.weight_decay: {distribution: log_uniform_values, min: 1.0e-5, max: 1.0e-3}
 
 Every trial's arguments are checked against the CLI's parser before the first trial starts, so a typo in a
-key or a value of the wrong type fails at once, naming it. ``--mode local`` (the default) needs no W&B
+key or a value of the wrong type fails at once, naming it (and the key it may have meant: ``learning_rate``
+-> ``model.init_args.lr``); a two-batch fit of trial 0 then checks that the model logs the metric, and the
+first trial that ends without it stops the sweep, naming what it logged. ``--mode local`` (the default) needs no W&B
 server: trials run one after another as ``python -m lightning_mlopt fit ... --key=value`` (each launches its
 own ranks, so every rank gets the same values), each in ``<sweep_dir>/trial-NNN``, and the sweep ends with a
 results table, best first (also ``results.csv``). Running the same sweep again skips finished trials and
 resumes interrupted ones. ``--mode wandb`` creates the sweep on the W&B server and runs a W&B agent whose
 command is our CLI with W&B's ``${args}`` (``--key=value``).
 
-The package: ``spec.py`` (the sweep file and its trials), ``runner.py`` (local runs), ``results.py`` (what
-each trial left, the table), ``wandb_agent.py`` (the W&B server), ``tool.py`` (the command line and the SLURM
-job array).
+The package: ``spec.py`` (the sweep file and its trials), ``probe.py`` (the metric check before the first
+trial), ``runner.py`` (local runs), ``results.py`` (what each trial left, the table), ``wandb_agent.py`` (the
+W&B server), ``tool.py`` (the command line and the SLURM job array).
 
 """
 
+from lightning_mlopt.tools.sweep.probe import ProbeResult, probe_metrics
 from lightning_mlopt.tools.sweep.results import (
     TrialResult,
     collect_results,
     collect_run_dirs,
+    logged_metrics,
     ranked,
     results_table,
     trial_name,
@@ -44,10 +48,11 @@ from lightning_mlopt.tools.sweep.spec import (
     random_trials,
     trial_arguments,
 )
-from lightning_mlopt.tools.sweep.tool import main, write_slurm_array
+from lightning_mlopt.tools.sweep.tool import main, slurm_array
 from lightning_mlopt.tools.sweep.wandb_agent import run_wandb, wandb_sweep_config
 
 __all__ = [
+    "ProbeResult",
     "SweepSpec",
     "Trial",
     "TrialResult",
@@ -57,15 +62,17 @@ __all__ = [
     "grid_trials",
     "load_sweep",
     "local_trials",
+    "logged_metrics",
     "main",
+    "probe_metrics",
     "random_trials",
     "ranked",
     "results_table",
     "run_local",
     "run_wandb",
+    "slurm_array",
     "trial_arguments",
     "trial_name",
     "wandb_sweep_config",
     "write_results",
-    "write_slurm_array",
 ]

@@ -39,7 +39,10 @@ def collect_results(spec: SweepSpec, trials: Sequence[Trial], sweep_dir: Path) -
         name = trial_name(number)
         metric = read_metric(sweep_dir / name, spec.metric)
         started = (sweep_dir / name / "params.json").is_file()
-        status = "done" if metric is not None else "not finished" if started else "not started"
+        finished = logged_metrics(sweep_dir / name) is not None
+        status = (
+            "done" if metric is not None else "no metric" if finished else "not finished" if started else "not started"
+        )
         results.append(TrialResult(name, trial, metric, status, 0.0))
     return results
 
@@ -78,6 +81,23 @@ def read_metric(folder: Path, name: str) -> float | None:
     except (ValueError, KeyError):
         return None
     return float(value) if value is not None else None
+
+
+def logged_metrics(folder: Path) -> list[str] | None:
+    """The names of the metrics in the ``metrics.json`` a fit wrote into ``folder``; None if there is none."""
+    try:
+        return sorted(json.loads((folder / METRICS_NAME).read_text())["metrics"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def metric_not_logged(spec: SweepSpec, logged: Sequence[str], by: str) -> str:
+    """What to say when a run (``by``) finished without the sweep's metric: the names it did log, the fix."""
+    names = ", ".join(logged) if logged else "nothing"
+    return (
+        f"metric.name {spec.metric!r} (in {spec.path}) is not logged by the model: {by} logged {names}. "
+        "Set metric.name to one of them"
+    )
 
 
 def ranked(results: Sequence[TrialResult], spec: SweepSpec) -> list[TrialResult]:

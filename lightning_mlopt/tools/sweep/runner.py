@@ -21,7 +21,10 @@ def run_local(
     sweep_dir: Path,
     only: int | None = None,
 ) -> list[TrialResult]:
-    """Run the trials one after another (or just trial ``only``); a finished trial is read, not run again."""
+    """Run the trials one after another (or just trial ``only``); a finished trial is read, not run again.
+
+    A trial that ends without error but without the sweep's metric ends the sweep (status ``no metric``).
+    """
     results: list[TrialResult] = []
     durations: list[float] = []
     env = child_fit_env(WANDB_RUN_GROUP=sweep_dir.name)  # a WandbTracker groups the trials in W&B
@@ -56,4 +59,6 @@ def run_local(
         if signalled:
             print(f"Stopped after {name}: the sweep was signalled (the trial saved and can resume)", flush=True)
             break
+        if code == 0 and metric is None:
+            break  # the other trials would log the same names: the caller says which, and the sweep stops here
     return results

@@ -30,6 +30,7 @@ class SweepSpec:
         parameters: dotted CLI key -> W&B parameter spec (``value``, ``values``, or a distribution).
         run_cap: the most trials to run (random search needs it, or ``--count``).
         raw: the file's content, as W&B receives it.
+        path: the file it was read from, named in messages about its keys.
 
     Example::
 
@@ -44,6 +45,7 @@ class SweepSpec:
     parameters: dict[str, dict[str, Any]]
     run_cap: int | None
     raw: dict[str, Any]
+    path: str = "the sweep file"
 
 
 def load_sweep(path: str | Path) -> SweepSpec:
@@ -82,7 +84,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
     run_cap = raw.get("run_cap")
     if run_cap is not None and (not isinstance(run_cap, int) or run_cap < 1):
         raise BadInputError(f"{where}: run_cap must be a positive integer; got {run_cap!r}")
-    return SweepSpec(method, str(metric["name"]), goal, parameters, run_cap, raw)
+    return SweepSpec(method, str(metric["name"]), goal, parameters, run_cap, raw, str(where))
 
 
 def grid_trials(spec: SweepSpec) -> list[Trial]:
@@ -182,6 +184,7 @@ def check_trials(base_args: Sequence[str], spec: SweepSpec, trials: Sequence[Tri
         BadInputError: naming the base config, the swept key or the trial, with the parser's reason.
 
     """
+    from lightning_mlopt._bad_input import without_where
     from lightning_mlopt.cli import check_arguments
 
     try:
@@ -189,12 +192,15 @@ def check_trials(base_args: Sequence[str], spec: SweepSpec, trials: Sequence[Tri
     except BadInputError as error:
         raise BadInputError(f"the base config does not parse:\n{error}") from None
     for key, parameter in spec.parameters.items():
-        # Each key alone first, with its bounds or first value, so the message names the key.
+        # Each key alone first, with its bounds or first value, so the message names the key. It names the
+        # sweep file as where the key was set: the parser sees it as a command-line argument.
         for probe in _probe_values(parameter):
             try:
                 check_arguments([*base_args, *trial_arguments({key: probe})])
             except BadInputError as error:
-                raise BadInputError(f"sweep parameter {key!r} (value {probe!r}):\n{error}") from None
+                raise BadInputError(
+                    f"sweep parameter {key!r} (value {probe!r}) in {spec.path}:\n{without_where(str(error))}"
+                ) from None
     for number, trial in enumerate(trials):
         try:
             check_arguments([*base_args, *trial_arguments(trial)])
