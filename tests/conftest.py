@@ -115,7 +115,8 @@ def failure_report(result: subprocess.CompletedProcess[str], tail: int = 2500) -
 SMOKE = [
     "--trainer.max_steps=2",
     "--trainer.max_epochs=1",
-    "--trainer.limit_val_batches=1",
+    # 2, not 1: the CLI's parser reads Lightning's int-or-float limit as a float, and 1.0 means the whole set.
+    "--trainer.limit_val_batches=2",
     "--trainer.num_sanity_val_steps=0",
     "--trainer.enable_progress_bar=false",
 ]

@@ -179,13 +179,14 @@ def test_a_sweep_as_a_job_array_runs_every_trial_and_the_results_are_read_back(c
         "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_progress_bar=false",
     ]
-    emitted = run_cli(
-        [*sweep_args, "--slurm", "--nodes", "1", "--gpus_per_node", "0", "--cpu_workers", "2", "--max_parallel", "1"],
-        cwd=tmp_path,
-    )
+    allocation = ["--nodes", "1", "--gpus_per_node", "0", "--cpu_workers", "2", "--max_parallel", "1"]
+    # A cluster's set-up lines (module load, conda activate) run in each array task before its trial.
+    setup = ["--setup", f"echo $SLURM_ARRAY_TASK_ID > {tmp_path}/setup-ran-$SLURM_ARRAY_TASK_ID"]
+    emitted = run_cli([*sweep_args, "--slurm", *allocation, *setup], cwd=tmp_path)
     assert emitted.returncode == 0, emitted.stderr
     job_id = _submit(cluster, tmp_path / "sweep" / "sweep.sbatch")
     _wait_for(lambda: not cluster.run("squeue", "-h", "-j", job_id).stdout.strip(), 300, "the array to finish")
+    assert sorted(path.name for path in tmp_path.glob("setup-ran-*")) == ["setup-ran-0", "setup-ran-1"]
     table = run_cli([*sweep_args, "--results"], cwd=tmp_path)
     assert table.returncode == 0, table.stderr
     rows = table.stdout[table.stdout.index("rank  trial") :].splitlines()[1:3]
