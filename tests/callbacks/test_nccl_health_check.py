@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -135,7 +136,9 @@ def test_version_skew_and_a_straggler_are_reported_by_rank(tmp_path):
             "--trainer.callbacks+=tests.helpers.FakeVersionOnRank",
             "--trainer.callbacks.value=2.0.0",
             "--trainer.callbacks+=tests.helpers.SlowRank",
-            "--trainer.callbacks.seconds=0.3",
+            # Two ranks: the median is their mean, so rank 1 is 1.5x it only when rank 0's own forward takes under
+            # a quarter of rank 1's; a full second keeps that true on a loaded CI machine.
+            "--trainer.callbacks.seconds=1.0",
             *HEALTH,
             "--trainer.callbacks.straggler_every_n_steps=2",
             "--trainer.callbacks.probe_mb=1",
@@ -146,7 +149,7 @@ def test_version_skew_and_a_straggler_are_reported_by_rank(tmp_path):
     assert result.returncode == 0, output[-3000:]
     assert "fingerprint MISMATCH" in output
     assert "'2.0.0' on rank 1" in output and "on rank 0" in output
-    assert "straggler(s) at step 2: rank 1" in output
+    assert re.search(r"straggler\(s\) at step [24]: rank 1 ", output), output[-3000:]
     assert "busbw" in output and "NCCLHealthCheck pre-flight" in output
 
 
