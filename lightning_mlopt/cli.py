@@ -223,7 +223,7 @@ class MLOptCLI(LightningCLI):
 
     @override
     def instantiate_classes(self) -> None:
-        # Constructors validate their arguments (STYLE.md: "the constructor is the config"), so an error
+        # Constructors validate their arguments (the shared style guide: "the constructor is the config"), so an error
         # here is the user's input, not our bug: report it like a parser error, before any file exists.
         replaced = default_optimizer_replaced(self._get_section())
         try:

@@ -25,11 +25,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
 
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint, NCCLHealthCheck, PerformanceMonitor
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.checkpoint.tiers import store_url
 from lightning_mlopt.demos import OPTIMIZER_DEFAULTS
+from lightning_mlopt.hooks import DescribesOutputs, RunTracker, callbacks_with, loggers_with
 from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, PreemptionNotices, start_polling
 from lightning_mlopt.process.signals import preemption
 from lightning_mlopt.process.startup import startup_guard
@@ -52,10 +52,8 @@ class SaveResolvedConfig(SaveConfigCallback):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.parser.save(self.config, self.run_dir / self.config_filename, skip_none=False, overwrite=True)
         # Trackers that keep the full configuration (WandbTracker) get it once, from rank zero (this hook).
-        for logger in trainer.loggers:
-            log_run_config = getattr(logger, "log_run_config", None)
-            if log_run_config is not None:
-                log_run_config(self.config.clone().as_dict())
+        for tracker in loggers_with(trainer, RunTracker):
+            tracker.log_run_config(self.config.clone().as_dict())
 
 
 class StartupComplete(Callback):
@@ -81,18 +79,12 @@ class StartupComplete(Callback):
 def describe_outputs(trainer: Trainer, run_dir: Path | None) -> str:
     """A few lines saying where a run's config, checkpoints, logs and hang dumps go."""
     lines = [f"Run directory: {run_dir}", f"  config       {Path(str(run_dir)) / 'config.yaml'}"]
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, FaultTolerantCheckpoint):
-            resume = "resumes from the newest valid one" if callback.auto_resume else "auto_resume off"
-            lines.append(f"  checkpoints  {callback.checkpoint_dir(trainer)} ({resume})")
-        if isinstance(callback, NCCLHealthCheck):
-            lines.append(f"  hang dumps   {callback.dump_folder(trainer)}")
-        if isinstance(callback, PerformanceMonitor):
-            traces = f", traces of steps {callback.profile_steps}" if callback.profile_steps else ""
-            lines.append(f"  performance  {callback.folder(trainer)} (summary.json at the end{traces}; perf/* logged)")
+    for callback in callbacks_with(trainer, DescribesOutputs):
+        lines += [f"  {line}" for line in callback.describe_outputs(trainer)]
     for logger in trainer.loggers:
-        describe = getattr(logger, "describe_location", None)
-        location = describe() if describe else getattr(logger, "log_dir", None) or logger.save_dir
+        # Lightning's own loggers: CSVLogger and TensorBoardLogger have a log_dir, the others a save_dir.
+        plain = getattr(logger, "log_dir", None) or logger.save_dir
+        location = logger.describe_location() if isinstance(logger, RunTracker) else plain
         lines.append(f"  logs         {type(logger).__name__}: {location}")
     lines.append(f"  results      {Path(str(run_dir)) / METRICS_NAME} (at the end)")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Configs are code: every file in configs/ parses and trains on 2 processes (STYLE.md, rule 7): a 2-step fit here,
+"""Configs are code: every file in configs/ parses and trains on 2 processes: a 2-step fit here,
 or, for the overlays the session's shared strategy runs train, their 20 steps."""
 
 from __future__ import annotations

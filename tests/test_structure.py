@@ -36,7 +36,13 @@ LAYERS: list[tuple[str, ...]] = [
         "lightning_mlopt._bad_input",
     ),
     ("lightning_mlopt.process",),  # standard library only: loaded before torch
-    ("lightning_mlopt.distributed", "lightning_mlopt.checkpoint", "lightning_mlopt.planning", "lightning_mlopt.demos"),
+    (
+        "lightning_mlopt.distributed",
+        "lightning_mlopt.checkpoint",
+        "lightning_mlopt.planning",
+        "lightning_mlopt.demos",
+        "lightning_mlopt.hooks",  # declared hooks between components; names checkpoint types for typing
+    ),
     ("lightning_mlopt.diagnosis", "lightning_mlopt.perf", "lightning_mlopt.strategies"),
     ("lightning_mlopt.callbacks", "lightning_mlopt.tracking"),
     ("lightning_mlopt.cli", "lightning_mlopt.cli_support"),

@@ -39,6 +39,15 @@ from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.checkpoint.tiers import attach_remote, check_tier_settings, local_folder, store_url
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
+from lightning_mlopt.hooks import (
+    CheckpointUploader,
+    DescribesOutputs,
+    ResumeListener,
+    SaveVetter,
+    callbacks_with,
+    checkpoint_events,
+    loggers_with,
+)
 from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.grace import ANY_SIGNAL, SaveBudget, graces_from_environment, safety_margin_s
 from lightning_mlopt.process.phase import phase
@@ -58,7 +67,7 @@ _VOTE_SLOTS = 6
 _LAG_BELOW_S = 1.0
 
 
-class FaultTolerantCheckpoint(Checkpoint):
+class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
     """Checkpoints that survive a kill at any instant, resume by themselves, and resume exactly.
 
     Every save follows one commit protocol, for single-file and sharded strategies alike: the strategy
@@ -259,6 +268,11 @@ class FaultTolerantCheckpoint(Checkpoint):
         folder = local_folder(self.dirpath, self.local_dirpath)
         return Path(folder or os.path.join(trainer.default_root_dir, CHECKPOINTS_DIR))
 
+    def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
+        """Where the checkpoints go, and whether a relaunch resumes from them (the CLI's start-up lines)."""
+        resume = "resumes from the newest valid one" if self.auto_resume else "auto_resume off"
+        return [f"checkpoints  {self.checkpoint_dir(trainer)} ({resume})"]
+
     # ------------------------------------------------------------------ lifecycle
 
     @override
@@ -282,6 +296,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         graces = {ANY_SIGNAL: self.preemption_grace_s} if self.preemption_grace_s else graces_from_environment()
         preemption.own_for_run(trainer, self.signals, self.signal_deadline_s, self.exit_code, graces)
         launch_report.note(checkpoints=str(store.root))
+        checkpoint_events(trainer).store = store
         self.saver.check_writable(trainer)
         if self._votes():  # each batch's exchange carries what this rank saw (read in on_train_batch_end)
             step_exchange(trainer).provide(_VOTE, lambda: self._local_flags(trainer))
@@ -312,6 +327,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         # Rank zero chose; every rank gets its choice, or its refusal, and acts on it alike.
         choice = trainer.strategy.broadcast(choice) or ResumeChoice(None)
         self.resumed_from, self._resume_final = choice.path, choice.stays_final
+        checkpoint_events(trainer).resumed_from = self.resumed_from
         if choice.refusal is not None:
             raise BadInputError(choice.refusal)
         if choice.failure is not None:
@@ -334,7 +350,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         explicit = trainer.ckpt_path
         if self.resumed_from is not None and explicit and str(explicit) != self._preloaded_path:
             rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
-            self.resumed_from = None
+            self.resumed_from = checkpoint_events(trainer).resumed_from = None
         self._tell_loggers_resumed(trainer, Path(str(explicit)) if explicit else self.resumed_from)
         if self.resumed_from is not None and self._resume_final:
             trainer.should_stop = True  # even if max_steps was raised since: a finished run stays finished
@@ -436,7 +452,7 @@ class FaultTolerantCheckpoint(Checkpoint):
         preemption.release()
         if self._exiting or isinstance(exception, (CheckpointWriteError, KeyboardInterrupt)):
             return
-        if getattr(exception, "unsafe_to_save", False):
+        if isinstance(exception, StoppedTogether) and exception.unsafe_to_save:
             return  # e.g. replicas that diverged: the newest clean checkpoint is the one to resume
         if isinstance(exception, StoppedTogether) and exception.checkpoint_first:
             self._save_for_stop(trainer, exception)
@@ -601,32 +617,26 @@ class FaultTolerantCheckpoint(Checkpoint):
         if not trainer.is_global_zero:
             return
         folder = path.parent if path is not None and path.is_file() else path
-        for logger in trainer.loggers:
-            resumed = getattr(logger, "checkpoints_resumed", None)
-            if resumed is not None:
-                resumed(trainer.global_step, folder)
+        for logger in loggers_with(trainer, ResumeListener):
+            logger.checkpoints_resumed(trainer.global_step, folder)
 
     def _tell_loggers(self, trainer: pl.Trainer) -> None:
         """Rank zero, main thread: hand each newly committed checkpoint to loggers that upload them."""
         if self.saver is None:
             return
         for path, manifest in self.saver.take_committed():
-            for logger in trainer.loggers:
-                upload = getattr(logger, "log_checkpoint_artifact", None)
-                if upload is not None:
-                    upload(path, manifest)
+            for logger in loggers_with(trainer, CheckpointUploader):
+                logger.log_checkpoint_artifact(path, manifest)
 
 
 def _before_checkpoint(trainer: pl.Trainer) -> None:
     """Every rank, right before a save the ranks agreed on: callbacks that vet the state get their say.
 
-    A callback with a ``before_checkpoint(trainer)`` method (ReplicaConsistencyCheck) may raise to keep a
-    state it finds bad from being saved.
+    A :class:`~lightning_mlopt.hooks.SaveVetter` (ReplicaConsistencyCheck) may raise to keep a state it finds
+    bad from being saved.
     """
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        vet = getattr(callback, "before_checkpoint", None)
-        if vet is not None:
-            vet(trainer)
+    for vetter in callbacks_with(trainer, SaveVetter):
+        vetter.before_checkpoint(trainer)
 
 
 def _on_gloo() -> bool:

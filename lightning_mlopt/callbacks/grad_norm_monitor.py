@@ -27,6 +27,7 @@ from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import NonFiniteGradientError
+from lightning_mlopt.hooks import checkpoint_events
 from lightning_mlopt.strategies.contract import contract_of
 
 Action = Literal["warn", "skip", "stop", "checkpoint_and_stop"]
@@ -194,11 +195,6 @@ class GradNormMonitor(Callback):
             inject.install_nan(pl_module, injection, trainer.global_rank, lambda: trainer.global_step)
             for injection in inject.from_environment("nan")
         ]
-        if "checkpoint_and_stop" in (self.on_nonfinite, self.on_spike) and not _has_checkpointer(trainer):
-            rank_zero_warn(
-                "GradNormMonitor: checkpoint_and_stop without a FaultTolerantCheckpoint in the Trainer: "
-                "nothing will be saved before stopping"
-            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -209,6 +205,13 @@ class GradNormMonitor(Callback):
         # them agree without a collective. Only the loss differs per rank: one 1-float all-reduce per step.
         # Sharded (FSDP, HSDP, ZeRO): one packed all-reduce of the weighted pieces and the loss per step.
         self._norms = ModuleNorms(pl_module, self._sharding, self.depth)
+        # Here, not in setup: the checkpointing callback sets up last (Lightning orders checkpoints last).
+        stops_with_a_save = "checkpoint_and_stop" in (self.on_nonfinite, self.on_spike)
+        if stops_with_a_save and checkpoint_events(trainer).store is None:
+            rank_zero_warn(
+                "GradNormMonitor: checkpoint_and_stop without a FaultTolerantCheckpoint in the Trainer: "
+                "nothing will be saved before stopping"
+            )
 
     # ------------------------------------------------------------------ per step
 
@@ -425,9 +428,3 @@ def _hostnames(world: int) -> list[str]:
     if world > 1:
         dist.all_gather_object(hosts, socket.gethostname())
     return [str(host) for host in hosts]
-
-
-def _has_checkpointer(trainer: pl.Trainer) -> bool:
-    from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
-
-    return any(isinstance(callback, FaultTolerantCheckpoint) for callback in trainer.callbacks)  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
 from lightning_mlopt.exceptions import HealthCheckError
+from lightning_mlopt.hooks import DescribesOutputs
 from lightning_mlopt.process import exit_codes, phase
 from lightning_mlopt.process.watchdog import HangWatchdog
 from lightning_mlopt.run_dir import HEALTH_DIR
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 OnProblem = Literal["warn", "error"]
 
 
-class NCCLHealthCheck(PhaseMarkers):
+class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
     """Checks the collective layer before training, watches for hangs during it, and names stragglers.
 
     Targets NCCL on GPUs and works the same with gloo on CPU.
@@ -136,6 +137,10 @@ class NCCLHealthCheck(PhaseMarkers):
     def dump_folder(self, trainer: pl.Trainer) -> Path:
         """Where hang dumps go: ``dump_dir``, or ``<trainer.default_root_dir>/health``."""
         return Path(self.dump_dir or os.path.join(trainer.default_root_dir, HEALTH_DIR))
+
+    def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
+        """Where hang dumps go (the CLI's start-up lines)."""
+        return [f"hang dumps   {self.dump_folder(trainer)}"]
 
     # ------------------------------------------------------------------ pre-flight
 

@@ -16,6 +16,7 @@ from lightning_mlopt._compat import defer_progress_bar_scalars
 from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
+from lightning_mlopt.hooks import DescribesOutputs
 from lightning_mlopt.perf.breakdown import FIELDS, JobWindow, RankWindow, pack, unpack
 from lightning_mlopt.perf.flops import TrainingFlopCounter
 from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
@@ -27,10 +28,10 @@ from lightning_mlopt.process.phase import PHASES, phase
 from lightning_mlopt.run_dir import PERF_DIR, PERF_SUMMARY_NAME
 
 
-class PerformanceMonitor(PhaseMarkers):
+class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
     """Measures every rank's step: time per phase, throughput, input stalls, MFU and peak memory.
 
-    Every rank times its own batches by phase (``distributed/phase.py``: data wait, forward, backward,
+    Every rank times its own batches by phase (``process/phase.py``: data wait, forward, backward,
     optimizer, checkpoint); on CUDA with CUDA events, read only on logging steps, so no other step waits for
     the GPU. On logging steps (every ``log_every_n_steps`` optimizer steps) the window since the last one is
     summed over every rank without a collective of its own: it rides in the step exchange another callback
@@ -145,6 +146,11 @@ class PerformanceMonitor(PhaseMarkers):
     def folder(self, trainer: pl.Trainer) -> Path:
         """Where traces, snapshots and the summary go: ``<trainer.default_root_dir>/perf``."""
         return Path(trainer.default_root_dir) / PERF_DIR
+
+    def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
+        """Where the summary and traces go (the CLI's start-up lines)."""
+        traces = f", traces of steps {self.profile_steps}" if self.profile_steps else ""
+        return [f"performance  {self.folder(trainer)} (summary.json at the end{traces}; perf/* logged)"]
 
     # ------------------------------------------------------------------ start
 

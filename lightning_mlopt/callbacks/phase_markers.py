@@ -1,4 +1,4 @@
-"""PhaseMarkers: marks the phases of every training batch (``distributed/phase.py``) from the Trainer's hooks."""
+"""PhaseMarkers: marks the phases of every training batch (``process/phase.py``) from the Trainer's hooks."""
 
 from __future__ import annotations
 

@@ -11,15 +11,15 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.bit_hash import bit_hashes
 from lightning_mlopt.diagnosis.replicas import describe, disagreements
 from lightning_mlopt.exceptions import ReplicaMismatchError
+from lightning_mlopt.hooks import SaveVetter, checkpoint_events
 from lightning_mlopt.strategies.contract import contract_of
 
 
-class ReplicaConsistencyCheck(Callback):
+class ReplicaConsistencyCheck(Callback, SaveVetter):
     """Checks that data-parallel replicas are bit-identical, every N steps and before every checkpoint.
 
     Silent data corruption (a bad memory cell, a flaky link, a bug that lets one replica drift) rarely shows
@@ -115,17 +115,14 @@ class ReplicaConsistencyCheck(Callback):
         rank_zero_warn(f"ReplicaConsistencyCheck: {message}")
 
     def _last_good_checkpoint(self, trainer: pl.Trainer) -> str:
-        """The newest checkpoint saved at or before the last clean check, from FaultTolerantCheckpoint's folder."""
+        """The newest checkpoint saved at or before the last clean check, from the run's checkpoint store."""
         if self.last_clean_step is None:
             return "No check had passed yet."
-        from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
-
         clean = f"The last clean check was at step {self.last_clean_step}"
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, FaultTolerantCheckpoint):
-                saved = CheckpointStore(callback.checkpoint_dir(trainer)).committed()
-                before = [(saved_step, path) for saved_step, path in saved if saved_step <= self.last_clean_step]
-                if before:
-                    return f"{clean}; the newest checkpoint saved before it: {max(before)[1]}"
-                return f"{clean}; no checkpoint was saved before it."
-        return f"{clean}."
+        store = checkpoint_events(trainer).store
+        if store is None:
+            return f"{clean}."
+        before = [(step, path) for step, path in store.committed() if step <= self.last_clean_step]
+        if before:
+            return f"{clean}; the newest checkpoint saved before it: {max(before)[1]}"
+        return f"{clean}; no checkpoint was saved before it."

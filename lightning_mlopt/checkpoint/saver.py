@@ -45,6 +45,7 @@ from lightning_mlopt.checkpoint.rng import capture_rng_state
 from lightning_mlopt.checkpoint.serialization import StagingBuffer, save_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.exceptions import CheckpointWriteError
+from lightning_mlopt.hooks import RunTracker, loggers_with
 from lightning_mlopt.process.phase import phase
 
 log = logging.getLogger(__name__)
@@ -464,10 +465,10 @@ def _tracker_run_ids(trainer: pl.Trainer) -> dict[str, str]:
 
     run_ids = {}
     for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and logger.version:
+        if isinstance(logger, WandbLogger) and logger.version:  # Lightning's own, or ours
             run_ids["wandb"] = str(logger.version)
-        # Our other trackers (MLflowTracker) name themselves: tracking/ sits above this layer.
-        tracker, run_id = getattr(logger, "TRACKER", None), getattr(logger, "run_id", None)
-        if isinstance(tracker, str) and run_id:
-            run_ids[tracker] = str(run_id)
+    for tracker in loggers_with(trainer, RunTracker):
+        named = tracker.tracker_run_id()
+        if named is not None:
+            run_ids[named[0]] = named[1]
     return run_ids

@@ -168,5 +168,5 @@ class JobWindow:
         return "\n".join(rows)
 
 
-# The phase names of distributed/phase.py as metrics call them ("data" is time waiting for data).
+# The phase names of process/phase.py as metrics call them ("data" is time waiting for data).
 _NAMES = {phase: "data_wait" if phase == "data" else phase for phase in PHASES}

@@ -38,9 +38,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt._metrics import log_metrics
-from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.hooks import checkpoint_events
 from lightning_mlopt.process import launch_report, phase
 from lightning_mlopt.process.signals import preemption
 from lightning_mlopt.run_dir import GOODPUT_LEDGER_NAME
@@ -122,22 +122,18 @@ class GoodputLedger(PhaseMarkers):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._log is None:
             return
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, FaultTolerantCheckpoint) and callback.store is not None:
-                callback.store.add_commit_listener(self._on_commit)
+        store = checkpoint_events(trainer).store  # the checkpointing callback set up before this hook
+        if store is not None:
+            store.add_commit_listener(self._on_commit)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._log is None:
             return
         now, spent = self._account()
-        resumed = [
-            str(c.resumed_from)
-            for c in trainer.callbacks  # type: ignore[attr-defined]
-            if isinstance(c, FaultTolerantCheckpoint) and c.resumed_from is not None
-        ]
+        resumed = checkpoint_events(trainer).resumed_from
         fields = {"step": trainer.global_step, "restore_s": round(spent.get("restore", 0.0), 5)}
-        self._write("train_start", now, {**fields, "resumed_from": resumed[0] if resumed else None}, sync=True)
+        self._write("train_start", now, {**fields, "resumed_from": str(resumed) if resumed else None}, sync=True)
         self._since = now
 
     @override

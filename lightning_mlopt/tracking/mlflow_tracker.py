@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
+from lightning_mlopt.hooks import CheckpointUploader, ResumeListener, RunTracker
 from lightning_mlopt.redaction import redact
 from lightning_mlopt.tracking.mlflow_run import MLflowRun, redacted_uri
 from lightning_mlopt.tracking.mlflow_sender import MLflowSender
@@ -43,7 +44,7 @@ _UNSAFE_KEY = re.compile(r"[^\w\-./ ]")
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
 
-class MLflowTracker(Logger):
+class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
     """MLflow logging that continues one run across relaunches and never lets the server stop training.
 
     A Lightning logger with the arguments of Lightning's ``MLFlowLogger`` (``experiment_name``, ``run_name``,
@@ -99,8 +100,6 @@ class MLflowTracker(Logger):
     """
 
     LOGGER_JOIN_CHAR = "-"
-    TRACKER = "mlflow"
-    """The key of this logger's run id in a checkpoint manifest's ``run_ids``."""
 
     def __init__(
         self,
@@ -180,6 +179,10 @@ class MLflowTracker(Logger):
     def run_id(self) -> str | None:
         """The MLflow run this run directory logs to (None until known: chosen, recorded, or created)."""
         return self._run.run_id
+
+    def tracker_run_id(self) -> tuple[str, str] | None:
+        """``("mlflow", run id)`` for a checkpoint manifest's ``run_ids``; None before the run exists."""
+        return ("mlflow", self.run_id) if self.run_id else None
 
     @property
     @rank_zero_experiment

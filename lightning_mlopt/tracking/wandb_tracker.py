@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_mlopt._compat import wandb_init_kwargs, wandb_requested_id, wandb_run_if_started
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.hooks import CheckpointUploader, RunTracker
 from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.redaction import redact
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 Mode = Literal["auto", "online", "offline", "disabled"]
 
 
-class WandbTracker(WandbLogger):
+class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
     """Weights & Biases logging that works without a network and continues one run across relaunches.
 
     On top of Lightning's ``WandbLogger`` (rank zero logs; other ranks get a no-op experiment):
@@ -167,6 +168,10 @@ class WandbTracker(WandbLogger):
         journal = self._journal
         # After wandb's own exit hook is registered (at init), so this runs first: LIFO. A SIGKILL runs neither.
         atexit.register(lambda: journal.close("exit"))
+
+    def tracker_run_id(self) -> tuple[str, str] | None:
+        """``("wandb", run id)`` for a checkpoint manifest's ``run_ids``; None before the run exists."""
+        return ("wandb", str(self.version)) if self.version else None
 
     @rank_zero_only
     def log_run_config(self, config: dict[str, Any]) -> None:

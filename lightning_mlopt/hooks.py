@@ -1,0 +1,150 @@
+"""The hooks our components offer each other, declared once: no method looked up by its name as a string.
+
+Lightning's callbacks and loggers do not know each other. Ours meet in a few places, each declared here as a
+Protocol that an implementer subclasses explicitly, so a misspelt or missing method makes the class abstract
+(it cannot be built) and mypy checks the signature; the test ``tests/test_hooks.py`` finds every
+implementer in the package and checks it. A user's own logger or callback that has the methods satisfies the
+Protocol without subclassing it (the checks are ``isinstance`` against a ``runtime_checkable`` Protocol).
+
+- :class:`RunTracker`: an experiment tracker that keeps the run's configuration, says where its run lives and
+  is resumed by a run id (WandbTracker, MLflowTracker). The CLI and the checkpoint manifest use it.
+- :class:`CheckpointUploader`: a logger that stores each committed checkpoint (W&B, MLflow artifacts).
+- :class:`ResumeListener`: a logger that holds step rows until a checkpoint commits and must learn where a
+  launch resumed (MLflowTracker).
+- :class:`SaveVetter`: a callback with a say before every save the ranks agreed on; it may raise to keep a bad
+  state out of the checkpoints (ReplicaConsistencyCheck).
+- :class:`DescribesOutputs`: a callback that says where its files go, for the CLI's start-up lines.
+- :func:`checkpoint_events`: one :class:`CheckpointEvents` per Trainer, published by the checkpointing
+  callback (FaultTolerantCheckpoint) and read by its neighbours (the goodput ledger, ReplicaConsistencyCheck,
+  GradNormMonitor) instead of scanning ``trainer.callbacks`` for a class; obtained the way
+  ``step_exchange(trainer)`` is.
+
+Example::
+
+    for logger in loggers_with(trainer, CheckpointUploader):
+        logger.log_checkpoint_artifact(path, manifest)
+
+    events = checkpoint_events(trainer)
+    if events.store is not None:  # a checkpointing callback is in this run
+        events.store.add_commit_listener(on_commit)
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_mlopt.checkpoint.manifest import Manifest
+    from lightning_mlopt.checkpoint.store import CheckpointStore
+
+__all__ = [
+    "CheckpointEvents",
+    "CheckpointUploader",
+    "DescribesOutputs",
+    "ResumeListener",
+    "RunTracker",
+    "SaveVetter",
+    "callbacks_with",
+    "checkpoint_events",
+    "loggers_with",
+]
+
+Hook = TypeVar("Hook")
+
+
+@runtime_checkable
+class RunTracker(Protocol):
+    """An experiment tracker of ours: the run's configuration, where it lives, and the id it resumes by."""
+
+    @abstractmethod
+    def tracker_run_id(self) -> tuple[str, str] | None:
+        """The tracker's name and its id of this run, for a manifest's ``run_ids``; None before the run exists.
+
+        A relaunch reads it back to log into the same run. Names: ``wandb``, ``mlflow``.
+        """
+
+    @abstractmethod
+    def log_run_config(self, config: dict[str, Any]) -> None:
+        """Keep the run's full resolved configuration (rank zero, once per launch)."""
+
+    @abstractmethod
+    def describe_location(self) -> str:
+        """Where the run can be found (a URL, a folder), for the start-up lines."""
+
+
+@runtime_checkable
+class CheckpointUploader(Protocol):
+    """A logger that stores each checkpoint the run commits (an artifact)."""
+
+    @abstractmethod
+    def log_checkpoint_artifact(self, path: Path, manifest: Manifest) -> None:
+        """Rank zero, main thread: the checkpoint folder ``path`` committed, described by ``manifest``."""
+
+
+@runtime_checkable
+class ResumeListener(Protocol):
+    """A logger that must learn where a launch starts: rows past a resumed checkpoint are to be replaced."""
+
+    @abstractmethod
+    def checkpoints_resumed(self, step: int, path: Path | None) -> None:
+        """Rank zero, at the start of training: this launch starts at ``step``, from ``path`` (None: fresh)."""
+
+
+@runtime_checkable
+class SaveVetter(Protocol):
+    """A callback with a say right before every save the ranks agreed on."""
+
+    @abstractmethod
+    def before_checkpoint(self, trainer: pl.Trainer) -> None:
+        """Every rank, at the same step: raise to keep the current state out of the checkpoints."""
+
+
+@runtime_checkable
+class DescribesOutputs(Protocol):
+    """A callback that writes files of its own and says where, in the CLI's start-up lines."""
+
+    @abstractmethod
+    def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
+        """Lines ``<what>  <where> (<detail>)``, one per kind of output; before setup, on every rank."""
+
+
+@dataclass
+class CheckpointEvents:
+    """What the run's checkpointing callback tells its neighbours (one per Trainer: :func:`checkpoint_events`).
+
+    Attributes:
+        store: where the run's checkpoints commit (``store.add_commit_listener`` to hear each commit); None
+            while no checkpointing callback has set up (or none is in the run).
+        resumed_from: the checkpoint this launch resumed from (None: a fresh start, or an explicit ckpt_path).
+
+    """
+
+    store: CheckpointStore | None = None
+    resumed_from: Path | None = None
+
+
+_EVENTS: weakref.WeakKeyDictionary[Any, CheckpointEvents] = weakref.WeakKeyDictionary()
+
+
+def checkpoint_events(trainer: pl.Trainer) -> CheckpointEvents:
+    """The trainer's checkpoint events (one per Trainer, shared by its callbacks)."""
+    events = _EVENTS.get(trainer)
+    if events is None:
+        events = _EVENTS[trainer] = CheckpointEvents()
+    return events
+
+
+def loggers_with(trainer: pl.Trainer, hook: type[Hook]) -> list[Hook]:
+    """The trainer's loggers that offer ``hook`` (one of the Protocols above)."""
+    return [logger for logger in trainer.loggers if isinstance(logger, hook)]
+
+
+def callbacks_with(trainer: pl.Trainer, hook: type[Hook]) -> list[Hook]:
+    """The trainer's callbacks that offer ``hook`` (one of the Protocols above), in the trainer's order."""
+    return [callback for callback in trainer.callbacks if isinstance(callback, hook)]  # type: ignore[attr-defined]
