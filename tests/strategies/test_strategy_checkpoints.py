@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
+from tests.conftest import SHARED_RUN_STEPS
 from tests.strategy_runs import train
 
 
-def _saved_checkpoint(tmp_path: Path, name: str) -> Path:
+def _saved_checkpoint(run_dir: Path, step: int) -> Path:
     """What the strategy wrote for the newest committed checkpoint of a run (FaultTolerantCheckpoint's layout)."""
-    entry = CheckpointStore(tmp_path / "runs" / name / "checkpoints").newest_valid()
-    assert entry is not None and entry.step == 3
+    entry = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    assert entry is not None and entry.step == step
     return entry.path / STATE_NAME
 
 
@@ -27,27 +28,30 @@ def _assert_resumed_from(out_dir: Path, saved_params: dict[str, torch.Tensor], s
 
 @pytest.mark.multiprocess
 # DDP, FSDP and ZeRO-2 resume bitwise in test_fault_tolerant_checkpoint's kill tests; ZeRO-1 writes ZeRO-2's
-# partitioned layout through the same code (the suite's time goes where paths differ): ZeRO-3 is the rest.
-@pytest.mark.parametrize("strategy", ["zero3"])
-def test_save_and_resume_at_the_same_world_size(tmp_path, strategy):
-    saved = train(tmp_path, "first", strategy, steps=3).params
-    checkpoint = _saved_checkpoint(tmp_path, "first")
-    if strategy != "ddp":
-        assert checkpoint.is_dir(), "sharded strategies write a folder of shards"
-    records = train(tmp_path, "resumed", strategy, steps=5, extra=(f"--ckpt_path={checkpoint}",)).records
-    _assert_resumed_from(tmp_path / "resumed", saved, step=3)
-    assert len(records[0]["losses"]) == 2  # steps 4 and 5 only
+# partitioned layout through the same code (the suite's time goes where paths differ): ZeRO-3 is the rest. The
+# checkpoint is the final one of the session's shared ZeRO-3 run (read only: the resumed run writes elsewhere).
+def test_zero3_saves_and_resumes_at_the_same_world_size(tmp_path, strategy_runs):
+    shared = strategy_runs["zero3"]
+    checkpoint = _saved_checkpoint(shared.run_dir, SHARED_RUN_STEPS)
+    assert checkpoint.is_dir(), "sharded strategies write a folder of shards"
+    steps = SHARED_RUN_STEPS + 2
+    records = train(tmp_path, "resumed", "zero3", steps=steps, extra=(f"--ckpt_path={checkpoint}",)).records
+    _assert_resumed_from(tmp_path / "resumed", shared.params, step=SHARED_RUN_STEPS)
+    assert len(records[0]["losses"]) == 2  # the two steps after the checkpoint only
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("save_devices", "load_devices"), [(2, 1), (1, 2)])
-def test_fsdp_checkpoint_loads_at_another_world_size(tmp_path, save_devices, load_devices):
-    saved = train(tmp_path, "first", "fsdp", steps=3, devices=save_devices).params
-    checkpoint = _saved_checkpoint(tmp_path, "first")
+def test_fsdp_checkpoint_loads_at_another_world_size(tmp_path, strategy_runs, save_devices, load_devices):
+    if save_devices == 2:  # the session's shared FSDP run, on 2 processes, saved at its end
+        first, saved_at = strategy_runs["fsdp"], SHARED_RUN_STEPS
+    else:
+        first, saved_at = train(tmp_path, "first", "fsdp", steps=3, devices=save_devices), 3
+    checkpoint = _saved_checkpoint(first.run_dir, saved_at)
     assert checkpoint.is_dir() and any(checkpoint.glob("*.distcp")), "a torch.distributed.checkpoint folder"
     records = train(
-        tmp_path, "resumed", "fsdp", steps=5, devices=load_devices, extra=(f"--ckpt_path={checkpoint}",)
+        tmp_path, "resumed", "fsdp", steps=saved_at + 2, devices=load_devices, extra=(f"--ckpt_path={checkpoint}",)
     ).records
-    _assert_resumed_from(tmp_path / "resumed", saved, step=3)
+    _assert_resumed_from(tmp_path / "resumed", first.params, step=saved_at)
     assert len(records) == load_devices
     assert all(len(record["losses"]) == 2 for record in records)

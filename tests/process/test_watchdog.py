@@ -1,0 +1,71 @@
+"""HangWatchdog alone, with the process exit replaced: it waits while steps finish, and on a hang names the
+step and the phase, writes every thread's stack to a file, and exits with its status once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from lightning_mlopt.process import phase
+from lightning_mlopt.process.watchdog import HangWatchdog
+
+
+class _Exits:
+    """Stands in for ``os._exit``: records the status instead of ending the test process."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+
+
+def test_beats_keep_it_quiet_and_stop_ends_the_thread(tmp_path: Path) -> None:
+    exits = _Exits()
+    watchdog = HangWatchdog(lambda: 0.3, tmp_path, rank=0, exit_code=124, poll_seconds=0.02, exit_process=exits)
+    watchdog.start()
+    for _ in range(15):  # 0.6 s in all, twice the limit, never 0.3 s without a beat
+        time.sleep(0.04)
+        watchdog.beat()
+    watchdog.stop()
+    assert exits.codes == [] and not list(tmp_path.iterdir())
+    assert "hang-watchdog-rank0" not in {thread.name for thread in threading.enumerate()}  # joined
+
+
+def test_a_hang_is_named_dumped_and_exits_once_with_its_status(tmp_path: Path, capsys) -> None:
+    exits = _Exits()
+    dumps = tmp_path / "health"
+    watchdog = HangWatchdog(lambda: 0.2, dumps, rank=3, exit_code=124, poll_seconds=0.02, exit_process=exits)
+    phase.set_phase("backward", step=17)
+    watchdog.start()
+    deadline = time.monotonic() + 5
+    while not exits.codes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)  # a second report would come within a few polls
+    watchdog.stop()
+    phase.set_phase("setup", step=0)
+    assert exits.codes == [124]
+    dump = (dumps / "hang-rank3.txt").read_text()
+    header = dump.splitlines()[0]
+    assert header.startswith("HANG on rank 3: no training step finished for")
+    assert "last step 17, phase 'backward'" in header and "exiting with status 124" in header
+    assert 'Thread "MainThread"' in dump and "faulthandler view" in dump  # every thread, Python and C views
+    assert "test_a_hang_is_named_dumped_and_exits_once" in dump  # the main thread's own frame is in it
+    err = capsys.readouterr().err
+    assert header in err and f"(also written to {dumps / 'hang-rank3.txt'})" in err
+
+
+def test_an_adaptive_limit_is_read_at_every_poll(tmp_path: Path) -> None:
+    exits = _Exits()
+    limit = [60.0]
+    watchdog = HangWatchdog(lambda: limit[0], tmp_path, rank=0, exit_code=124, poll_seconds=0.02, exit_process=exits)
+    watchdog.start()
+    time.sleep(0.15)
+    assert exits.codes == []  # well inside a minute
+    limit[0] = 0.05  # e.g. the limit adapted to short steps
+    deadline = time.monotonic() + 5
+    while not exits.codes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    watchdog.stop()
+    assert exits.codes == [124]
