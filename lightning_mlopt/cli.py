@@ -47,7 +47,7 @@ from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
-from lightning_mlopt.run_dir import CHECKPOINTS_DIR, CONFIG_NAME, DEFAULT_RUNS_ROOT, resolve_run_dir
+from lightning_mlopt.run_dir import CONFIG_NAME, DEFAULT_RUNS_ROOT, resolve_run_dir
 from lightning_mlopt.strategies.contract import contract_of
 from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
 from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
@@ -166,7 +166,7 @@ class MLOptCLI(LightningCLI):
         """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best (verified)."""
         from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
         from lightning_mlopt.checkpoint.store import STATE_NAME
-        from lightning_mlopt.checkpoint.tiers import local_folder
+        from lightning_mlopt.checkpoint.tiers import checkpoint_folder
         from lightning_mlopt.checkpoint.trust import check_trusted
 
         value = config.get("ckpt_path")
@@ -174,8 +174,8 @@ class MLOptCLI(LightningCLI):
             return
         assert self.run_dir is not None
         checkpoint = config.get("checkpoint") or {}
-        own = local_folder(checkpoint.get("dirpath"), checkpoint.get("local_dirpath")) or self.run_dir / CHECKPOINTS_DIR
-        path, described = resolve_checkpoint_path(str(value), Path(own), mode=checkpoint.get("mode") or "min")
+        own = checkpoint_folder(checkpoint.get("dirpath"), checkpoint.get("local_dirpath"), self.run_dir)
+        path, described = resolve_checkpoint_path(str(value), own, mode=checkpoint.get("mode") or "min")
         # Every pickle in it (our step folder whole, RNG files included) is checked before Lightning loads it.
         target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
         if target.exists():

@@ -27,13 +27,13 @@ from typing_extensions import override
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
-from lightning_mlopt.checkpoint.tiers import store_url
+from lightning_mlopt.checkpoint.tiers import checkpoint_folder, store_url
 from lightning_mlopt.demos import OPTIMIZER_DEFAULTS
 from lightning_mlopt.hooks import DescribesOutputs, RunTracker, callbacks_with, loggers_with
 from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, PreemptionNotices, start_polling
 from lightning_mlopt.process.signals import preemption
 from lightning_mlopt.process.startup import startup_guard
-from lightning_mlopt.run_dir import CHECKPOINTS_DIR, METRICS_NAME
+from lightning_mlopt.run_dir import METRICS_NAME
 
 
 class SaveResolvedConfig(SaveConfigCallback):
@@ -151,7 +151,7 @@ def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
         return None
     if checkpoint.get("resume_final") or checkpoint.get("local_dirpath") or store_url(checkpoint.get("dirpath")):
         return None
-    store = CheckpointStore(Path(checkpoint.get("dirpath") or run_dir / CHECKPOINTS_DIR))
+    store = CheckpointStore(checkpoint_folder(checkpoint.get("dirpath"), None, run_dir))
     committed = store.committed()
     if not committed:
         return None

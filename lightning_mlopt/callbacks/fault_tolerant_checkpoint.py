@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from lightning_mlopt.checkpoint.resume import (
 )
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
-from lightning_mlopt.checkpoint.tiers import attach_remote, check_tier_settings, local_folder, store_url
+from lightning_mlopt.checkpoint.tiers import attach_remote, check_tier_settings, checkpoint_folder, store_url
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.hooks import (
@@ -52,7 +51,6 @@ from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.grace import ANY_SIGNAL, SaveBudget, graces_from_environment, safety_margin_s
 from lightning_mlopt.process.phase import phase
 from lightning_mlopt.process.signals import DEFAULT_DEADLINE_S, preemption
-from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 from lightning_mlopt.strategies import LAYOUTS, layout_named
 from lightning_mlopt.strategies.contract import contract_of
 
@@ -265,8 +263,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
 
     def checkpoint_dir(self, trainer: pl.Trainer) -> Path:
         """The folder saves commit to: ``dirpath`` (a folder), else ``local_dirpath``, else the run dir's."""
-        folder = local_folder(self.dirpath, self.local_dirpath)
-        return Path(folder or os.path.join(trainer.default_root_dir, CHECKPOINTS_DIR))
+        return checkpoint_folder(self.dirpath, self.local_dirpath, trainer.default_root_dir)
 
     def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
         """Where the checkpoints go, and whether a relaunch resumes from them (the CLI's start-up lines)."""

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from lightning_mlopt.checkpoint.errors import first_problem
@@ -21,6 +22,7 @@ from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.store import refuse_url
 from lightning_mlopt.exceptions import CheckpointWriteError, ObjectStoreError
+from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 
 
 def store_url(dirpath: str | None) -> str | None:
@@ -83,6 +85,20 @@ def local_folder(dirpath: str | None, local_dirpath: str | None) -> str | None:
         ('/local/ckpt', '/shared/ckpt')
     """
     return local_dirpath if store_url(dirpath) is not None else dirpath
+
+
+def checkpoint_folder(dirpath: str | None, local_dirpath: str | None, run_dir: str | Path) -> Path:
+    """The local folder a run's checkpoints commit to: :func:`local_folder`, else ``<run_dir>/checkpoints``.
+
+    The one place the default is worked out: FaultTolerantCheckpoint (with the trainer's
+    ``default_root_dir``), the CLI's ``ckpt_path`` resolution and its finished-run check agree by calling it.
+
+    Example::
+
+        >>> str(checkpoint_folder(None, None, "runs/a")), str(checkpoint_folder("s3://b/p", "/nvme/c", "runs/a"))
+        ('runs/a/checkpoints', '/nvme/c')
+    """
+    return Path(local_folder(dirpath, local_dirpath) or Path(run_dir) / CHECKPOINTS_DIR)
 
 
 def attach_remote(
