@@ -208,6 +208,9 @@ def test_a_disk_that_fills_mid_run_stops_the_ledger_once_and_never_training(tmpf
 class _Trainer(SimpleNamespace):
     """What the ledger reads of a Trainer, for driving its hooks without a fit."""
 
+    # Hashed by identity, as a Trainer is: per-trainer state (``checkpoint_events(trainer)``) is keyed by it.
+    __hash__ = object.__hash__
+
 
 def test_the_ledger_writes_one_line_per_step_from_the_phase_markers(tmp_path):
     trainer = _Trainer(
