@@ -82,9 +82,11 @@ def describe_outputs(trainer: Trainer, run_dir: Path | None) -> str:
     for callback in callbacks_with(trainer, DescribesOutputs):
         lines += [f"  {line}" for line in callback.describe_outputs(trainer)]
     for logger in trainer.loggers:
-        # Lightning's own loggers: CSVLogger and TensorBoardLogger have a log_dir, the others a save_dir.
-        plain = getattr(logger, "log_dir", None) or logger.save_dir
-        location = logger.describe_location() if isinstance(logger, RunTracker) else plain
+        location: str | None
+        if isinstance(logger, RunTracker):
+            location = logger.describe_location()
+        else:  # Lightning's own loggers: CSVLogger and TensorBoardLogger have a log_dir, the others a save_dir
+            location = getattr(logger, "log_dir", None) or logger.save_dir
         lines.append(f"  logs         {type(logger).__name__}: {location}")
     lines.append(f"  results      {Path(str(run_dir)) / METRICS_NAME} (at the end)")
     return "\n".join(lines)

@@ -39,6 +39,7 @@ from lightning_mlopt.checkpoint.tiers import attach_remote, check_tier_settings,
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
 from lightning_mlopt.hooks import (
+    CheckpointEvents,
     CheckpointUploader,
     DescribesOutputs,
     ResumeListener,
@@ -212,7 +213,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         self.auto_resume = auto_resume
         self.resume_final = resume_final
         self.trust_pickles = trust_pickles
-        self.resumed_from: Path | None = None
+        self._events = CheckpointEvents()  # the run's, from setup on: what this callback tells its neighbours
         self.saver: CheckpointSaver | None = None  # how checkpoints are written; made at setup
         self._restored_last_saved: Path | None = None
         self._preloaded_path: str | None = None
@@ -236,6 +237,11 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         if self.saver is not None and self.saver.last_saved is not None:
             return self.saver.last_saved
         return self._restored_last_saved
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint this launch resumed from (None: a fresh start, or an explicit ``ckpt_path`` won)."""
+        return self._events.resumed_from
 
     @property
     def store(self) -> CheckpointStore | None:
@@ -293,7 +299,8 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         graces = {ANY_SIGNAL: self.preemption_grace_s} if self.preemption_grace_s else graces_from_environment()
         preemption.own_for_run(trainer, self.signals, self.signal_deadline_s, self.exit_code, graces)
         launch_report.note(checkpoints=str(store.root))
-        checkpoint_events(trainer).store = store
+        self._events = checkpoint_events(trainer)
+        self._events.store = store
         self.saver.check_writable(trainer)
         if self._votes():  # each batch's exchange carries what this rank saw (read in on_train_batch_end)
             step_exchange(trainer).provide(_VOTE, lambda: self._local_flags(trainer))
@@ -323,8 +330,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
                 self.saver.note_resumed(choice.manifest)
         # Rank zero chose; every rank gets its choice, or its refusal, and acts on it alike.
         choice = trainer.strategy.broadcast(choice) or ResumeChoice(None)
-        self.resumed_from, self._resume_final = choice.path, choice.stays_final
-        checkpoint_events(trainer).resumed_from = self.resumed_from
+        self._events.resumed_from, self._resume_final = choice.path, choice.stays_final
         if choice.refusal is not None:
             raise BadInputError(choice.refusal)
         if choice.failure is not None:
@@ -347,7 +353,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         explicit = trainer.ckpt_path
         if self.resumed_from is not None and explicit and str(explicit) != self._preloaded_path:
             rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
-            self.resumed_from = checkpoint_events(trainer).resumed_from = None
+            self._events.resumed_from = None
         self._tell_loggers_resumed(trainer, Path(str(explicit)) if explicit else self.resumed_from)
         if self.resumed_from is not None and self._resume_final:
             trainer.should_stop = True  # even if max_steps was raised since: a finished run stays finished
