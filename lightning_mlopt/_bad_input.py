@@ -10,7 +10,7 @@ import difflib
 import importlib
 import inspect
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +101,13 @@ def check_config_files(paths: Iterable[str]) -> None:
             raise BadInputError(f"{path}: a config file must be a mapping of keys, got {type(content).__name__}")
 
 
-def explain_parser_error(message: str, known_keys: Iterable[str], argv: Sequence[str]) -> str:
-    """Shorten a jsonargparse error and add what fixes it: where the key was set and the valid choices."""
+def explain_parser_error(
+    message: str, known_keys: Iterable[str], argv: Sequence[str], renamed: Mapping[str, str] | None = None
+) -> str:
+    """Shorten a jsonargparse error and add what fixes it: where the key was set and the valid choices.
+
+    ``renamed``: keys of an earlier release -> the key that replaced them, named instead of a guess.
+    """
     known = list(known_keys)
     kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
     lines = [_CLASS.sub(r"\1", line).replace("Expected a ", "expected ") for line in kept]
@@ -113,7 +118,9 @@ def explain_parser_error(message: str, known_keys: Iterable[str], argv: Sequence
     if unknown:
         key = unknown.group(1)
         lines = [f"unknown key {key!r}{_where(key, argv)}", *_key_choices(key, [*known, *_init_keys(argv)])]
-        if "." not in key:  # a bare name, as other tools write them: the keys it most likely meant to set
+        if renamed and key in renamed:
+            lines = [f"{key}{_where(key, argv)} is now {renamed[key]} (renamed in 0.2; see CHANGELOG.md)"]
+        elif "." not in key:  # a bare name, as other tools write them: the keys it most likely meant to set
             lines += _init_key_lines(argv)
     else:
         key_match = re.match(r'Parser key "([\w.]+)"', lines[0]) if lines else None

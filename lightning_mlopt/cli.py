@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from jsonargparse import Namespace
+from jsonargparse import Namespace, set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
@@ -29,6 +29,7 @@ from lightning_mlopt._bad_input import check_config_files, config_paths, explain
 from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subcommand_parsers
 from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor, ThroughputProgressBar
+from lightning_mlopt.checkpoint.settings import RENAMED_KEYS
 from lightning_mlopt.cli_support import (
     MeasuredModelSummary,
     RunFinished,
@@ -38,6 +39,7 @@ from lightning_mlopt.cli_support import (
     describe_outputs,
     finished_run,
     poll_preemption_notices,
+    resolve_ckpt_path,
     unused_model_arguments,
     write_final_metrics,
 )
@@ -55,6 +57,8 @@ from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
 DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
 RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
+# Keys of 0.1 that 0.2 grouped: named with their new key, not guessed at.
+RENAMED = {f"checkpoint.{old}": f"checkpoint.{new}" for old, new in RENAMED_KEYS.items()}
 
 
 class _Parser(LightningArgumentParser):
@@ -64,7 +68,7 @@ class _Parser(LightningArgumentParser):
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        raise BadInputError(explain_parser_error(message, _known_keys(self), self.argv)) from ex
+        raise BadInputError(explain_parser_error(message, _known_keys(self), self.argv, RENAMED)) from ex
 
 
 def _known_keys(parser: LightningArgumentParser) -> set[str]:
@@ -85,6 +89,8 @@ class MLOptCLI(LightningCLI):
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         self.run_dir: Path | None = None
+        # Settings groups document each field in a docstring under it (checkpoint.keep.last, ...): --help shows it.
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
         super().__init__(
             model_class=LightningModule,
             # No datamodule class: `data:` is optional (subclass mode), as in LightningCLI, so a model that
@@ -160,28 +166,8 @@ class MLOptCLI(LightningCLI):
         config["run_dir"] = str(self.run_dir.resolve())
         trainer["default_root_dir"] = str(self.run_dir)
         _fill_run_dir(config, str(self.run_dir))
-        self._resolve_ckpt_path(config)
-
-    def _resolve_ckpt_path(self, config: Namespace) -> None:
-        """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best (verified)."""
-        from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
-        from lightning_mlopt.checkpoint.store import STATE_NAME
-        from lightning_mlopt.checkpoint.tiers import checkpoint_folder
-        from lightning_mlopt.checkpoint.trust import check_trusted
-
-        value = config.get("ckpt_path")
-        if not value:
-            return
-        assert self.run_dir is not None
-        checkpoint = config.get("checkpoint") or {}
-        own = checkpoint_folder(checkpoint.get("dirpath"), checkpoint.get("local_dirpath"), self.run_dir)
-        path, described = resolve_checkpoint_path(str(value), own, mode=checkpoint.get("mode") or "min")
-        # Every pickle in it (our step folder whole, RNG files included) is checked before Lightning loads it.
-        target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
-        if target.exists():
-            check_trusted(target, bool(checkpoint.get("trust_pickles")))
+        described = resolve_ckpt_path(config, self.run_dir)
         if described is not None:
-            config["ckpt_path"] = path
             _rank_zero_print(f"ckpt_path: {described}, verified")
 
     def _plan_strategy(self, config: Namespace) -> str:
@@ -233,7 +219,8 @@ class MLOptCLI(LightningCLI):
                     warnings.filterwarnings("ignore", message=overridden)
                 super().instantiate_classes()
         except (ValueError, FileNotFoundError, MisconfigurationException) as error:
-            raise BadInputError(explain_parser_error(str(error), _known_keys(self.parser), _Parser.argv)) from None
+            message = explain_parser_error(str(error), _known_keys(self.parser), _Parser.argv, RENAMED)
+            raise BadInputError(message) from None
         if replaced is not None and (unused := unused_model_arguments(self._get_section(), replaced)):
             _rank_zero_print(unused)
 

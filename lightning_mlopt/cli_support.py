@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.model_summary import get_formatted_model_size, 
 from typing_extensions import override
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
+from lightning_mlopt.checkpoint.settings import configured
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.checkpoint.tiers import checkpoint_folder, store_url
 from lightning_mlopt.demos import OPTIMIZER_DEFAULTS
@@ -139,21 +140,47 @@ class RunFinished(Exception):
         rank_zero_info(str(self))
 
 
+def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
+    """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best: resolved and verified.
+
+    Sets ``config["ckpt_path"]`` to the file Lightning loads and returns how it was found (None: left as given).
+    Every pickle in it (our step folder whole, RNG files included) is checked before Lightning loads it.
+    """
+    from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
+    from lightning_mlopt.checkpoint.store import STATE_NAME
+    from lightning_mlopt.checkpoint.trust import check_trusted
+
+    value = config.get("ckpt_path")
+    if not value:
+        return None
+    checkpoint = config.get("checkpoint")
+    local_tier = configured(checkpoint, "tiers.local_dirpath")
+    own = checkpoint_folder(configured(checkpoint, "dirpath"), local_tier, run_dir)
+    path, described = resolve_checkpoint_path(str(value), own, mode=configured(checkpoint, "keep.mode", "min"))
+    target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
+    if target.exists():
+        check_trusted(target, bool(configured(checkpoint, "resume.trust_pickles")))
+    if described is not None:
+        config["ckpt_path"] = path
+    return described
+
+
 def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
     """Why a ``fit`` of this config would not train, before any Trainer, logger or log folder exists; or None.
 
-    It would not when FaultTolerantCheckpoint resumes (``auto_resume``, no ``ckpt_path``) from a checkpoint
-    marked final, without ``resume_final``: the same rule it applies, read here from the newest committed
+    It would not when FaultTolerantCheckpoint resumes (``resume.auto``, no ``ckpt_path``) from a checkpoint
+    marked final, without ``resume.final``: the same rule it applies, read here from the newest committed
     manifest (verified only when it is final: a relaunch of an unfinished run pays nothing). Only with the
-    checkpoints in one folder: a node-local tier (``local_dirpath``) may differ from node to node, and every
+    checkpoints in one folder: a node-local tier (``tiers.local_dirpath``) may differ from node to node, and every
     rank must come to the same answer without a collective.
     """
-    checkpoint = config.get("checkpoint") or {}
-    if not checkpoint or config.get("ckpt_path") or not checkpoint.get("auto_resume", True):
+    checkpoint = config.get("checkpoint")
+    if not checkpoint or config.get("ckpt_path") or not configured(checkpoint, "resume.auto", True):
         return None
-    if checkpoint.get("resume_final") or checkpoint.get("local_dirpath") or store_url(checkpoint.get("dirpath")):
+    dirpath = configured(checkpoint, "dirpath")
+    if configured(checkpoint, "resume.final") or configured(checkpoint, "tiers.local_dirpath") or store_url(dirpath):
         return None
-    store = CheckpointStore(checkpoint_folder(checkpoint.get("dirpath"), None, run_dir))
+    store = CheckpointStore(checkpoint_folder(dirpath, None, run_dir))
     committed = store.committed()
     if not committed:
         return None
@@ -168,7 +195,7 @@ def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
         return None  # FaultTolerantCheckpoint falls back to an older checkpoint, and trains on from it
     return (
         f"{path} is marked final: this run already finished at step {step}; not training again (nothing is "
-        "logged, no log folder is made). To train on (e.g. with a larger max_steps), set checkpoint.resume_final: "
+        "logged, no log folder is made). To train on (e.g. with a larger max_steps), set checkpoint.resume.final: "
         "true."
     )
 

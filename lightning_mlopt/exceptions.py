@@ -59,7 +59,7 @@ class StoppedTogether(RuntimeError):
 
     So a callback's ``on_exception`` may run collectives for it, unlike for an arbitrary error that one rank
     raised alone. ``checkpoint_first``: the raiser asks for the current state to be saved before the run ends
-    (FaultTolerantCheckpoint does it, on every rank, whatever its ``save_on_exception``, recording
+    (FaultTolerantCheckpoint does it, on every rank, whatever its ``save_on.exception``, recording
     ``checkpoint_reason`` in the manifest).
     """
 

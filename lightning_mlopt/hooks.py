@@ -19,6 +19,9 @@ Protocol without subclassing it (the checks are ``isinstance`` against a ``runti
   GradNormMonitor) instead of scanning ``trainer.callbacks`` for a class; obtained the way
   ``step_exchange(trainer)`` is.
 
+The dispatchers :func:`vet_save`, :func:`tell_resumed` and :func:`hand_over_committed` call every holder of a
+hook; the checkpoint callback calls them.
+
 Example::
 
     for logger in loggers_with(trainer, CheckpointUploader):
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import weakref
 from abc import abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -52,7 +56,10 @@ __all__ = [
     "SaveVetter",
     "callbacks_with",
     "checkpoint_events",
+    "hand_over_committed",
     "loggers_with",
+    "tell_resumed",
+    "vet_save",
 ]
 
 Hook = TypeVar("Hook")
@@ -148,3 +155,25 @@ def loggers_with(trainer: pl.Trainer, hook: type[Hook]) -> list[Hook]:
 def callbacks_with(trainer: pl.Trainer, hook: type[Hook]) -> list[Hook]:
     """The trainer's callbacks that offer ``hook`` (one of the Protocols above), in the trainer's order."""
     return [callback for callback in trainer.callbacks if isinstance(callback, hook)]  # type: ignore[attr-defined]
+
+
+def vet_save(trainer: pl.Trainer) -> None:
+    """Every rank, right before a save the ranks agreed on: each :class:`SaveVetter` may raise to prevent it."""
+    for vetter in callbacks_with(trainer, SaveVetter):
+        vetter.before_checkpoint(trainer)
+
+
+def tell_resumed(trainer: pl.Trainer, path: Path | None) -> None:
+    """Rank zero: each :class:`ResumeListener` learns where this launch starts (a checkpoint folder, or None)."""
+    if not trainer.is_global_zero:
+        return
+    folder = path.parent if path is not None and path.is_file() else path
+    for logger in loggers_with(trainer, ResumeListener):
+        logger.checkpoints_resumed(trainer.global_step, folder)
+
+
+def hand_over_committed(trainer: pl.Trainer, committed: Iterable[tuple[Path, Manifest]]) -> None:
+    """Rank zero, main thread: each newly committed checkpoint goes to every :class:`CheckpointUploader`."""
+    for path, manifest in committed:
+        for logger in loggers_with(trainer, CheckpointUploader):
+            logger.log_checkpoint_artifact(path, manifest)

@@ -180,3 +180,19 @@ def test_the_checkpoint_tool_refuses_a_url(tmp_path, monkeypatch, capsys):
         checkpoint_tool(["verify", "gs://ckpt/runs/q"])
     assert exit_info.value.code == 2
     assert "'gs://ckpt/runs/q' is a URL where a folder is expected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flat", "grouped"),
+    [("keep_last: 5", "checkpoint.keep.last"), ("auto_resume: false", "checkpoint.resume.auto")],
+)
+def test_a_flat_checkpoint_key_of_0_1_names_its_grouped_key(tmp_path, monkeypatch, capsys, flat, grouped):
+    name = _write(tmp_path, "old.yaml", f"checkpoint:\n  {flat}\n")
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    old = flat.split(":")[0]
+    assert f"checkpoint.{old} (set in old.yaml) is now {grouped}" in message
+
+
+def test_a_bad_value_in_a_checkpoint_group_names_the_grouped_key(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--checkpoint.keep.last=0")
+    assert "keep.last must be >= 1" in message

@@ -154,8 +154,8 @@ def test_relaunching_from_the_saved_or_printed_config_lands_in_the_same_run(tmp_
         "--trainer.limit_val_batches=0",
     ]
     main(relaunch)  # the run finished at step 2 (marked final): it stays finished, and says how to go on
-    assert "set checkpoint.resume_final: true" in caplog.text
-    main([*relaunch, "--checkpoint.resume_final=true"])
+    assert "set checkpoint.resume.final: true" in caplog.text
+    main([*relaunch, "--checkpoint.resume.final=true"])
     assert list((tmp_path / "runs").iterdir()) == [run_dir], "no second run directory"
     assert (run_dir / "checkpoints" / "step-000000004").is_dir()
     merged = json.loads((run_dir / "metrics.json").read_text())

@@ -62,7 +62,7 @@ def _fit(root: Path, width: int, layers: int, steps: int, every: int, async_save
     """Train; return the seconds each save blocked the training loop, and the time to the first step."""
     import lightning.pytorch as pl
 
-    from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+    from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Keep, SaveOn
 
     class Timed(FaultTolerantCheckpoint):
         def __init__(self, **kwargs: Any) -> None:
@@ -81,7 +81,11 @@ def _fit(root: Path, width: int, layers: int, steps: int, every: int, async_save
                 self.first_step_at = time.perf_counter()
 
     callback = Timed(
-        dirpath=str(root), every_n_steps=every, async_save=async_save, save_on_train_end=False, keep_last=2
+        dirpath=str(root),
+        every_n_steps=every,
+        async_save=async_save,
+        save_on=SaveOn(train_end=False),
+        keep=Keep(last=2),
     )
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -27,7 +27,7 @@ def _worker(mode: str, steps: int, out: Path, width: int, layers: int, every: in
     import lightning.pytorch as pl
     from bench import loader, wide_model  # the same model and data as the one-file benchmark
 
-    from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+    from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Keep, Resume, SaveOn
     from lightning_mlopt.strategies import DeepSpeedStrategy, FSDPStrategy
 
     name, how = mode.split("-")
@@ -39,10 +39,9 @@ def _worker(mode: str, steps: int, out: Path, width: int, layers: int, every: in
             dirpath=scratch,
             every_n_steps=every,
             async_save=how != "sync",
-            save_on_epoch_end=False,
-            save_on_train_end=False,
-            auto_resume=False,
-            keep_last=2,
+            save_on=SaveOn(epoch_end=False, train_end=False),
+            resume=Resume(auto=False),
+            keep=Keep(last=2),
         )
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -60,7 +59,7 @@ def _worker(mode: str, steps: int, out: Path, width: int, layers: int, every: in
         if trainer.is_global_zero:
             newest = max(Path(scratch).glob("step-*"))
             size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
-            timings = callback.save_timings
+            timings = callback.saver.save_timings
             # Each save logs the previous background write's seconds; the last one's is the writer's own.
             background = [t.get("checkpoint/background_s", 0.0) for t in timings[1:]]
             background.append(callback.saver.last_background_seconds or 0.0)

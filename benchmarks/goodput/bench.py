@@ -39,7 +39,7 @@ def _active(step: int) -> bool:
 def _worker(steps: int, warmup: int, out: Path) -> None:
     import tempfile
 
-    from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+    from lightning_mlopt.callbacks import FaultTolerantCheckpoint, SaveOn
     from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
     from lightning_mlopt.strategies import DDPStrategy
     from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
@@ -74,7 +74,7 @@ def _worker(steps: int, warmup: int, out: Path) -> None:
 
     folder = tempfile.mkdtemp(prefix="goodput_bench_")
     ledger = ToggledLedger(path=f"{folder}/goodput.jsonl", log_goodput=False)
-    checkpoint = FaultTolerantCheckpoint(dirpath=folder, save_on_epoch_end=False, save_on_train_end=False)
+    checkpoint = FaultTolerantCheckpoint(dirpath=folder, save_on=SaveOn(epoch_end=False, train_end=False))
     # The timer after the ledger: the ledger's batch-end work counts in its own step.
     gaps = gpt_step_gaps(DDPStrategy(), [ledger, checkpoint], steps, timer_last=True)
     if gaps is None:

@@ -289,7 +289,7 @@ def _cli_command(overlay: str, size: dict[str, Any], steps: int, warmup: int, ro
         *(["--trainer.strategy.init_args.param_dtype=bfloat16", "--trainer.strategy.init_args.reduce_dtype=float32"]
           if overlay == "fsdp" and bf16 else []),
         # The save at the end of training comes after the clock stops: off, to spare device time.
-        "--checkpoint.save_on_train_end=false",
+        "--checkpoint.save_on.train_end=false",
         "--trainer.callbacks+=span.SyncedSpan", f"--trainer.callbacks.warmup={warmup}",
         f"--trainer.callbacks.out={root}/span.json", f"--run_dir={root}/run",
     ]  # fmt: skip
@@ -450,7 +450,7 @@ def _checkpoint_job(arm: str, size: dict[str, Any], steps: int, root: str) -> di
     import lightning.pytorch as pl
     from span import synchronize
 
-    from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+    from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Keep, SaveOn
 
     strategy, mode = arm.split("_")
     every = max(1, steps // 3)
@@ -458,9 +458,8 @@ def _checkpoint_job(arm: str, size: dict[str, Any], steps: int, root: str) -> di
         dirpath=str(Path(root) / "checkpoints"),
         every_n_steps=every,
         async_save=mode == "async",
-        save_on_epoch_end=False,
-        save_on_train_end=False,
-        keep_last=2,
+        save_on=SaveOn(epoch_end=False, train_end=False),
+        keep=Keep(last=2),
     )
     floor: dict[str, float] = {}
 

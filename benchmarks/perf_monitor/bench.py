@@ -69,11 +69,11 @@ def _worker(mode: str, steps: int, warmup: int, out: Path) -> None:
     if mode.endswith("+ftc"):
         import tempfile
 
-        from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+        from lightning_mlopt.callbacks import FaultTolerantCheckpoint, SaveOn
 
         # Votes every step (signals, timers, failed writes); saves nothing here.
         folder = tempfile.mkdtemp(prefix="perf_bench_")
-        callbacks.append(FaultTolerantCheckpoint(dirpath=folder, save_on_epoch_end=False, save_on_train_end=False))
+        callbacks.append(FaultTolerantCheckpoint(dirpath=folder, save_on=SaveOn(epoch_end=False, train_end=False)))
     # The timer after the monitor: the monitor's batch-end work (its logging steps) counts in its own step.
     gaps = gpt_step_gaps(DDPStrategy(), callbacks, steps, timer_last=True)
     if gaps is not None:

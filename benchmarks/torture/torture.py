@@ -20,7 +20,7 @@ process, where no DistributedSampler orders the data:
 - ``sigterm-launcher``: the job started by ``launch`` (torchrun in-process), SIGTERM to the launcher alone (what
   the kubelet sends a container's PID 1) at a random instant after the first checkpoint: exit 75 within 30 s,
   one ``launch:`` line and no traceback, a checkpoint saved by the signal, then a relaunch bitwise equal.
-- ``grace``: every save takes longer than the grace (``checkpoint.preemption_grace_s``): SIGTERM to every
+- ``grace``: every save takes longer than the grace (``checkpoint.preemption.grace_s``): SIGTERM to every
   process, exit 75 within the grace without starting a save, the previous checkpoint intact and resumed from,
   bitwise equal.
 - ``notice``: an AWS spot notice (IMDSv2) posted by a fake metadata server on loopback, polled by the run
@@ -322,7 +322,7 @@ def trial_grace(strategy: str, work: Path, rng: random.Random, reference: dict) 
     """Saves slower than the grace: the signal ends the run at once, without a save it could not finish."""
     run_dir = work / "run"
     slow = ["--trainer.callbacks+=tests.helpers.SlowSaves", f"--trainer.callbacks.seconds={SAVE_S}"]
-    cmd = command(run_dir, strategy, f"--checkpoint.preemption_grace_s={GRACE_S}", *slow)
+    cmd = command(run_dir, strategy, f"--checkpoint.preemption.grace_s={GRACE_S}", *slow)
     process, problem = start_after_first_checkpoint(cmd, work / "signalled.log", run_dir, rng.uniform(0.0, 2.0))
     if process is None:
         return problem
@@ -394,7 +394,7 @@ def trial_full(strategy: str, work: Path, rng: random.Random, mount) -> str | No
     # 4 MB: less than one checkpoint (the save fails inside the strategy's writer); 30 MB: two or three fit.
     size = rng.choice(["4m", "30m"])
     folder = mount(work / "disk", size) / "checkpoints"
-    return _expect_write_error(strategy, work, folder, "No space left on device", "--checkpoint.keep_last=10")
+    return _expect_write_error(strategy, work, folder, "No space left on device", "--checkpoint.keep.last=10")
 
 
 def _expect_write_error(strategy: str, work: Path, folder: Path, cause: str, *extra: str) -> str | None:

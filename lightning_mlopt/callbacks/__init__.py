@@ -7,6 +7,7 @@ from lightning_mlopt.callbacks.performance_monitor import PerformanceMonitor
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.replica_consistency_check import ReplicaConsistencyCheck
 from lightning_mlopt.callbacks.throughput_progress_bar import ThroughputProgressBar
+from lightning_mlopt.checkpoint.settings import Keep, Preemption, Resume, SaveOn, Tiers  # FaultTolerantCheckpoint's
 from lightning_mlopt.exceptions import (
     CheckpointWriteError,
     HealthCheckError,
@@ -19,11 +20,16 @@ __all__ = [
     "FaultTolerantCheckpoint",
     "GradNormMonitor",
     "HealthCheckError",
+    "Keep",
     "NCCLHealthCheck",
     "NonFiniteGradientError",
     "PerformanceMonitor",
     "PhaseMarkers",
+    "Preemption",
     "ReplicaConsistencyCheck",
     "ReplicaMismatchError",
+    "Resume",
+    "SaveOn",
     "ThroughputProgressBar",
+    "Tiers",
 ]

@@ -7,7 +7,7 @@ manifest. This turns any of these into the path Lightning loads, after verifying
 - a step folder ``<run>/checkpoints/step-000000010`` -> its ``state.ckpt``;
 - a checkpoints folder, or a run folder holding one -> its newest checkpoint that verifies;
 - ``last`` -> the newest valid checkpoint of this run; ``best`` -> the best by the monitored metric
-  (``checkpoint.monitor``), when this run has checkpoints of ours (else Lightning's meaning);
+  (``checkpoint.keep.monitor``), when this run has checkpoints of ours (else Lightning's meaning);
 - ``<step folder>/state.ckpt`` -> itself, once its folder verified.
 
 Example::
@@ -82,7 +82,7 @@ def _best(folder: Path, mode: str) -> CheckpointEntry:
             scored.append((float(metric["value"]), entry))
     if not scored:
         raise BadInputError(
-            f"ckpt_path: best: no checkpoint in {folder} records a metric; set checkpoint.monitor when training, "
+            f"ckpt_path: best: no checkpoint in {folder} records a metric; set checkpoint.keep.monitor when training, "
             "or name a step folder"
         )
     return (min if mode == "min" else max)(scored, key=lambda pair: pair[0])[1]

@@ -7,7 +7,7 @@ one uploads, only the newest checkpoint committed meanwhile waits (older ones wo
 
 ``must_succeed``: the remote tier is where the user asked checkpoints to be (``dirpath: s3://...``); a failed
 copy fails the save (the run stops with exit 74, earlier remote checkpoints intact). Otherwise (an explicit
-``local_dirpath`` beside it) a failed copy is said once, training goes on with local saves, and the next due
+``tiers.local_dirpath`` beside it) a failed copy is said once, training goes on with local saves, and the next due
 copy tries again.
 
 Example::

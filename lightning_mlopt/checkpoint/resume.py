@@ -116,10 +116,10 @@ def choose_checkpoint(
     if entry.manifest.final and not resume_final:
         rank_zero_info(
             f"{entry.path} is marked final: this run already finished at step {entry.step}; not training again. "
-            "To train on (e.g. with a larger max_steps), set checkpoint.resume_final: true."
+            "To train on (e.g. with a larger max_steps), set checkpoint.resume.final: true."
         )
         return ResumeChoice(entry.path, stays_final=True, manifest=entry.manifest)
-    how = "a finished run, resume_final is set" if entry.manifest.final else f"saved by {entry.manifest.reason}"
+    how = "a finished run, resume.final is set" if entry.manifest.final else f"saved by {entry.manifest.reason}"
     rank_zero_info(f"Auto-resuming from {entry.path} (step {entry.step}, {how}).")
     return ResumeChoice(entry.path, manifest=entry.manifest)
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """What to keep; everything else may be deleted.
+    """What to keep; everything else may be deleted (``checkpoint.keep`` in the CLI: its messages name those keys).
 
     Args:
         keep_last: the newest K checkpoints (at least 1).
@@ -26,11 +26,11 @@ class RetentionPolicy:
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {self.keep_last}")
+            raise ValueError(f"keep.last must be >= 1 (the newest checkpoint is never deleted), got {self.keep_last}")
         if self.keep_every_n_steps is not None and self.keep_every_n_steps < 1:
-            raise ValueError(f"keep_every_n_steps must be >= 1, got {self.keep_every_n_steps}")
+            raise ValueError(f"keep.every_n_steps must be >= 1, got {self.keep_every_n_steps}")
         if self.keep_best < 0:
-            raise ValueError(f"keep_best must be >= 0, got {self.keep_best}")
+            raise ValueError(f"keep.best must be >= 0, got {self.keep_best}")
 
     def to_delete(self, checkpoints: Sequence[tuple[int, float | None]], protected: Sequence[int] = ()) -> list[int]:
         """Steps to delete among valid committed ``(step, metric value)``; ``protected`` steps never are.

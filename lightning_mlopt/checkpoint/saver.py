@@ -44,7 +44,7 @@ from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.rng import capture_rng_state
 from lightning_mlopt.checkpoint.serialization import StagingBuffer, save_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
-from lightning_mlopt.exceptions import CheckpointWriteError
+from lightning_mlopt.exceptions import CheckpointWriteError, StoppedTogether
 from lightning_mlopt.hooks import RunTracker, loggers_with
 from lightning_mlopt.process.phase import phase
 
@@ -182,13 +182,28 @@ class CheckpointSaver:
             waited_s = self._save_now(trainer, reason, final, wait)
         self._log_save_timings(trainer, blocking_s=time.perf_counter() - started, wait_s=waited_s)
 
+    def save_for_stop(self, trainer: pl.Trainer, stop: StoppedTogether, training_started: bool) -> None:
+        """Every rank raised ``stop`` at the same step boundary, so the save may be collective; say what it did."""
+        if not training_started:
+            stop.add_detail("  nothing was saved: training had not started")
+            return
+        try:
+            self.save(trainer, stop.checkpoint_reason, final=False, wait=True)
+        except CheckpointWriteError as error:
+            stop.add_detail(f"  no checkpoint was saved: {error}")
+            return
+        stop.add_detail(f"  saved a checkpoint at step {trainer.global_step} (before this update): {self.last_saved}")
+
     def save_after_exception(self, trainer: pl.Trainer, exception: BaseException) -> None:
         """Rank zero alone, no collective (only this rank is known to be here): a single-file save, committed.
 
         Every rank of a single-file strategy holds the full state and would raise the same error: rank zero
         alone writes, so no two ranks ever write (and commit) the same staging folder. Other ranks' RNG
-        states are not saved (a resume from it warns and continues, not bitwise).
+        states are not saved (a resume from it warns and continues, not bitwise). A sharded save needs every
+        rank, and a rank that raised cannot bring the others along: sharded strategies save nothing here.
         """
+        if self.strategy.checkpoint_layout != ONE_FILE or not trainer.is_global_zero:
+            return
         try:
             self._writer.wait()
             staging = self.store.stage(trainer.global_step)

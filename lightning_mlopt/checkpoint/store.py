@@ -39,11 +39,11 @@ def refuse_url(location: str, key: str | None = None, alternative: str = "") -> 
 
     Example::
 
-        >>> refuse_url("/mnt/shared/run/checkpoints", "checkpoint.local_dirpath")
-        >>> refuse_url("s3://bucket/run", "checkpoint.local_dirpath")
+        >>> refuse_url("/mnt/shared/run/checkpoints", "checkpoint.tiers.local_dirpath")
+        >>> refuse_url("s3://bucket/run", "checkpoint.tiers.local_dirpath")
         Traceback (most recent call last):
         ...
-        ValueError: checkpoint.local_dirpath: 's3://bucket/run' is a URL where a folder is expected: ...
+        ValueError: checkpoint.tiers.local_dirpath: 's3://bucket/run' is a URL where a folder is expected: ...
     """
     found = _URL.match(location)
     if found:

@@ -1,14 +1,13 @@
 """Where a run's checkpoints live: one folder, or a fast local tier and an object store behind it.
 
 With ``dirpath`` a folder, saves commit there. With ``dirpath: s3://bucket/prefix``, saves commit to a local
-folder (``local_dirpath``, else the run dir's) and a :class:`~lightning_mlopt.checkpoint.replicator.Replicator`
+folder (``tiers.local_dirpath``, else the run dir's) and a :class:`~lightning_mlopt.checkpoint.replicator.Replicator`
 copies them up; resume takes the newest checkpoint that verifies across both. These helpers check the
-settings when the callback is made and reach the store before training starts.
+store before training starts (the settings check themselves: ``settings.Tiers``).
 
 Example::
 
-    check_tier_settings("s3://ckpt/run", None, None, None)            # when the callback is made
-    remote = attach_remote(trainer, "s3://ckpt/run", RetentionPolicy(), required=True)   # collective
+    remote, replicator = attach_tiers(trainer, "s3://ckpt/run", Tiers(), RetentionPolicy())   # collective
 """
 
 from __future__ import annotations
@@ -17,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mlopt.checkpoint.errors import first_problem
-from lightning_mlopt.checkpoint.object_store import ObjectStore, ObjectURL, is_object_url
+from lightning_mlopt.checkpoint.object_store import ObjectStore, is_object_url
 from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+from lightning_mlopt.checkpoint.replicator import Replicator
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
-from lightning_mlopt.checkpoint.store import refuse_url
+from lightning_mlopt.checkpoint.settings import Tiers
 from lightning_mlopt.exceptions import CheckpointWriteError, ObjectStoreError
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 
@@ -34,46 +34,6 @@ def store_url(dirpath: str | None) -> str | None:
         ('s3://ckpt/run', None, None)
     """
     return dirpath if dirpath is not None and is_object_url(dirpath) else None
-
-
-def check_tier_settings(
-    dirpath: str | None,
-    local_dirpath: str | None,
-    remote_every_n_steps: int | None,
-    remote_every_n_minutes: float | None,
-) -> None:
-    """ValueError for tier settings that cannot work: a URL no store here writes, a remote rule without a store.
-
-    Example::
-
-        >>> check_tier_settings("s3://ckpt/run", "/local/ckpt", remote_every_n_steps=500, remote_every_n_minutes=None)
-        >>> check_tier_settings("/shared/ckpt", "/local/ckpt", None, None)
-        Traceback (most recent call last):
-        ...
-        ValueError: checkpoint.local_dirpath sets the local tier of an object store, and checkpoint.dirpath is not ...
-    """
-    url = store_url(dirpath)
-    if url is not None:
-        ObjectURL.parse(url)  # names the bucket
-    elif dirpath is not None:
-        refuse_url(dirpath, "checkpoint.dirpath", alternative=", or an S3-compatible store: s3://bucket/prefix")
-    if local_dirpath is not None:
-        refuse_url(local_dirpath, "checkpoint.local_dirpath")
-    if remote_every_n_steps is not None and remote_every_n_steps < 1:
-        raise ValueError(f"remote_every_n_steps must be >= 1, got {remote_every_n_steps}")
-    if remote_every_n_minutes is not None and remote_every_n_minutes <= 0:
-        raise ValueError(f"remote_every_n_minutes must be > 0, got {remote_every_n_minutes}")
-    remote_only = {
-        "local_dirpath": local_dirpath,
-        "remote_every_n_steps": remote_every_n_steps,
-        "remote_every_n_minutes": remote_every_n_minutes,
-    }
-    given = [key for key, value in remote_only.items() if value is not None]
-    if given and store_url(dirpath) is None:
-        raise ValueError(
-            f"checkpoint.{given[0]} sets the local tier of an object store, and checkpoint.dirpath is not one: "
-            "set checkpoint.dirpath: s3://bucket/prefix, or remove it"
-        )
 
 
 def local_folder(dirpath: str | None, local_dirpath: str | None) -> str | None:
@@ -126,3 +86,19 @@ def attach_remote(
             f"cannot save checkpoints: {problem}; stopped before training, earlier checkpoints are intact"
         )
     return remote
+
+
+def attach_tiers(
+    trainer: Any, dirpath: str | None, tiers: Tiers, retention: RetentionPolicy
+) -> tuple[RemoteCheckpoints | None, Replicator | None]:
+    """Collective: the remote tier behind ``dirpath`` (an object store) and what copies to it; None, None without.
+
+    Without a local tier of its own (``tiers.local_dirpath``) the store is required: unreachable, or a copy
+    that fails, stops the run (exit 74).
+    """
+    required = tiers.local_dirpath is None
+    remote = attach_remote(trainer, store_url(dirpath), retention, required=required)
+    if remote is None:
+        return None, None
+    every_steps, every_minutes = tiers.remote_every_n_steps, tiers.remote_every_n_minutes
+    return remote, Replicator(remote, every_steps, every_minutes, must_succeed=required)

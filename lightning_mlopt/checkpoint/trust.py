@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 from lightning_mlopt.exceptions import UntrustedCheckpointError
 
-TRUST_OPTION = "checkpoint.trust_pickles: true"
+TRUST_OPTION = "checkpoint.resume.trust_pickles: true"
 
 # What checkpoints written by Lightning and lightning_mlopt contain, by strategy (found by scanning real
 # checkpoints of each; see tests/checkpoint/test_checkpoint_trust.py). Constructors of data only: none of them runs

@@ -5,7 +5,7 @@ Each scheduler allows a fixed time and then kills: torchrun SIGKILLs its workers
 default) after its SIGTERM; SLURM ends the job at its time limit, ``--signal`` seconds after the SIGUSR1; a spot
 VM goes at the time its notice named. Whoever knows the figure passes it down in one environment variable,
 :data:`GRACE_ENV` (``launch`` from torchrun's shutdown timeout, the sbatch script from ``--signal_seconds``, a
-Kubernetes manifest through ``launch``), and ``checkpoint.preemption_grace_s`` overrides it.
+Kubernetes manifest through ``launch``), and ``checkpoint.preemption.grace_s`` overrides it.
 
 A save that would not end before the kill is worse than none: it costs the rest of the grace and commits
 nothing. Knowing the grace, a rank saves only when this run's earlier saves say it fits

@@ -37,9 +37,9 @@ from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_a
 
 # Every measured run: its own run directory, no resume, no saves at the end, no logger, no validation.
 _MEASURED_RUN = (
-    "--checkpoint.auto_resume=false",
-    "--checkpoint.save_on_train_end=false",
-    "--checkpoint.save_on_epoch_end=false",
+    "--checkpoint.resume.auto=false",
+    "--checkpoint.save_on.train_end=false",
+    "--checkpoint.save_on.epoch_end=false",
     "--trainer.logger=false",
     "--trainer.enable_progress_bar=false",
     "--trainer.limit_val_batches=0",

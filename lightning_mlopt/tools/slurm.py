@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mlopt._bad_input import config_paths
+from lightning_mlopt.checkpoint.settings import configured
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
@@ -228,7 +229,7 @@ def _example_allocation(trainer: dict[str, Any]) -> str:
 
 def requeue_exit_code(config: dict[str, Any]) -> int:
     """The exit status FaultTolerantCheckpoint uses after a signal-triggered save, from the config."""
-    return int((config.get("checkpoint") or {}).get("exit_code") or exit_codes.REQUEUE)
+    return int(configured(config.get("checkpoint"), "preemption.exit_code", exit_codes.REQUEUE))
 
 
 def write_script(path: Path, text: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_mlopt import callbacks
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint, ThroughputProgressBar
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Resume, ThroughputProgressBar
 from lightning_mlopt.cli import check_arguments
 from tests.conftest import CONFIGS
 
@@ -56,10 +56,10 @@ def test_picklable_and_state_survives_a_round_trip(callback_class):
 @pytest.mark.parametrize("callback_class", CALLBACKS, ids=lambda cls: cls.__name__)
 def test_two_fits_in_a_row_and_no_threads_left(tmp_path, callback_class):
     # The second fit raises max_steps: the checkpoint callback resumes from the first fit's final checkpoint,
-    # which (resume_final) it continues rather than keeping finished.
+    # which (resume.final) it continues rather than keeping finished.
     kwargs: dict[str, object] = {}
     if callback_class is FaultTolerantCheckpoint:
-        kwargs = {"dirpath": str(tmp_path / "checkpoints"), "resume_final": True}
+        kwargs = {"dirpath": str(tmp_path / "checkpoints"), "resume": Resume(final=True)}
     callback = callback_class(**kwargs)
     before = {thread.ident for thread in threading.enumerate()}
     for max_steps in (2, 4):  # the second fit continues (or, for the checkpoint callback, resumes)

@@ -9,14 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lightning_mlopt.callbacks import CheckpointWriteError, FaultTolerantCheckpoint
+from lightning_mlopt.callbacks import CheckpointWriteError, FaultTolerantCheckpoint, Preemption, Resume
 from lightning_mlopt.checkpoint import CheckpointStore, verify
 from lightning_mlopt.cli import main
 from tests.cli_args import fit_args
@@ -190,8 +188,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, monk
 def test_full_disk_gives_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, capsys, tmpfs):
     monkeypatch.chdir(tmp_path)
     disk = tmpfs("disk", size="12m")  # room for two quickstart checkpoints, not for a third
-    args = (f"--checkpoint.dirpath={disk / 'checkpoints'}", "--checkpoint.keep_last=10")
-    _quickstart(tmp_path, "--trainer.max_steps=4", "--checkpoint.save_on_train_end=false", *args)
+    args = (f"--checkpoint.dirpath={disk / 'checkpoints'}", "--checkpoint.keep.last=10")
+    _quickstart(tmp_path, "--trainer.max_steps=4", "--checkpoint.save_on.train_end=false", *args)
     checkpoints = disk / "checkpoints"
     before = [path for _, path in CheckpointStore(checkpoints).committed()]
     assert [p.name for p in before] == ["step-000000002", "step-000000004"]
@@ -259,7 +257,7 @@ def test_async_write_failure_is_reported_and_earlier_checkpoints_survive(tmp_pat
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", broken)
-    callback.auto_resume = False
+    callback.resume = Resume(auto=False)
     with pytest.raises(CheckpointWriteError, match=r"background checkpoint write failed: .*Input/output error"):
         build(6).fit(model, DigitsDataModule(batch_size=32))
     verify(first.path)
@@ -269,62 +267,15 @@ def test_constructor_validates():
     with pytest.raises(ValueError, match=r"every_n_steps must be >= 1"):
         FaultTolerantCheckpoint(every_n_steps=0)
     with pytest.raises(ValueError, match="unknown signal name"):
-        FaultTolerantCheckpoint(signals=["SIGNOPE"])
+        FaultTolerantCheckpoint(preemption=Preemption(signals=("SIGNOPE",)))
     with pytest.raises(ValueError, match=r"exit_code must be in 1\.\.255"):
-        FaultTolerantCheckpoint(exit_code=0)
-
-
-class _TwoRankTrainer(SimpleNamespace):
-    """What the step boundary's vote reads of a Trainer: a batch counter and a world of 2 (no process group:
-    the exchange's sums are this process's values, so the mean step time is half this rank's)."""
-
-    def __init__(self) -> None:
-        self.progress = SimpleNamespace(total=SimpleNamespace(ready=0))
-        super().__init__(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=self.progress)))
-        self.world_size = 2
-
-    __hash__ = object.__hash__  # a key of the per-Trainer exchange table, as a Trainer is
-
-
-def test_the_vote_is_read_a_boundary_late_with_short_steps_and_in_step_with_long_ones(monkeypatch):
-    # The decision logic alone, on a clock of our own; real signals to real jobs are the tests around this one
-    # (their steps are short: they run the late vote).
-    import lightning_mlopt.callbacks.fault_tolerant_checkpoint as module
-    from lightning_mlopt.distributed.step_exchange import step_exchange
-    from lightning_mlopt.process.signals import preemption
-
-    now, seen = [0.0], [None]
-    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    monkeypatch.setattr(preemption, "received", lambda: seen[0])
-    monkeypatch.setattr(preemption, "seconds_left", lambda: None)
-
-    def job() -> Callable[..., bool]:
-        callback = FaultTolerantCheckpoint()
-        callback.saver = SimpleNamespace(
-            failed=False, expected_save_seconds=lambda: 1.0, in_flight_seconds_left=lambda: None
-        )
-        trainer = _TwoRankTrainer()
-        step_exchange(trainer).provide(module._VOTE, lambda: callback._local_flags(trainer))
-
-        def boundary(step_s: float, signal: int | None = None) -> bool:
-            trainer.progress.total.ready += 1
-            now[0] += step_s
-            seen[0] = signal
-            signalled = callback._agree_at_step_boundary(trainer)[0]  # as every rank reads it
-            boundary.lagged = callback._vote_lagged  # type: ignore[attr-defined]
-            return signalled
-
-        return boundary
-
-    short = job()
-    assert [short(0.1) for _ in range(3)] == [False] * 3 and short.lagged
-    assert short(0.1, signal=15) is False  # seen here, summed while the next step trains...
-    assert short(0.1, signal=15) is True  # ...and acted on one boundary later, by every rank alike
-
-    long = job()
-    assert [long(0.1) for _ in range(3)] == [False] * 3 and long.lagged
-    assert [long(4.0), long(4.0)] == [False, False] and not long.lagged  # the late sums told of long steps
-    assert long(4.0, signal=15) is True  # now seen and acted on at the same boundary
+        FaultTolerantCheckpoint(preemption=Preemption(exit_code=0))
+    with pytest.raises(TypeError, match=r"keep_last is now keep\.last \(e\.g\. keep=Keep\(last=\.\.\.\)"):
+        FaultTolerantCheckpoint(keep_last=5)
+    with pytest.raises(TypeError, match=r"signal_deadline_s is now preemption\.deadline_s"):
+        FaultTolerantCheckpoint(signal_deadline_s=5)
+    with pytest.raises(TypeError, match=r"unexpected argument 'keep_lasts'"):
+        FaultTolerantCheckpoint(keep_lasts=5)
 
 
 def test_time_trigger_saves_when_minutes_have_passed(tmp_path, monkeypatch):
@@ -334,8 +285,8 @@ def test_time_trigger_saves_when_minutes_have_passed(tmp_path, monkeypatch):
         tmp_path,
         "--checkpoint.every_n_steps=null",
         "--checkpoint.every_n_minutes=0.0001",
-        "--checkpoint.keep_last=10",
-        "--checkpoint.save_on_train_end=false",
+        "--checkpoint.keep.last=10",
+        "--checkpoint.save_on.train_end=false",
     )
     store = CheckpointStore(tmp_path / "run" / "checkpoints")
     reasons = {entry.step: entry.manifest.reason for entry in store.entries() if entry.valid}
@@ -433,7 +384,7 @@ def test_a_run_whose_final_save_was_lost_is_marked_final_on_relaunch(tmp_path, m
     monkeypatch.chdir(tmp_path)
     # What a kill during the final save leaves: the periodic checkpoint at max_steps, not marked final.
     # Lightning skips the training loop of a run resumed at max_steps, so on_train_end never runs there.
-    _quickstart(tmp_path, "--trainer.max_steps=4", "--checkpoint.save_on_train_end=false")
+    _quickstart(tmp_path, "--trainer.max_steps=4", "--checkpoint.save_on.train_end=false")
     store = CheckpointStore(tmp_path / "run" / "checkpoints")
     entry = store.newest_valid()
     assert entry is not None and entry.step == 4 and not entry.manifest.final
@@ -478,7 +429,7 @@ def _signalled_quickstart(tmp_path: Path, grace_s: float, save_s: float) -> tupl
     with pytest.raises(SystemExit) as stopped, pytest.warns(UserWarning) as warned:
         _quickstart(
             tmp_path,
-            f"--checkpoint.preemption_grace_s={grace_s}",
+            f"--checkpoint.preemption.grace_s={grace_s}",
             "--trainer.callbacks+=tests.helpers.SlowSaves",
             f"--trainer.callbacks.seconds={save_s}",
             "--trainer.callbacks+=tests.helpers.SignalAtStep",
@@ -518,7 +469,7 @@ def test_a_background_save_that_cannot_finish_in_the_grace_is_abandoned_and_neve
         f"--run_dir={tmp_path / 'run'}",
         *QUICK,
         "--checkpoint.async_save=true",
-        "--checkpoint.preemption_grace_s=2.5",  # 1.5 s left after the margin: the write in flight needs 3 s
+        "--checkpoint.preemption.grace_s=2.5",  # 1.5 s left after the margin: the write in flight needs 3 s
         "--trainer.callbacks+=tests.helpers.SlowWrite",
         "--trainer.callbacks.step=4",
         "--trainer.callbacks.seconds=3",

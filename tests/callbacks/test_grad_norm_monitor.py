@@ -128,7 +128,7 @@ def test_skip_drops_the_step_and_leaves_finite_weights(tmp_path):
 def test_checkpoint_and_stop_saves_the_state_before_the_bad_update(tmp_path):
     from lightning_mlopt.checkpoint import CheckpointStore
 
-    result = _nan_run(tmp_path, "checkpoint_and_stop", extra=("--checkpoint.save_on_exception=false",))
+    result = _nan_run(tmp_path, "checkpoint_and_stop", extra=("--checkpoint.save_on.exception=false",))
     assert result.returncode != 0
     assert "saved a checkpoint at step 3" in result.stderr
     entry = CheckpointStore(tmp_path / "run" / "checkpoints").newest_valid()

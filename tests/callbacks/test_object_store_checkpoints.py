@@ -52,7 +52,7 @@ def test_checkpoints_in_a_bucket_survive_the_loss_of_the_node(s3_bucket, tmp_pat
 
     shutil.rmtree(tmp_path / "run" / "checkpoints")  # a new VM: the local tier is gone
     capsys.readouterr()
-    _fit(tmp_path, f"--checkpoint.dirpath={url}", "--trainer.max_steps=6", "--checkpoint.resume_final=true")
+    _fit(tmp_path, f"--checkpoint.dirpath={url}", "--trainer.max_steps=6", "--checkpoint.resume.final=true")
     # Resumed from the store's step 4 (downloaded into the new local tier), not from scratch: no step 2 here.
     assert [step for step, _ in CheckpointStore(tmp_path / "run" / "checkpoints").committed()] == [4, 6]
     assert _remote(url).committed() == [2, 4, 6]
@@ -101,20 +101,20 @@ def test_an_unreachable_store_stops_before_training_unless_a_local_tier_is_set(
     assert "stopped before training" in message
 
     local = tmp_path / "local-tier"
-    _fit(tmp_path, f"--checkpoint.dirpath={url}", f"--checkpoint.local_dirpath={local}", "--trainer.max_steps=6")
+    _fit(tmp_path, f"--checkpoint.dirpath={url}", f"--checkpoint.tiers.local_dirpath={local}", "--trainer.max_steps=6")
     assert [step for step, _ in CheckpointStore(local).committed()] == [2, 4, 6]  # training went on, saved locally
     said = [record.getMessage() for record in caplog.records if "copies are failing" in record.getMessage()]
     assert len(said) == 1 and "cannot reach http://127.0.0.1:" in said[0], said  # once, not at every save
 
 
 def test_tier_settings_that_cannot_work_are_refused(tmp_path):
-    from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+    from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Tiers
 
-    with pytest.raises(ValueError, match=r"checkpoint\.local_dirpath sets the local tier of an object store"):
-        FaultTolerantCheckpoint(dirpath=str(tmp_path), local_dirpath=str(tmp_path / "l"))
-    with pytest.raises(ValueError, match=r"checkpoint\.remote_every_n_steps sets the local tier"):
-        FaultTolerantCheckpoint(remote_every_n_steps=10)
+    with pytest.raises(ValueError, match=r"checkpoint\.tiers\.local_dirpath sets the local tier of an object store"):
+        FaultTolerantCheckpoint(dirpath=str(tmp_path), tiers=Tiers(local_dirpath=str(tmp_path / "l")))
+    with pytest.raises(ValueError, match=r"checkpoint\.tiers\.remote_every_n_steps sets the local tier"):
+        FaultTolerantCheckpoint(tiers=Tiers(remote_every_n_steps=10))
     with pytest.raises(ValueError, match="names no bucket"):
         FaultTolerantCheckpoint(dirpath="s3://")
-    with pytest.raises(ValueError, match=r"checkpoint\.local_dirpath: 's3://b/x' is a URL where a folder"):
-        FaultTolerantCheckpoint(dirpath="s3://b/run", local_dirpath="s3://b/x")
+    with pytest.raises(ValueError, match=r"checkpoint\.tiers\.local_dirpath: 's3://b/x' is a URL where a folder"):
+        FaultTolerantCheckpoint(dirpath="s3://b/run", tiers=Tiers(local_dirpath="s3://b/x"))

@@ -80,7 +80,7 @@ def test_retention_keeps_last_every_nth_and_best():
     assert RetentionPolicy(keep_last=1, keep_best=2, mode="max").to_delete(
         [(1, 0.1), (2, 0.9), (3, 0.5), (4, 0.2)]
     ) == [1]
-    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+    with pytest.raises(ValueError, match=r"keep\.last must be >= 1"):
         RetentionPolicy(keep_last=0)
 
 

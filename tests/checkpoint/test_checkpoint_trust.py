@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Resume, SaveOn
 from lightning_mlopt.checkpoint import CheckpointStore, Manifest, verify
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, describe_files
 from lightning_mlopt.checkpoint.serialization import load_file
@@ -35,7 +35,11 @@ class CreatesAFile:
 
 def _fit(root: Path, steps: int, **checkpoint_args) -> pl.Trainer:
     callback = FaultTolerantCheckpoint(
-        dirpath=str(root / "ckpt"), every_n_steps=2, async_save=False, save_on_train_end=False, **checkpoint_args
+        dirpath=str(root / "ckpt"),
+        every_n_steps=2,
+        async_save=False,
+        save_on=SaveOn(train_end=False),
+        **checkpoint_args,
     )
     trainer = pl.Trainer(
         max_steps=steps,
@@ -74,7 +78,7 @@ def test_a_crafted_checkpoint_is_refused_everywhere_and_loads_only_when_trusted(
     assert [f.name for f in untrusted_globals(newest.path)] == ["os.makedirs"]
 
     # Auto-resume: refused on every rank before anything is unpickled (the CLI exits 2).
-    with pytest.raises(BadInputError, match=r"os\.makedirs \(in state\.ckpt:.*checkpoint\.trust_pickles: true"):
+    with pytest.raises(BadInputError, match=r"os\.makedirs \(in state\.ckpt:.*checkpoint\.resume\.trust_pickles: true"):
         _fit(tmp_path, steps=6)
     assert not marker.exists()
     # The checkpoint tool: consolidate and export refuse it likewise (exit 2), nothing written.
@@ -101,7 +105,7 @@ def test_a_crafted_checkpoint_is_refused_everywhere_and_loads_only_when_trusted(
     assert trusted.returncode == 0, trusted.stderr
     assert marker.exists()
     marker.rmdir()
-    assert _fit(tmp_path, steps=6, trust_pickles=True).global_step == 6
+    assert _fit(tmp_path, steps=6, resume=Resume(trust_pickles=True)).global_step == 6
     assert marker.exists()
 
 

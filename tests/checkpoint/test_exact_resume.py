@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, SaveOn
 from lightning_mlopt.checkpoint.data_order import exactness_notes, seed_epoch
 from tests.conftest import CONFIGS, cli_environment
 
@@ -160,7 +160,9 @@ def _fit(tmp_path: Path, steps: int) -> None:
         accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, default_root_dir=tmp_path,
         callbacks=[
-            FaultTolerantCheckpoint(dirpath=str(tmp_path / "checkpoints"), every_n_steps=2, save_on_train_end=False)
+            FaultTolerantCheckpoint(
+                dirpath=str(tmp_path / "checkpoints"), every_n_steps=2, save_on=SaveOn(train_end=False)
+            )
         ],
     )  # fmt: skip
     trainer.fit(_StreamModel())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Resume
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.tracking import MLflowTracker
 from lightning_mlopt.tracking.outbox import Outbox
@@ -112,7 +112,9 @@ def test_plain_trainer_logs_to_a_local_store_and_a_relaunch_continues_the_run(tm
             enable_model_summary=False,
             accelerator="cpu",
             callbacks=[
-                FaultTolerantCheckpoint(dirpath=str(tmp_path / "checkpoints"), every_n_steps=3, resume_final=True)
+                FaultTolerantCheckpoint(
+                    dirpath=str(tmp_path / "checkpoints"), every_n_steps=3, resume=Resume(final=True)
+                )
             ],
         )
         trainer.fit(ThirdPartyLM(num_sequences=64))

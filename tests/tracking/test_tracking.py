@@ -161,7 +161,7 @@ def test_wandb_offline_one_run_per_job_continued_on_relaunch_and_no_secret_in_an
     ]
     env = {**_wandb_env(tmp_path), **planted}
     # The first launch stops at step 3 with a committed, non-final checkpoint, as a preempted job would.
-    first_only = ["--trainer.max_steps=3", "--checkpoint.every_n_steps=3", "--checkpoint.save_on_train_end=false"]
+    first_only = ["--trainer.max_steps=3", "--checkpoint.every_n_steps=3", "--checkpoint.save_on.train_end=false"]
     first = run_cli([*args, *first_only], cwd=tmp_path, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"WandbTracker: {run_dir}/wandb (offline" in first.stdout  # where the logs go, said at start

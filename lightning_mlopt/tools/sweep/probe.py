@@ -34,9 +34,9 @@ PROBE_RUN = (
     "--trainer.logger=false",
     "--trainer.enable_progress_bar=false",
     "--trainer.enable_model_summary=false",
-    "--checkpoint.auto_resume=false",
-    "--checkpoint.save_on_train_end=false",
-    "--checkpoint.save_on_epoch_end=false",
+    "--checkpoint.resume.auto=false",
+    "--checkpoint.save_on.train_end=false",
+    "--checkpoint.save_on.epoch_end=false",
 )
 
 

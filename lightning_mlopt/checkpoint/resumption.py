@@ -1,0 +1,121 @@
+"""One launch's resume, in order: rank zero chooses, every rank preloads, training starts at the exact position.
+
+The steps themselves are in ``resume.py``; this object runs them at the Trainer hooks where each belongs and
+remembers what was decided between them. The checkpoint callback calls it from ``setup``, ``on_fit_start``,
+``on_train_start`` and ``on_train_batch_start``.
+
+Example::
+
+    resumption = Resumption(Resume(), remote_required=True, events=checkpoint_events(trainer))
+    resumption.choose(trainer, store, ResumingStrategy("DDPStrategy", layout), remote=None, saver=saver)
+    resumption.preload(trainer, after_setup=False)       # setup; sharded strategies: on_fit_start
+    if resumption.start_training(trainer): ...           # on_train_start: False when the run is finished
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+from lightning_mlopt.checkpoint.resume import (
+    ResumeChoice,
+    ResumingStrategy,
+    choose_checkpoint,
+    load_rng,
+    position_in_epoch,
+    preload,
+)
+from lightning_mlopt.checkpoint.rng import restore_rng_state
+from lightning_mlopt.checkpoint.saver import CheckpointSaver
+from lightning_mlopt.checkpoint.settings import Resume
+from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError
+
+
+class RemembersResume(Protocol):
+    """Where the launch's resume point is published to its neighbours (``hooks.CheckpointEvents``)."""
+
+    resumed_from: Path | None
+
+
+class Resumption:
+    """A launch's resume, from the choice to the first batch.
+
+    Args:
+        settings: whether to resume, from a finished run too, and what to trust.
+        remote_required: a remote tier that cannot be read fails the resume (no local tier of one's own).
+        events: where the checkpoint resumed from is published (read back as :attr:`resumed_from`).
+
+    """
+
+    def __init__(self, settings: Resume, remote_required: bool, events: RemembersResume) -> None:
+        self.settings = settings
+        self.remote_required = remote_required
+        self.events = events
+        self.stays_final = False  # resumed from a finished run that stays finished
+        self._preloaded_path: str | None = None
+        self._pending_rng: dict[str, Any] | None = None
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint this launch resumes from (None: a fresh start, or an explicit ``ckpt_path`` won)."""
+        return self.events.resumed_from
+
+    def choose(
+        self,
+        trainer: Any,
+        store: CheckpointStore,
+        strategy: ResumingStrategy,
+        remote: RemoteCheckpoints | None,
+        saver: CheckpointSaver,
+    ) -> None:
+        """Collective: rank zero chooses the checkpoint to resume from; every rank gets its choice or refusal."""
+        choice = None
+        if self.settings.auto and trainer.is_global_zero:
+            choice = choose_checkpoint(
+                store,
+                strategy,
+                self.settings.trust_pickles,
+                self.settings.final,
+                remote,
+                remote_required=self.remote_required,
+            )
+            if choice is not None and choice.manifest is not None:
+                saver.note_resumed(choice.manifest)
+        choice = trainer.strategy.broadcast(choice) or ResumeChoice(None)
+        self.events.resumed_from, self.stays_final = choice.path, choice.stays_final
+        if choice.refusal is not None:
+            raise BadInputError(choice.refusal)
+        if choice.failure is not None:
+            raise CheckpointWriteError(choice.failure)
+
+    def preload(self, trainer: Any, after_setup: bool) -> None:
+        """Load the chosen checkpoint now, if this is when the strategy can (sharded ones: once wrapped)."""
+        if self.resumed_from is not None and trainer.strategy.restore_checkpoint_after_setup == after_setup:
+            self._preloaded_path = preload(trainer, self.resumed_from, self.settings.trust_pickles)
+
+    def start_training(self, trainer: Any) -> bool:
+        """Training starts: an explicit ``ckpt_path`` wins; the exact position is set. False: the run is finished."""
+        explicit = trainer.ckpt_path
+        if self.resumed_from is not None and explicit and str(explicit) != self._preloaded_path:
+            rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
+            self.events.resumed_from = None
+        if self.resumed_from is not None and self.stays_final:
+            return False
+        rng_state = None
+        if self.resumed_from is not None:
+            rng_state = load_rng(
+                self.resumed_from, trainer.global_rank, trainer.world_size, self.settings.trust_pickles
+            )
+        # Fresh or resumed, this epoch's data comes in the order (seed, epoch) gives: a later resume finds it.
+        self._pending_rng = position_in_epoch(trainer, rng_state, resumed=self.resumed_from is not None)
+        return True
+
+    def restore_rng_once(self) -> None:
+        """The first batch: every RNG where the uninterrupted run had it (after Lightning's own restore)."""
+        if self._pending_rng is not None:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
