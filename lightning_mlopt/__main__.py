@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, run_tool
+from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, run_tool
 
 
 def run() -> None:
@@ -28,7 +28,7 @@ def run() -> None:
         if "LOCAL_RANK" in os.environ:  # started by a launcher (Lightning's, for ranks 1.., or torchrun)
             startup_guard.watch_parent()
 
-    from lightning_mlopt.cli import main
+    from lightning_mlopt.cli.entry import main
 
     main()
 

@@ -89,7 +89,7 @@ def run_tool_here(
     call costs milliseconds where a fresh process costs seconds of imports. ``env`` is set for the rest of the
     test. Trainer runs, and anything about signals or exit paths of a real process, go through :func:`run_cli`.
     """
-    from lightning_mlopt.commands import run_tool
+    from lightning_mlopt.cli.commands import run_tool
 
     monkeypatch.chdir(cwd)
     for variable, value in (env or {}).items():
@@ -156,13 +156,13 @@ SHARED_RUN_CLIP = "--trainer.gradient_clip_val=0.05"
 def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The GPT demo trained under DDP, FSDP and ZeRO-1/2/3 on 2 CPU processes, once per session.
 
-    Maps each strategy to ``(records, params, run_dir)`` (``tests.strategy_runs.TrainedRun``). The strategy
+    Maps each strategy to ``(records, params, run_dir)`` (``tests.support.strategy_runs.TrainedRun``). The strategy
     equivalence tests compare them; the checkpoint tool's tests read their checkpoints (read-only: a test that
     would write into a run directory trains its own run); the collective budget test reads the collectives each
     rank counted in batches ``COUNTED_STEPS`` (``collectives-rank<N>.json`` beside the records). Sharing saves
     five launches of the suite's budget.
     """
-    from tests.strategy_runs import train
+    from tests.support.strategy_runs import train
 
     root = tmp_path_factory.mktemp("strategy_runs")
     return {
@@ -178,7 +178,7 @@ COUNTED_STEPS = (10, 12)
 
 def _count_collectives(out: Path) -> tuple[str, ...]:
     return (
-        "--trainer.callbacks+=tests.helpers.CountCollectives",
+        "--trainer.callbacks+=tests.support.helpers.CountCollectives",
         f"--trainer.callbacks.out_dir={out}",
         f"--trainer.callbacks.first_step={COUNTED_STEPS[0]}",
         f"--trainer.callbacks.last_step={COUNTED_STEPS[1]}",
@@ -188,7 +188,7 @@ def _count_collectives(out: Path) -> tuple[str, ...]:
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[Any]:
     """A real ``mlflow server`` (SQLite store) on loopback for one test, killed by pid at its end."""
-    from tests.mlflow_server import MLflowServer
+    from tests.support.mlflow_server import MLflowServer
 
     with MLflowServer(tmp_path / "server") as server:
         yield server
@@ -197,7 +197,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[Any]:
     """moto's S3-compatible server on loopback, for the whole session (started on first use, killed by pid)."""
-    from tests.s3_server import MotoServer
+    from tests.support.s3_server import MotoServer
 
     with MotoServer() as server:
         yield server

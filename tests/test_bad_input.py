@@ -196,3 +196,11 @@ def test_a_flat_checkpoint_key_of_0_1_names_its_grouped_key(tmp_path, monkeypatc
 def test_a_bad_value_in_a_checkpoint_group_names_the_grouped_key(tmp_path, monkeypatch, capsys):
     message = _fails(tmp_path, monkeypatch, capsys, "--checkpoint.keep.last=0")
     assert "keep.last must be >= 1" in message
+
+
+def test_a_flat_health_check_key_of_0_1_names_its_grouped_key(tmp_path, monkeypatch, capsys):
+    callbacks = "trainer:\n  callbacks:\n    - class_path: lightning_mlopt.callbacks.NCCLHealthCheck\n"
+    name = _write(tmp_path, "health.yaml", callbacks + "      init_args:\n        straggler_factor: 2.0\n")
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    assert "NCCLHealthCheck: straggler_factor is now stragglers.factor" in message
+    assert len(message.strip().splitlines()) == 2, message  # the cause, not the union's other tries

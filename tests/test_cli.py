@@ -126,7 +126,7 @@ def test_relaunching_from_the_saved_or_printed_config_lands_in_the_same_run(tmp_
     monkeypatch.chdir(tmp_path)
     # A user's own model and config file (no datamodule: the model brings its dataloaders).
     (tmp_path / "lm.yaml").write_text(
-        "model:\n  class_path: tests.helpers.ThirdPartyLM\ntrainer:\n  limit_val_batches: 1\n"
+        "model:\n  class_path: tests.support.helpers.ThirdPartyLM\ntrainer:\n  limit_val_batches: 1\n"
         "  val_check_interval: 2\n  num_sanity_val_steps: 0\n  enable_progress_bar: false\n"
     )
     first_args = ["fit", "--config", "lm.yaml", "--trainer.max_steps=2"]
@@ -167,11 +167,11 @@ def test_relaunching_from_the_saved_or_printed_config_lands_in_the_same_run(tmp_
 
 @pytest.mark.multiprocess
 def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path):
-    from tests.helpers import read_records
+    from tests.support.helpers import read_records
 
     common = [
         "fit",
-        "--model=tests.helpers.ThirdPartyLM",  # dropout 0.1: the RNG state shows in the losses
+        "--model=tests.support.helpers.ThirdPartyLM",  # dropout 0.1: the RNG state shows in the losses
         "--trainer.accelerator=cpu",
         "--trainer.devices=2",
         "--trainer.max_steps=3",
@@ -187,7 +187,7 @@ def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path)
                 *common,
                 f"--trainer.strategy={strategy}",
                 f"--run_dir={out}",
-                "--trainer.callbacks+=tests.helpers.RecordTraining",
+                "--trainer.callbacks+=tests.support.helpers.RecordTraining",
                 f"--trainer.callbacks.out_dir={out / 'record'}",
             ],
             cwd=tmp_path,
@@ -238,7 +238,7 @@ def test_the_model_summary_has_flops_only_where_they_were_measured(caplog):
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    from lightning_mlopt.cli_support import MeasuredModelSummary
+    from lightning_mlopt.cli.support import MeasuredModelSummary
 
     class WithExampleInput(BoringModel):
         def __init__(self) -> None:

@@ -95,7 +95,7 @@ def test_the_checkpoint_connector_dumps_and_resumes(tmp_path):
     assert trainer._checkpoint_connector._loaded_checkpoint["global_step"] == 1
     assert _compat.epoch_loaders(trainer)[1] is not None  # the fit created its combined loader
     # The stopping step's row goes through Lightning's own call after a batch's hooks (valid inside a batch only;
-    # the requeued job of tests/tracking/test_goodput.py makes it there).
+    # the requeued job of tests/goodput/test_goodput.py makes it there).
     assert callable(trainer._logger_connector.update_train_step_metrics)
 
 
@@ -128,7 +128,7 @@ def test_torch_and_interpreter_reaches_resolve():
 def test_argparse_reaches_list_every_key_of_the_cli():
     from jsonargparse import ArgumentParser
 
-    from lightning_mlopt.cli import _known_keys
+    from lightning_mlopt.cli.entry import _known_keys
 
     parser = ArgumentParser()
     parser.add_argument("--top")
@@ -144,13 +144,14 @@ def test_argparse_reaches_list_every_key_of_the_cli():
 def test_private_overrides_are_listed_and_still_exist():
     import importlib
 
-    from lightning_mlopt import cli, strategies
+    from lightning_mlopt import strategies
     from lightning_mlopt.callbacks import (
         FaultTolerantCheckpoint,
         GradNormMonitor,
         NCCLHealthCheck,
         ThroughputProgressBar,
     )
+    from lightning_mlopt.cli import entry as cli
     from lightning_mlopt.tracking import WandbTracker
 
     for module, owner, name in _compat.PRIVATE_OVERRIDES:

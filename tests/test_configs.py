@@ -14,7 +14,7 @@ from tests.conftest import CONFIGS, SMOKE, run_cli
 BASE_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
 OVERLAYS = sorted(CONFIGS.glob("strategies/*.yaml"))  # trackers/ are run and read back in test_tracking.py
 # Overlays the session's shared strategy runs train anyway (20 steps, 2 processes, through the overlay file:
-# tests/cli_args.py): not trained a second time here.
+# tests/support/cli_args.py): not trained a second time here.
 TRAINED_BY_SHARED_RUNS = {"ddp", "fsdp", "zero1", "zero2", "zero3"}
 TRACKERS = sorted(CONFIGS.glob("trackers/*.yaml"))
 

@@ -16,7 +16,9 @@ from lightning_mlopt.callbacks import (
     ReplicaConsistencyCheck,
     Resume,
     SaveOn,
+    Stragglers,
     Tiers,
+    Watchdog,
 )
 from lightning_mlopt.demos import (
     CIFAR10DataModule,
@@ -26,9 +28,10 @@ from lightning_mlopt.demos import (
     TokenDataModule,
 )
 from lightning_mlopt.demos._loader import LoaderDataModule
+from lightning_mlopt.goodput import GoodputLedger
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
-from lightning_mlopt.tracking import GoodputLedger, MLflowTracker, ThroughputProgressBar, WandbTracker
+from lightning_mlopt.tracking import MLflowTracker, ThroughputProgressBar, WandbTracker
 
 PINNED = {
     DDPStrategy: "comm_hook powersgd_rank powersgd_start_iter bucket_cap_mb gradient_as_bucket_view static_graph "
@@ -45,7 +48,9 @@ PINNED = {
     GradNormMonitor: "log_every_n_steps depth param_norms update_ratios on_nonfinite locate_nonfinite on_spike "
     "spike_window spike_threshold spike_min_history rerun_on_anomaly",
     NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "
-    "hang_timeout adaptive_multiple hang_exit_code dump_dir straggler_every_n_steps straggler_factor",
+    "watchdog stragglers",
+    Watchdog: "timeout adaptive_multiple exit_code dump_dir",
+    Stragglers: "every_n_steps factor",
     PerformanceMonitor: "log_every_n_steps stall_threshold stall_window tokens_per_sample flops_per_sample count_flops "
     "measure_peak profile_steps oom_snapshot_entries",
     ReplicaConsistencyCheck: "every_n_steps on_mismatch",

@@ -29,11 +29,9 @@ LAYERS: list[tuple[str, ...]] = [
         "lightning_mlopt.exceptions",
         "lightning_mlopt._compat",
         "lightning_mlopt.redaction",
+        "lightning_mlopt.renamed",
         "lightning_mlopt.run_dir",
-        "lightning_mlopt.commands",
-        "lightning_mlopt._quiet",
         "lightning_mlopt._metrics",
-        "lightning_mlopt._bad_input",
     ),
     ("lightning_mlopt.process",),  # standard library only: loaded before torch
     (
@@ -45,7 +43,8 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("lightning_mlopt.diagnosis", "lightning_mlopt.perf", "lightning_mlopt.strategies"),
     ("lightning_mlopt.callbacks", "lightning_mlopt.tracking"),
-    ("lightning_mlopt.cli", "lightning_mlopt.cli_support"),
+    ("lightning_mlopt.goodput",),  # listens to the checkpoint's events and the step's phases
+    ("lightning_mlopt.cli",),  # the entry point, its helpers, and the subcommand table the tools read
     ("lightning_mlopt.tools",),
     ("lightning_mlopt.__main__",),
 ]
@@ -198,7 +197,8 @@ def test_lower_floor_imports_the_standard_library_only(prefix):
 
 
 # The goodput tool reads a file format: it starts in a tenth of a second, not after seconds of Lightning's imports.
-FAST_TOOLS = ["lightning_mlopt.tools.goodput"]
+# The subcommand table is read before torch, to dispatch a tool: the cli package's root must stay light too.
+FAST_TOOLS = ["lightning_mlopt.tools.goodput", "lightning_mlopt.cli.commands"]
 
 
 def test_process_modules_and_file_tools_import_without_torch_or_lightning():

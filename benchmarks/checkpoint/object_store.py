@@ -1,7 +1,7 @@
 """Checkpoints on an object store: our transfers against boto3's own, and resume from each tier, in one run.
 
-    python benchmarks/checkpoint/object_store.py                 # a 420 MB checkpoint, 3 repeats
-    python benchmarks/checkpoint/object_store.py --megabytes 64 --repeats 1 --no-publish
+    python benchmarks/checkpoint/remote/object_store.py                 # a 420 MB checkpoint, 3 repeats
+    python benchmarks/checkpoint/remote/object_store.py --megabytes 64 --repeats 1 --no-publish
 
 Against a real S3-compatible server on loopback (moto's standalone server, started here), with the same bytes:
 
@@ -73,10 +73,10 @@ def _local_checkpoint(root: Path, megabytes: int) -> Path:
 
 
 def measure(megabytes: int, repeats: int, work: Path) -> str:
-    from lightning_mlopt.checkpoint.object_store import ObjectStore
-    from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+    from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
+    from lightning_mlopt.checkpoint.remote.object_store import ObjectStore
     from lightning_mlopt.checkpoint.store import CheckpointStore
-    from tests.s3_server import MotoServer
+    from tests.support.s3_server import MotoServer
 
     with MotoServer() as server:
         os.environ.update(server.environment())

@@ -41,8 +41,8 @@ def _worker(steps: int, warmup: int, out: Path) -> None:
 
     from lightning_mlopt.callbacks import FaultTolerantCheckpoint, SaveOn
     from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
+    from lightning_mlopt.goodput.ledger import GoodputLedger
     from lightning_mlopt.strategies import DDPStrategy
-    from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
 
     spent: dict[int, float] = {}  # global step -> seconds inside the ledger's code
 

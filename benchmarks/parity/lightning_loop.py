@@ -58,7 +58,7 @@ def _our_strategy(name: str) -> Any:
 def _our_callbacks(names: list[str], root: str) -> list[Any]:
     """Our default callbacks named in ``names``, made as the CLI makes them (its defaults)."""
     from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor
-    from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
+    from lightning_mlopt.goodput.ledger import GoodputLedger
 
     made = {
         "checkpoint": lambda: FaultTolerantCheckpoint(),

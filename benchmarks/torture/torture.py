@@ -130,9 +130,9 @@ def command(run_dir: Path, strategy: str, *extra: str, launcher: list[str] | Non
         "--data.init_args.num_sequences=160",
         "--checkpoint.every_n_steps=2",
         f"--run_dir={run_dir}",
-        "--trainer.callbacks+=tests.helpers.RecordEverything",
+        "--trainer.callbacks+=tests.support.helpers.RecordEverything",
         f"--trainer.callbacks.out_dir={run_dir / 'record'}",
-        "--trainer.callbacks+=tests.helpers.Pace",
+        "--trainer.callbacks+=tests.support.helpers.Pace",
         f"--trainer.callbacks.out_dir={run_dir / 'pace'}",
         "--trainer.callbacks.seconds_per_step=0.25",  # a few seconds of training to land faults in
         *extra,
@@ -243,8 +243,8 @@ def _on_store(store: Any, work: Path) -> tuple[list[str], dict[str, str]]:
 def _store_has_final(extra: list[str], work: Path, env: dict[str, str]) -> str | None:
     """The store's newest checkpoint downloads, verifies, and is the final one."""
     from lightning_mlopt.checkpoint import CheckpointStore
-    from lightning_mlopt.checkpoint.object_store import ObjectStore
-    from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+    from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
+    from lightning_mlopt.checkpoint.remote.object_store import ObjectStore
 
     os.environ.update(env)
     url = extra[0].split("=", 1)[1]
@@ -321,7 +321,7 @@ def _launcher_output_problem(log: Path) -> str | None:
 def trial_grace(strategy: str, work: Path, rng: random.Random, reference: dict) -> str | None:
     """Saves slower than the grace: the signal ends the run at once, without a save it could not finish."""
     run_dir = work / "run"
-    slow = ["--trainer.callbacks+=tests.helpers.SlowSaves", f"--trainer.callbacks.seconds={SAVE_S}"]
+    slow = ["--trainer.callbacks+=tests.support.helpers.SlowSaves", f"--trainer.callbacks.seconds={SAVE_S}"]
     cmd = command(run_dir, strategy, f"--checkpoint.preemption.grace_s={GRACE_S}", *slow)
     process, problem = start_after_first_checkpoint(cmd, work / "signalled.log", run_dir, rng.uniform(0.0, 2.0))
     if process is None:
@@ -350,7 +350,7 @@ def trial_grace(strategy: str, work: Path, rng: random.Random, reference: dict) 
 
 def trial_notice(strategy: str, work: Path, rng: random.Random, reference: dict) -> str | None:
     """An AWS spot notice from a metadata server on loopback stops the run like a SIGTERM, before its deadline."""
-    from tests.metadata_server import FakeMetadataServer
+    from tests.support.metadata_server import FakeMetadataServer
 
     run_dir = work / "run"
     with FakeMetadataServer() as server:
@@ -588,7 +588,7 @@ def main() -> int:
         started = time.monotonic()
         store = None
         if options.store == "s3":
-            from tests.s3_server import MotoServer
+            from tests.support.s3_server import MotoServer
 
             store = stack.enter_context(MotoServer())  # one server for every trial, a bucket per trial
         cells = torture(strategies, faults, options.trials, options.seed, work, store)

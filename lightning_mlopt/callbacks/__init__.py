@@ -2,6 +2,7 @@
 
 from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor
+from lightning_mlopt.callbacks.health_settings import Stragglers, Watchdog  # NCCLHealthCheck's
 from lightning_mlopt.callbacks.nccl_health_check import NCCLHealthCheck
 from lightning_mlopt.callbacks.performance_monitor import PerformanceMonitor
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
@@ -30,6 +31,8 @@ __all__ = [
     "ReplicaMismatchError",
     "Resume",
     "SaveOn",
+    "Stragglers",
     "ThroughputProgressBar",
     "Tiers",
+    "Watchdog",
 ]

@@ -12,12 +12,12 @@ from typing_extensions import override
 from lightning_mlopt._compat import callback_state_key
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.checkpoint.preempted_exit import PreemptedExit
+from lightning_mlopt.checkpoint.remote.tiers import attach_tiers, checkpoint_folder, store_url
 from lightning_mlopt.checkpoint.resume import DATA_POSITION_KEY, ResumingStrategy, data_position, order_this_epoch
 from lightning_mlopt.checkpoint.resumption import Resumption
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
-from lightning_mlopt.checkpoint.settings import Keep, Preemption, Resume, SaveOn, Tiers, refuse_renamed
+from lightning_mlopt.checkpoint.settings import Keep, Preemption, Resume, SaveOn, Tiers, refuse_flat_keys
 from lightning_mlopt.checkpoint.step_vote import StepVote
-from lightning_mlopt.checkpoint.tiers import attach_tiers, checkpoint_folder, store_url
 from lightning_mlopt.exceptions import CheckpointWriteError, StoppedTogether
 from lightning_mlopt.hooks import (
     CheckpointEvents,
@@ -85,7 +85,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         resume: Resume = Resume(),
         **renamed: Any,
     ) -> None:
-        refuse_renamed(type(self).__name__, renamed)
+        refuse_flat_keys(renamed)
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         if every_n_minutes is not None and every_n_minutes <= 0:

@@ -19,13 +19,14 @@ from typing_extensions import override
 
 from lightning_mlopt._compat import default_store
 from lightning_mlopt._metrics import log_metrics
+from lightning_mlopt.callbacks.health_settings import Stragglers, Watchdog, refuse_flat_keys
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
 from lightning_mlopt.exceptions import HealthCheckError
 from lightning_mlopt.hooks import DescribesOutputs
-from lightning_mlopt.process import exit_codes, phase
+from lightning_mlopt.process import phase
 from lightning_mlopt.process.watchdog import HangWatchdog
 from lightning_mlopt.run_dir import HEALTH_DIR
 
@@ -45,16 +46,16 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
     algorithm and bus bandwidth (busbw = algbw x 2(n-1)/n, as nccl-tests). A table at start; the figures go
     to the trainer's logger under ``health/``.
 
-    Hang watchdog: a thread per rank ends the process with ``hang_exit_code`` when no step has finished for
-    ``hang_timeout`` seconds (or, with ``adaptive_multiple``, that multiple of the longest step seen on any
-    rank, if larger), after writing every thread's stack and the step and phase (data, forward, backward,
-    optimizer, checkpoint) to ``<dump_dir>/hang-rank<R>.txt`` and the log. An elastic launcher
+    Hang watchdog: a thread per rank ends the process with ``watchdog.exit_code`` when no step has finished for
+    ``watchdog.timeout`` seconds (or, with ``watchdog.adaptive_multiple``, that multiple of the longest step seen
+    on any rank, if larger), after writing every thread's stack and the step and phase (data, forward, backward,
+    optimizer, checkpoint) to ``<watchdog.dump_dir>/hang-rank<R>.txt`` and the log. An elastic launcher
     (``torchrun --max-restarts``) then restarts the job and FaultTolerantCheckpoint resumes it. On CUDA, the
     NCCL flight recorder is turned on (unless set by the user) so NCCL's own view is dumped on timeout too.
 
-    Stragglers: every ``straggler_every_n_steps`` steps, each rank's mean forward time (batch start to
+    Stragglers: every ``stragglers.every_n_steps`` steps, each rank's mean forward time (batch start to
     loss; the gradient all-reduce, which makes every rank's backward equally long, is not in it) is gathered
-    in one small collective; ranks slower than ``straggler_factor`` x the median are reported with host.
+    in one small collective; ranks slower than ``stragglers.factor`` x the median are reported with host.
 
     Args:
         barrier_timeout: seconds every rank has to reach the pre-flight barrier.
@@ -63,16 +64,15 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
         probe_iterations: timed all-reduces (after 2 warm-up ones).
         min_busbw_gbps: bus bandwidth below which ``on_slow_bandwidth`` applies; None: no minimum.
         on_slow_bandwidth: ``warn`` or ``error``.
-        hang_timeout: seconds without a finished step before the watchdog fires (None: no watchdog).
-        adaptive_multiple: raise the limit to this multiple of the longest step seen on any rank.
-        hang_exit_code: exit status after a hang (124, as timeout(1)).
-        dump_dir: folder for stack dumps; None: ``<trainer.default_root_dir>/health``.
-        straggler_every_n_steps: how often to compare ranks' compute times (None: never).
-        straggler_factor: a rank this many times slower than the median is a straggler.
+        watchdog: the hang watchdog's limit, exit status and dump folder (:class:`Watchdog`).
+        stragglers: how often ranks' forward times are compared, and the threshold (:class:`Stragglers`).
+
+    Raises:
+        ValueError: a bad value. TypeError: a flat key of 0.1 (``hang_timeout``, ...), naming the new one.
 
     Example::
 
-        trainer = Trainer(callbacks=[NCCLHealthCheck(hang_timeout=900, min_busbw_gbps=100)])
+        trainer = Trainer(callbacks=[NCCLHealthCheck(watchdog=Watchdog(timeout=900), min_busbw_gbps=100)])
 
     """
 
@@ -84,26 +84,15 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
         probe_iterations: int = 5,
         min_busbw_gbps: float | None = None,
         on_slow_bandwidth: OnProblem = "warn",
-        hang_timeout: float | None = 1800.0,
-        adaptive_multiple: float | None = None,
-        hang_exit_code: int = exit_codes.TIME_LIMIT,
-        dump_dir: str | None = None,
-        straggler_every_n_steps: int | None = 100,
-        straggler_factor: float = 1.5,
+        watchdog: Watchdog = Watchdog(),
+        stragglers: Stragglers = Stragglers(),
+        **renamed: Any,
     ) -> None:
-        for name, value in (("barrier_timeout", barrier_timeout), ("straggler_factor", straggler_factor)):
-            if value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        refuse_flat_keys(renamed)
+        if barrier_timeout <= 0:
+            raise ValueError(f"barrier_timeout must be > 0, got {barrier_timeout}")
         if probe_mb < 0 or probe_iterations < 1:
             raise ValueError(f"probe_mb must be >= 0 and probe_iterations >= 1, got {probe_mb}, {probe_iterations}")
-        if hang_timeout is not None and hang_timeout <= 0:
-            raise ValueError(f"hang_timeout must be > 0 or null, got {hang_timeout}")
-        if adaptive_multiple is not None and adaptive_multiple <= 1:
-            raise ValueError(f"adaptive_multiple must be > 1, got {adaptive_multiple}")
-        if straggler_every_n_steps is not None and straggler_every_n_steps < 1:
-            raise ValueError(f"straggler_every_n_steps must be >= 1 or null, got {straggler_every_n_steps}")
-        if not 1 <= hang_exit_code <= 255:
-            raise ValueError(f"hang_exit_code must be in 1..255, got {hang_exit_code}")
         for name, choice in (("on_mismatch", on_mismatch), ("on_slow_bandwidth", on_slow_bandwidth)):
             if choice not in ("warn", "error"):
                 raise ValueError(f"{name} must be warn or error, got {choice!r}")
@@ -113,16 +102,12 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
         self.probe_iterations = probe_iterations
         self.min_busbw_gbps = min_busbw_gbps
         self.on_slow_bandwidth = on_slow_bandwidth
-        self.hang_timeout = hang_timeout
-        self.adaptive_multiple = adaptive_multiple
-        self.hang_exit_code = hang_exit_code
-        self.dump_dir = dump_dir
-        self.straggler_every_n_steps = straggler_every_n_steps
-        self.straggler_factor = straggler_factor
+        self.watchdog = watchdog
+        self.stragglers = stragglers
         self.hosts: list[str] = []
         self.bandwidth: Bandwidth | None = None
         self.mismatches: list[str] = []
-        self.stragglers: list[int] = []
+        self.straggling_ranks: list[int] = []
         self._watchdog: HangWatchdog | None = None
         self._longest_step = 0.0  # agreed across ranks at each straggler check
         self._local_longest = 0.0
@@ -135,8 +120,8 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
     def dump_folder(self, trainer: pl.Trainer) -> Path:
-        """Where hang dumps go: ``dump_dir``, or ``<trainer.default_root_dir>/health``."""
-        return Path(self.dump_dir or os.path.join(trainer.default_root_dir, HEALTH_DIR))
+        """Where hang dumps go: ``watchdog.dump_dir``, or ``<trainer.default_root_dir>/health``."""
+        return Path(self.watchdog.dump_dir or os.path.join(trainer.default_root_dir, HEALTH_DIR))
 
     def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
         """Where hang dumps go (the CLI's start-up lines)."""
@@ -154,9 +139,9 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
             rank_zero_warn(store_warning)
         if dist.is_available() and dist.is_initialized():
             self._preflight(trainer)
-        if self.hang_timeout is not None:
-            folder = self.dump_folder(trainer)
-            self._watchdog = HangWatchdog(self._current_timeout, folder, trainer.global_rank, self.hang_exit_code)
+        if self.watchdog.timeout is not None:
+            folder, exit_code = self.dump_folder(trainer), self.watchdog.exit_code
+            self._watchdog = HangWatchdog(self._current_timeout, folder, trainer.global_rank, exit_code)
             self._watchdog.start()
 
     def _preflight(self, trainer: pl.Trainer) -> None:
@@ -241,10 +226,9 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
     # ------------------------------------------------------------------ during training
 
     def _current_timeout(self) -> float:
-        assert self.hang_timeout is not None
-        if self.adaptive_multiple is None:
-            return self.hang_timeout
-        return max(self.hang_timeout, self.adaptive_multiple * self._longest_step)
+        timeout, multiple = self.watchdog.timeout, self.watchdog.adaptive_multiple
+        assert timeout is not None
+        return timeout if multiple is None else max(timeout, multiple * self._longest_step)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -266,7 +250,7 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
         self._step_started = now
         if self._watchdog is not None:
             self._watchdog.beat()
-        every = self.straggler_every_n_steps
+        every = self.stragglers.every_n_steps
         if every is not None and trainer.global_step % every == 0 and self._forward_times:
             self._check_stragglers(trainer)
         super().on_train_batch_end(trainer, pl_module, *args)  # the data wait starts after the check above
@@ -283,10 +267,10 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
         times, longest = values[:world], values[world:]
         self._longest_step = max(longest)
         median = statistics.median(times)
-        self.stragglers = [r for r, t in enumerate(times) if median > 0 and t > self.straggler_factor * median]
-        if self.stragglers:
+        self.straggling_ranks = [r for r, t in enumerate(times) if median > 0 and t > self.stragglers.factor * median]
+        if self.straggling_ranks:
             hosts = self.hosts or ["?"] * world
-            detail = ", ".join(f"rank {r} ({hosts[r]}) {times[r] / median:.1f}x" for r in self.stragglers)
+            detail = ", ".join(f"rank {r} ({hosts[r]}) {times[r] / median:.1f}x" for r in self.straggling_ranks)
             rank_zero_warn(
                 f"NCCLHealthCheck: straggler(s) at step {trainer.global_step}: {detail} the median forward time "
                 f"({median * 1e3:.1f} ms)"

@@ -32,7 +32,7 @@ from lightning_mlopt.checkpoint.data_order import (
 )
 from lightning_mlopt.checkpoint.layout import CheckpointLayout, can_resume, layout_of_manifest
 from lightning_mlopt.checkpoint.manifest import Manifest
-from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore

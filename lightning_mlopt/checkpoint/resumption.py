@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
 from lightning_mlopt.checkpoint.resume import (
     ResumeChoice,
     ResumingStrategy,

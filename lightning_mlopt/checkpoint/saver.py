@@ -38,7 +38,7 @@ from lightning_mlopt.checkpoint.errors import (
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointingStrategy
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, describe_files, library_versions
-from lightning_mlopt.checkpoint.replicator import Replicator
+from lightning_mlopt.checkpoint.remote.replicator import Replicator
 from lightning_mlopt.checkpoint.resume import RNG_DIR
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.rng import capture_rng_state

@@ -26,11 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_mlopt.checkpoint.object_store import ObjectURL, is_object_url
+from lightning_mlopt.checkpoint.remote.object_store import ObjectURL, is_object_url
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.store import refuse_url
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.process.signals import DEFAULT_DEADLINE_S
+from lightning_mlopt.renamed import refuse_renamed
 
 # Flat argument of 0.1 -> its key now (under the callback: ``checkpoint.<new>`` in the CLI's YAML).
 RENAMED_KEYS: Mapping[str, str] = {
@@ -55,23 +56,17 @@ RENAMED_KEYS: Mapping[str, str] = {
 }
 
 
-def refuse_renamed(owner: str, given: Mapping[str, Any]) -> None:
-    """TypeError naming the new key of each flat 0.1 argument in ``given`` (or the unknown one, plainly).
+def refuse_flat_keys(given: Mapping[str, Any]) -> None:
+    """TypeError naming the new key of each flat 0.1 argument of FaultTolerantCheckpoint in ``given``.
 
     Example::
 
-        >>> refuse_renamed("FaultTolerantCheckpoint", {"keep_last": 5})
+        >>> refuse_flat_keys({"keep_last": 5})
         Traceback (most recent call last):
         ...
         TypeError: FaultTolerantCheckpoint: keep_last is now keep.last (e.g. keep=Keep(last=...); YAML: keep: ...
     """
-    for old in given:
-        new = RENAMED_KEYS.get(old)
-        if new is None:
-            raise TypeError(f"{owner}: unexpected argument {old!r}")
-        group, field = new.split(".")
-        example = f"{group}={_GROUP_CLASSES[group]}({field}=...)"
-        raise TypeError(f"{owner}: {old} is now {new} (e.g. {example}; YAML: {group}: {{{field}: ...}})")
+    refuse_renamed("FaultTolerantCheckpoint", given, RENAMED_KEYS, _GROUP_CLASSES)
 
 
 def configured(checkpoint: Any, key: str, default: Any = None) -> Any:

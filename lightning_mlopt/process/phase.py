@@ -13,7 +13,7 @@ callbacks' batch-end hooks), and ``checkpoint`` wherever a save runs. Outside a 
 ``restore`` (FaultTolerantCheckpoint finding, verifying and loading the checkpoint a run resumes from),
 ``validation`` (inside fit), and ``monitor`` (PerformanceMonitor's own work), which step-time figures leave out.
 The process also keeps the total time spent in each phase (:func:`totals`): the goodput ledger
-(``tracking/goodput_ledger.py``) reads it where the next batch's ``data`` begins, the only change it listens for.
+(``goodput/ledger.py``) reads it where the next batch's ``data`` begins, the only change it listens for.
 """
 
 from __future__ import annotations

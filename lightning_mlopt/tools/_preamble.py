@@ -1,7 +1,7 @@
 """What every tool subcommand shares: its argument parser, the ``fit`` command line it passes on, bad input.
 
 A tool (``plan``, ``checkpoint``, ``sweep``, ``slurm``, ``profile``) is a ``main(argv) -> int`` that the entry
-point dispatches before importing torch (``commands.py``). Bad input ends the same way in each: one line
+point dispatches before importing torch (``cli/commands.py``). Bad input ends the same way in each: one line
 ``error: ...`` naming the cause and the fix, and exit status 2, before anything is written.
 
 Example::

@@ -20,7 +20,7 @@ import torch
 
 from lightning_mlopt.checkpoint.layout import layout_of_folder
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
-from lightning_mlopt.checkpoint.object_store import ObjectURL, is_object_url
+from lightning_mlopt.checkpoint.remote.object_store import ObjectURL, is_object_url
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore, refuse_url
 from lightning_mlopt.checkpoint.trust import check_trusted
 from lightning_mlopt.exceptions import CheckpointInvalidError, ObjectStoreError, UntrustedCheckpointError

@@ -22,8 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from lightning_mlopt.checkpoint.manifest import Manifest
-from lightning_mlopt.checkpoint.object_store import ObjectStore, ObjectURL
-from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
+from lightning_mlopt.checkpoint.remote.object_store import ObjectStore, ObjectURL
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.exceptions import CheckpointInvalidError
 

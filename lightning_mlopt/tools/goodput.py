@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.goodput.report import CATEGORIES, GoodputReport, LedgerError, compute, read_ledger
 from lightning_mlopt.run_dir import GOODPUT_CHART_NAME, GOODPUT_LEDGER_NAME
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
-from lightning_mlopt.tracking.goodput_report import CATEGORIES, GoodputReport, LedgerError, compute, read_ledger
 
 
 def _parser() -> ToolArgumentParser:

@@ -139,7 +139,7 @@ def _check_options(options: argparse.Namespace) -> None:
 
 def _checked_config(fit_args: list[str], options: argparse.Namespace) -> dict[str, Any]:
     """The composed config, parsed and checked as ``fit`` would, and its trainer against the placement."""
-    from lightning_mlopt.cli import check_arguments
+    from lightning_mlopt.cli.entry import check_arguments
 
     config = check_arguments(fit_args).as_dict()
     trainer = config.get("trainer") or {}
@@ -201,7 +201,7 @@ def _resolved_config_text(fit_args: list[str]) -> str:
     It is what the pods run, so it is never edited; a config that holds a secret (a secret environment
     variable's value, credentials in a URL) is refused instead, pointing to ``--secret_env``.
     """
-    from lightning_mlopt.cli import print_config
+    from lightning_mlopt.cli.entry import print_config
 
     resolved = yaml.safe_load(print_config(fit_args))
     resolved.pop("run_dir", None)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt.commands import TRAINER_RUNS
+from lightning_mlopt.cli.commands import TRAINER_RUNS
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.process.grace import GRACE_ENV, graces_from_environment
 from lightning_mlopt.process.launch_report import DEADLINE_NAME, LAUNCHER_PID_ENV, REPORTS_ENV, read_reports

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt._bad_input import config_paths
-from lightning_mlopt.commands import command_line
+from lightning_mlopt.cli.bad_input import config_paths
+from lightning_mlopt.cli.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.run_dir import (
     CHECKPOINTS_DIR,
@@ -94,7 +94,7 @@ def main(argv: Sequence[str]) -> int:
         if options.steps < 2:
             raise BadInputError(f"--steps must be >= 2 (the first step is warm-up), got {options.steps}")
         counts = _process_counts(options.scaling)
-        from lightning_mlopt.cli import check_arguments
+        from lightning_mlopt.cli.entry import check_arguments
         from lightning_mlopt.run_dir import resolve_run_dir
 
         config = check_arguments(base_args).as_dict()

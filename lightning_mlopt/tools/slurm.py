@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt._bad_input import config_paths
 from lightning_mlopt.checkpoint.settings import configured
+from lightning_mlopt.cli.bad_input import config_paths
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
@@ -252,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt slurm``; returns the exit status (2 on bad input)."""
-    from lightning_mlopt.cli import check_arguments
+    from lightning_mlopt.cli.entry import check_arguments
 
     options, extra = _parser().parse_known_args(list(argv))
     fit_args = fit_arguments(options.config, extra)

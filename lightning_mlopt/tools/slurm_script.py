@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_mlopt.commands import command_line
+from lightning_mlopt.cli.commands import command_line
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.process.grace import GRACE_ENV
 from lightning_mlopt.run_dir import SBATCH_NAME

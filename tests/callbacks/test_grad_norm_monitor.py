@@ -12,7 +12,7 @@ import torch
 from lightning_mlopt.callbacks import GradNormMonitor
 from lightning_mlopt.callbacks.grad_norm_monitor import module_group
 from lightning_mlopt.demos import GPTLanguageModel
-from tests.strategy_runs import train
+from tests.support.strategy_runs import train
 
 MONITOR = [
     "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
@@ -23,7 +23,7 @@ MONITOR = [
 
 
 def _record(out: Path) -> tuple[str, ...]:
-    return ("--trainer.callbacks+=tests.helpers.RecordMonitor", f"--trainer.callbacks.out_dir={out}")
+    return ("--trainer.callbacks+=tests.support.helpers.RecordMonitor", f"--trainer.callbacks.out_dir={out}")
 
 
 def _reference(out: Path, start_params: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
@@ -67,8 +67,8 @@ def test_global_norm_equals_the_unsharded_reference(tmp_path, strategy):
 
 
 def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):
-    from tests.cli_args import fit_args
     from tests.conftest import run_cli
+    from tests.support.cli_args import fit_args
 
     out = tmp_path / "monitor"
     return run_cli(
@@ -76,12 +76,12 @@ def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):
             "--trainer.limit_val_batches=0",
             "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
             f"--trainer.callbacks.on_nonfinite={action}",
-            "--trainer.callbacks+=tests.helpers.InjectNonFinite",
+            "--trainer.callbacks+=tests.support.helpers.InjectNonFinite",
             "--trainer.callbacks.module=model.layers.1.mlp.0",
             "--trainer.callbacks.step=3",
             "--trainer.callbacks.ranks=[1]",
             *_record(out),
-            "--trainer.callbacks+=tests.helpers.RecordEverything",
+            "--trainer.callbacks+=tests.support.helpers.RecordEverything",
             f"--trainer.callbacks.out_dir={tmp_path / 'record'}",
             *extra,
             strategy="ddp",
@@ -146,7 +146,7 @@ def _spike_run(tmp_path: Path, **monitor: object) -> tuple[object, GradNormMonit
     import lightning.pytorch as pl
 
     from lightning_mlopt.demos import TokenDataModule
-    from tests.helpers import InjectNonFinite
+    from tests.support.helpers import InjectNonFinite
 
     pl.seed_everything(0)
     callback = GradNormMonitor(log_every_n_steps=1, spike_min_history=5, **monitor)  # type: ignore[arg-type]

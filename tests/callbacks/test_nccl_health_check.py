@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mlopt.callbacks import NCCLHealthCheck
+from lightning_mlopt.callbacks import NCCLHealthCheck, Watchdog
 from lightning_mlopt.callbacks.nccl_health_check import _missing_ranks
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.distributed.bandwidth import bus_bandwidth
@@ -36,7 +36,7 @@ HEALTH = ["--trainer.callbacks+=lightning_mlopt.callbacks.NCCLHealthCheck"]
 
 
 def _sleepy(**init_args: object) -> list[str]:
-    args = ["--model=tests.helpers.SleepyGPT"]
+    args = ["--model=tests.support.helpers.SleepyGPT"]
     return args + [f"--model.init_args.{key}={value}" for key, value in init_args.items()]
 
 
@@ -52,7 +52,7 @@ def test_hang_is_detected_dumped_and_every_process_exits(tmp_path):
             f"--run_dir={run_dir}",
             *_sleepy(sleep_rank=1, sleep_step=3, sleep_seconds=300),
             *HEALTH,
-            "--trainer.callbacks.hang_timeout=5",
+            "--trainer.callbacks.watchdog.timeout=5",
         ],
         cwd=tmp_path,
         timeout=200,
@@ -96,7 +96,7 @@ def test_torchrun_restarts_a_hung_job_and_it_resumes_to_completion(tmp_path):
             "--checkpoint.every_n_steps=2",
             *_sleepy(sleep_rank=1, sleep_step=5, sleep_seconds=300, only_first_attempt=True),
             *HEALTH,
-            "--trainer.callbacks.hang_timeout=5",
+            "--trainer.callbacks.watchdog.timeout=5",
         ]
         # Output to a file, not a pipe: a worker that outlives torchrun would hold a pipe open forever.
         log = run_dir.parent / f"{run_dir.name}.log"
@@ -133,14 +133,14 @@ def test_version_skew_and_a_straggler_are_reported_by_rank(tmp_path):
             "--trainer.devices=2",
             "--trainer.max_steps=4",
             f"--run_dir={tmp_path / 'run'}",
-            "--trainer.callbacks+=tests.helpers.FakeVersionOnRank",
+            "--trainer.callbacks+=tests.support.helpers.FakeVersionOnRank",
             "--trainer.callbacks.value=2.0.0",
-            "--trainer.callbacks+=tests.helpers.SlowRank",
+            "--trainer.callbacks+=tests.support.helpers.SlowRank",
             # Two ranks: the median is their mean, so rank 1 is 1.5x it only when rank 0's own forward takes under
             # a quarter of rank 1's; a full second keeps that true on a loaded CI machine.
             "--trainer.callbacks.seconds=1.0",
             *HEALTH,
-            "--trainer.callbacks.straggler_every_n_steps=2",
+            "--trainer.callbacks.stragglers.every_n_steps=2",
             "--trainer.callbacks.probe_mb=1",
         ],
         cwd=tmp_path,
@@ -161,7 +161,7 @@ def test_a_rank_missing_at_the_barrier_is_named(tmp_path):
             "--trainer.devices=2",
             "--trainer.max_steps=2",
             f"--run_dir={tmp_path / 'run'}",
-            "--trainer.callbacks+=tests.helpers.LateToSetup",
+            "--trainer.callbacks+=tests.support.helpers.LateToSetup",
             "--trainer.callbacks.seconds=12",
             *HEALTH,
             "--trainer.callbacks.barrier_timeout=3",
@@ -195,8 +195,12 @@ def test_fingerprint_mismatch_lines_name_ranks_and_hosts():
 def test_missing_ranks_parsing_and_validation():
     assert _missing_ranks("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 3000 ms", 4, 0) == [1, 3]
     assert _missing_ranks("Rank 2 failed to pass monitoredBarrier", 4, 0) == [2]
-    with pytest.raises(ValueError, match="hang_timeout must be > 0"):
-        NCCLHealthCheck(hang_timeout=0)
+    with pytest.raises(ValueError, match=r"watchdog\.timeout must be > 0"):
+        NCCLHealthCheck(watchdog=Watchdog(timeout=0))
+    with pytest.raises(TypeError, match=r"hang_timeout is now watchdog\.timeout"):
+        NCCLHealthCheck(hang_timeout=5)
+    with pytest.raises(TypeError, match=r"straggler_factor is now stragglers\.factor"):
+        NCCLHealthCheck(straggler_factor=2.0)
     with pytest.raises(ValueError, match="on_mismatch must be warn or error"):
         NCCLHealthCheck(on_mismatch="ignore")  # type: ignore[arg-type]
 

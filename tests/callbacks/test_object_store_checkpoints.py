@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from lightning_mlopt.checkpoint import CheckpointStore
-from lightning_mlopt.checkpoint.object_store import ObjectStore
-from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
+from lightning_mlopt.checkpoint.remote.object_store import ObjectStore
 from lightning_mlopt.cli import main
 from lightning_mlopt.tools.checkpoint import main as checkpoint_tool
 from tests.conftest import CONFIGS
-from tests.s3_server import SECRET_KEY, FaultyProxy, free_port
+from tests.support.s3_server import SECRET_KEY, FaultyProxy, free_port
 
 QUICK = [
     "--trainer.limit_val_batches=0",

@@ -17,8 +17,8 @@ from lightning_mlopt.perf.flops import TrainingFlopCounter, transformer_training
 from lightning_mlopt.perf.peaks import matmul_precision, measure_peak_flops, published_peak_flops
 from lightning_mlopt.perf.phase_clock import PhaseClock
 from lightning_mlopt.process.phase import phase, set_phase
-from tests.cli_args import fit_args
 from tests.conftest import failure_report, run_cli
+from tests.support.cli_args import fit_args
 
 
 def test_gpt_flop_count_matches_the_transformer_formula_within_2_percent():
@@ -134,7 +134,7 @@ def test_two_ranks_input_stall_slowest_rank_trace_and_summary(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli(
         fit_args(
-            "--data=tests.helpers.SlowCollateTokens",
+            "--data=tests.support.helpers.SlowCollateTokens",
             "--data.collate_sleep_s=0.05",
             "--data.slow_ranks=[1]",
             "--model.n_layer=1",
@@ -142,7 +142,7 @@ def test_two_ranks_input_stall_slowest_rank_trace_and_summary(tmp_path):
             "--trainer.limit_val_batches=0",
             "--trainer.num_sanity_val_steps=0",
             "--trainer.log_every_n_steps=5",
-            "--trainer.callbacks+=tests.helpers.SlowRank",
+            "--trainer.callbacks+=tests.support.helpers.SlowRank",
             "--trainer.callbacks.rank=0",
             "--trainer.callbacks.seconds=0.03",
             "--performance.profile_steps=[4,6]",

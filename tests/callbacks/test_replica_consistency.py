@@ -10,8 +10,8 @@ from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.bit_hash import bit_hash
 from lightning_mlopt.diagnosis.replicas import describe, disagreements
 from lightning_mlopt.exceptions import BadInputError
-from tests.cli_args import fit_args
 from tests.conftest import failure_report, run_cli
+from tests.support.cli_args import fit_args
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

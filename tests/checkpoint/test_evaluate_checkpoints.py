@@ -1,6 +1,6 @@
 """validate / test / predict from our checkpoints: a step folder, a checkpoints folder, ``last``; every strategy.
 
-The model is a user's (tests.helpers.ThirdPartyLM: its own dataloaders, no datamodule), not one of our demos.
+The model is a user's (tests.support.helpers.ThirdPartyLM: its own dataloaders, no datamodule), not one of our demos.
 """
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
-from tests.cli_args import QUIET
 from tests.conftest import failure_report, run_cli
+from tests.support.cli_args import QUIET
 
 
 def _run(tmp_path, subcommand: str, strategy: str, *extra: str):  # type: ignore[no-untyped-def]
     return run_cli(
         [
             subcommand,
-            "--model=tests.helpers.ThirdPartyLM",
+            "--model=tests.support.helpers.ThirdPartyLM",
             f"--trainer.strategy={strategy}",  # a short name: the overlays name our demo's block classes
             "--trainer.accelerator=cpu",
             "--trainer.devices=2",

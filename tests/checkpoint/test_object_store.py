@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from lightning_mlopt.checkpoint.checksum import digest_of
-from lightning_mlopt.checkpoint.object_store import ObjectStore, ObjectURL
+from lightning_mlopt.checkpoint.remote.object_store import ObjectStore, ObjectURL
 from lightning_mlopt.exceptions import ConcurrentWriterError, ObjectStoreError
-from tests.s3_server import SECRET_KEY, FaultyProxy, MotoServer, free_port
+from tests.support.s3_server import SECRET_KEY, FaultyProxy, MotoServer, free_port
 
 MiB = 2**20
 ATTEMPTS = 3  # botocore's back-off doubles: 3 attempts keep each failing test to seconds

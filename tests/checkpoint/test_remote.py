@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, describe_files, verify
-from lightning_mlopt.checkpoint.object_store import ObjectStore
-from lightning_mlopt.checkpoint.remote import RemoteCheckpoints, data_folder
+from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints, data_folder
+from lightning_mlopt.checkpoint.remote.object_store import ObjectStore
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.exceptions import ConcurrentWriterError
@@ -156,7 +156,7 @@ def test_a_step_saved_again_while_it_is_copied_ends_with_the_newer_save_committe
     # The final save right after a periodic one of the same step: the local folder is committed anew while the
     # replicator streams the older files (the torture's kill trials met it). Not a failure: the newer save is
     # copied, and the store ends with it.
-    from lightning_mlopt.checkpoint.replicator import Replicator
+    from lightning_mlopt.checkpoint.remote.replicator import Replicator
 
     local = _local_checkpoint(tmp_path / "node", step=12, state_bytes=9 * MiB)
     remote = _remote(s3_bucket)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mlopt.checkpoint.replicator import Replicator
+from lightning_mlopt.checkpoint.remote.replicator import Replicator
 from lightning_mlopt.exceptions import ObjectStoreError
 
 
@@ -83,7 +83,7 @@ def test_a_failing_store_beside_a_local_tier_is_said_once_until_it_works_again(c
     remote = RecordingRemote()
     remote.failing = True
     replicator = Replicator(remote, must_succeed=False)  # type: ignore[arg-type]
-    with caplog.at_level(logging.INFO, logger="lightning_mlopt.checkpoint.replicator"):
+    with caplog.at_level(logging.INFO, logger="lightning_mlopt.checkpoint.remote.replicator"):
         for step in (2, 4, 6):
             replicator.offer(Path(f"step-{step:09d}"), step)
             replicator.flush(timeout=10)

@@ -7,8 +7,8 @@ import torch
 
 from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.rerun import capture_torch_rng, classify, rerun_step
-from tests.cli_args import QUIET, fit_args
 from tests.conftest import failure_report, run_cli
+from tests.support.cli_args import QUIET, fit_args
 
 NAN = float("nan")
 
@@ -99,7 +99,7 @@ def test_a_one_time_nan_is_transient_and_skip_trains_on(tmp_path):
 @pytest.mark.multiprocess
 def test_a_nan_from_a_bad_sample_is_reproducible(tmp_path):
     config = tmp_path / "bad_sample.yaml"
-    config.write_text("model:\n  class_path: tests.helpers.NaNSampleRegression\n")
+    config.write_text("model:\n  class_path: tests.support.helpers.NaNSampleRegression\n")
     arguments = ["fit", "--config", str(config), "--trainer.accelerator=cpu", "--trainer.devices=2"]
     arguments += ["--trainer.max_steps=8", f"--run_dir={tmp_path / 'run'}", *QUIET]
     arguments += ["--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor"]

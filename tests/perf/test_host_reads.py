@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_args import fit_args
 from tests.conftest import failure_report, run_cli
+from tests.support.cli_args import fit_args
 
 STEPS = 10
 LOG_EVERY = 5

@@ -1,5 +1,5 @@
 """Cloud preemption notices, polled from a metadata server on loopback that speaks the AWS (IMDSv2 token
-included) and GCE protocols (tests/metadata_server.py), and raised as the preemption flag with the notice's
+included) and GCE protocols (tests/support/metadata_server.py), and raised as the preemption flag with the notice's
 deadline."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from lightning_mlopt.process import notices
 from lightning_mlopt.process.notices import NoticePoller, PreemptionNotices, providers_for
 from lightning_mlopt.process.signals import PreemptionSignals
-from tests.metadata_server import FakeMetadataServer
+from tests.support.metadata_server import FakeMetadataServer
 
 
 @pytest.fixture

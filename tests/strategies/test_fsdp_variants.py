@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.strategy_runs import train
+from tests.support.strategy_runs import train
 
 STEPS = 4
 

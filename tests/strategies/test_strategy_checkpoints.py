@@ -9,7 +9,7 @@ import torch
 
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from tests.conftest import SHARED_RUN_STEPS
-from tests.strategy_runs import train
+from tests.support.strategy_runs import train
 
 
 def _saved_checkpoint(run_dir: Path, step: int) -> Path:

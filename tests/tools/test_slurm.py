@@ -11,8 +11,8 @@ from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.tools.slurm import check_task_count, time_limit_seconds
 from tests.conftest import CONFIGS, run_cli, run_tool_here
-from tests.slurm_cluster import missing_requirement
-from tests.slurm_standins import slurm_environment
+from tests.support.slurm_cluster import missing_requirement
+from tests.support.slurm_standins import slurm_environment
 
 
 def test_time_limits_and_task_counts():
@@ -184,7 +184,7 @@ def test_the_generated_script_saves_on_the_signal_requeues_and_the_requeued_job_
             "--trainer.num_sanity_val_steps=0",
             "--trainer.enable_progress_bar=false",
             "--checkpoint.every_n_steps=2",
-            "--trainer.callbacks+=tests.helpers.Pace",
+            "--trainer.callbacks+=tests.support.helpers.Pace",
             f"--trainer.callbacks.out_dir={tmp_path / 'pace'}",
             "--trainer.callbacks.seconds_per_step=0.3",
         ],

@@ -16,7 +16,7 @@ import pytest
 
 from lightning_mlopt.checkpoint import CheckpointStore
 from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
-from tests.slurm_cluster import SlurmCluster, missing_requirement
+from tests.support.slurm_cluster import SlurmCluster, missing_requirement
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
@@ -142,7 +142,7 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path):
     script = _write_script(
         tmp_path,
         "--trainer.max_steps=100000",
-        "--trainer.callbacks+=tests.helpers.Pace",
+        "--trainer.callbacks+=tests.support.helpers.Pace",
         f"--trainer.callbacks.out_dir={tmp_path / 'pace'}",
         "--trainer.callbacks.seconds_per_step=0.2",
         time_limit="00:02:00",

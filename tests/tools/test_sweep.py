@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mlopt.cli import check_arguments
+from lightning_mlopt.cli.entry import check_arguments
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.tools.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
 from tests.conftest import CONFIGS, run_cli, run_tool_here
-from tests.slurm_cluster import missing_requirement
-from tests.slurm_standins import slurm_environment
+from tests.support.slurm_cluster import missing_requirement
+from tests.support.slurm_standins import slurm_environment
 
 BASE = ["--config", str(CONFIGS / "quickstart.yaml")]
 
@@ -108,7 +108,9 @@ def test_a_key_written_as_another_tool_names_it_is_named_in_the_sweep_file_with_
 def _small_model_config(tmp_path: Path) -> list[str]:
     """A user's model (train_loss and val_loss, its own dataloaders) that fits in seconds."""
     path = tmp_path / "lm.yaml"
-    path.write_text("trainer: {accelerator: cpu, devices: 1}\nmodel: {class_path: tests.helpers.ThirdPartyLM}\n")
+    path.write_text(
+        "trainer: {accelerator: cpu, devices: 1}\nmodel: {class_path: tests.support.helpers.ThirdPartyLM}\n"
+    )
     return ["--config", str(path)]
 
 
@@ -205,7 +207,7 @@ def test_local_grid_on_two_process_trials_ranks_results_and_every_rank_gets_the_
         "--trainer.limit_val_batches=1",
         "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_progress_bar=false",
-        "--trainer.callbacks+=tests.helpers.RecordHyperparameters",
+        "--trainer.callbacks+=tests.support.helpers.RecordHyperparameters",
     ]
     result = run_cli(args, cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -277,7 +279,7 @@ def test_a_sweep_as_a_slurm_job_array_runs_one_trial_per_array_task_and_the_resu
         "--trainer.limit_val_batches=1",
         "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_progress_bar=false",
-        "--trainer.callbacks+=tests.helpers.RecordHyperparameters",
+        "--trainer.callbacks+=tests.support.helpers.RecordHyperparameters",
     ]
     sweep_args = ["sweep", *BASE, "--sweep", str(sweep), "--sweep_dir=sweep", *fit_args]
     emitted = run_cli(

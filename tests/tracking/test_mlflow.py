@@ -1,6 +1,6 @@
 """MLflowTracker: the outbox's survival rule, a plain Trainer on the local store, and a real `mlflow server` on
 loopback that the run outlives (a server stopped mid-run). A 2-process job killed with SIGKILL twice and requeued
-on SIGTERM, tracked on such a server, is tests/tracking/test_goodput.py's requeued job."""
+on SIGTERM, tracked on such a server, is tests/goodput/test_goodput.py's requeued job."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.tracking import MLflowTracker
 from lightning_mlopt.tracking.outbox import Outbox
 from tests.conftest import CONFIGS, failure_report, start_cli
-from tests.helpers import ThirdPartyLM
-from tests.mlflow_server import MLflowServer
+from tests.support.helpers import ThirdPartyLM
+from tests.support.mlflow_server import MLflowServer
 
 MLFLOW = ["--config", str(CONFIGS / "trackers" / "mlflow.yaml")]
 
@@ -164,7 +164,7 @@ def test_a_recorded_run_the_store_does_not_have_is_replaced_by_a_new_one_and_sai
 def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, max_steps: int) -> list[str]:
     return [
         "fit",
-        "--model=tests.helpers.ThirdPartyLM",
+        "--model=tests.support.helpers.ThirdPartyLM",
         *MLFLOW,
         f"--trainer.logger.init_args.tracking_uri={server.uri}",
         "--trainer.logger.init_args.experiment_name=kills",
@@ -178,10 +178,10 @@ def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, max_steps: int) -
         "--trainer.log_every_n_steps=1",
         "--trainer.enable_progress_bar=false",
         "--checkpoint.every_n_steps=5",
-        "--trainer.callbacks+=tests.helpers.Pace",
+        "--trainer.callbacks+=tests.support.helpers.Pace",
         f"--trainer.callbacks.out_dir={pace}",
         "--trainer.callbacks.seconds_per_step=0.2",
-        "--trainer.callbacks+=tests.helpers.LogLaunch",
+        "--trainer.callbacks+=tests.support.helpers.LogLaunch",
         f"--run_dir={run_dir}",
     ]
 

@@ -20,7 +20,7 @@ from lightning_mlopt.redaction import REDACTED, is_secret_name, redact, secret_v
 from lightning_mlopt.tracking import WandbTracker
 from lightning_mlopt.tracking.provenance import git_state
 from tests.conftest import CONFIGS, SMOKE, run_cli, start_cli
-from tests.wandb_records import summary_of
+from tests.support.wandb_records import summary_of
 
 QUICK = ["fit", "--config", str(CONFIGS / "quickstart.yaml")]
 WANDB = ["--config", str(CONFIGS / "trackers" / "wandb.yaml")]
@@ -287,7 +287,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
     pace = tmp_path / "pace"
     args = [
         "fit",
-        "--model=tests.helpers.ThirdPartyLM",  # a user's model with its own dataloaders
+        "--model=tests.support.helpers.ThirdPartyLM",  # a user's model with its own dataloaders
         *WANDB,
         "--trainer.max_steps=16",
         "--trainer.max_epochs=-1",
@@ -295,7 +295,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
         "--trainer.log_every_n_steps=1",
         "--checkpoint.every_n_steps=5",
         "--trainer.logger.init_args.upload_checkpoints=true",
-        "--trainer.callbacks+=tests.helpers.Pace",
+        "--trainer.callbacks+=tests.support.helpers.Pace",
         f"--trainer.callbacks.out_dir={pace}",
         "--trainer.callbacks.seconds_per_step=0.2",
         f"--run_dir={run_dir}",
@@ -322,7 +322,7 @@ def test_wandb_logs_each_checkpoint_once_and_its_closing_lines_carry_no_colour_c
     result = run_cli(
         [
             "fit",
-            "--model=tests.helpers.ThirdPartyLM",
+            "--model=tests.support.helpers.ThirdPartyLM",
             *WANDB,
             "--trainer.max_steps=4",
             "--trainer.max_epochs=-1",

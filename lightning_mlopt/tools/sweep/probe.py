@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_mlopt.commands import command_line
+from lightning_mlopt.cli.commands import command_line
 from lightning_mlopt.process.child import child_fit_env, run_forwarding_signals
 from lightning_mlopt.tools.sweep.results import logged_metrics
 from lightning_mlopt.tools.sweep.spec import Trial, trial_arguments

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_mlopt.commands import command_line
+from lightning_mlopt.cli.commands import command_line
 from lightning_mlopt.process.child import child_fit_env, run_forwarding_signals
 from lightning_mlopt.tools.sweep.results import TrialResult, read_metric, trial_name
 from lightning_mlopt.tools.sweep.spec import SweepSpec, Trial, describe_trial, trial_arguments

@@ -184,8 +184,8 @@ def check_trials(base_args: Sequence[str], spec: SweepSpec, trials: Sequence[Tri
         BadInputError: naming the base config, the swept key or the trial, with the parser's reason.
 
     """
-    from lightning_mlopt._bad_input import without_where
-    from lightning_mlopt.cli import check_arguments
+    from lightning_mlopt.cli.bad_input import without_where
+    from lightning_mlopt.cli.entry import check_arguments
 
     try:
         check_arguments(base_args)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt.commands import command_line
+from lightning_mlopt.cli.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.tools.sweep.results import collect_run_dirs, results_table, write_results
 from lightning_mlopt.tools.sweep.spec import SweepSpec

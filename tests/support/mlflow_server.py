@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.s3_server import free_port
+from tests.support.s3_server import free_port
 
 
 class MLflowServer:

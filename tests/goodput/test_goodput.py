@@ -17,14 +17,14 @@ import pytest
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.cli import main
+from lightning_mlopt.goodput.append_log import AppendLog
+from lightning_mlopt.goodput.ledger import GoodputLedger, process_start_time
+from lightning_mlopt.goodput.report import KEYS, LedgerError, compute, read_ledger
 from lightning_mlopt.process import launch_report
 from lightning_mlopt.process.phase import set_phase
 from lightning_mlopt.tools import goodput as tool
-from lightning_mlopt.tracking._append_log import AppendLog
-from lightning_mlopt.tracking.goodput_ledger import GoodputLedger, process_start_time
-from lightning_mlopt.tracking.goodput_report import KEYS, LedgerError, compute, read_ledger
-from tests.cli_args import fit_args
 from tests.conftest import CONFIGS, run_cli, start_cli
+from tests.support.cli_args import fit_args
 
 
 def _launch(start: float, process_start: float) -> dict:
@@ -175,8 +175,8 @@ def _fill(folder: Path) -> None:
 def test_a_disk_that_fills_mid_run_stops_the_ledger_once_and_never_training(tmpfs, tmp_path, monkeypatch):
     import lightning.pytorch as pl
 
-    from lightning_mlopt.tracking import _append_log
-    from tests.helpers import ThirdPartyLM
+    from lightning_mlopt.goodput import append_log as _append_log
+    from tests.support.helpers import ThirdPartyLM
 
     disk = tmpfs("ledger", size="1m")
     # Reserve a page at a time (not 1 MiB), so that the ledger needs new blocks within a 40-step run.
@@ -355,7 +355,7 @@ def _command(
         f"--trainer.callbacks.hold_at={'null' if hold_at is None else hold_at}",
         f"--trainer.callbacks.hold_s={hold_s}",
         "--trainer.callbacks.pace_s=0.1",
-        "--trainer.callbacks+=tests.helpers.LogLaunch",  # each step's row names the launch that computed it
+        "--trainer.callbacks+=tests.support.helpers.LogLaunch",  # each step's row names the launch that computed it
         strategy="ddp",
         steps=MAX_STEPS,
         run_dir=run_dir,

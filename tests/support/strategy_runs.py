@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from tests.cli_args import fit_args
 from tests.conftest import failure_report, run_cli
-from tests.helpers import read_records
+from tests.support.cli_args import fit_args
+from tests.support.helpers import read_records
 
 
 class TrainedRun(NamedTuple):
@@ -34,7 +34,7 @@ def train(
         fit_args(
             "--trainer.limit_val_batches=0",
             "--trainer.num_sanity_val_steps=0",
-            "--trainer.callbacks+=tests.helpers.RecordEverything",
+            "--trainer.callbacks+=tests.support.helpers.RecordEverything",
             f"--trainer.callbacks.out_dir={out}",
             *extra,
             strategy=strategy,

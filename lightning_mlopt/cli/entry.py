@@ -25,12 +25,14 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_mlopt import strategies
-from lightning_mlopt._bad_input import check_config_files, config_paths, explain_parser_error
 from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subcommand_parsers
-from lightning_mlopt._quiet import silence_known_noise
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor, ThroughputProgressBar
+from lightning_mlopt.callbacks.health_settings import RENAMED_KEYS as HEALTH_RENAMED_KEYS
 from lightning_mlopt.checkpoint.settings import RENAMED_KEYS
-from lightning_mlopt.cli_support import (
+from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error
+from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, tools_help
+from lightning_mlopt.cli.quiet import silence_known_noise
+from lightning_mlopt.cli.support import (
     MeasuredModelSummary,
     RunFinished,
     SaveResolvedConfig,
@@ -43,8 +45,8 @@ from lightning_mlopt.cli_support import (
     unused_model_arguments,
     write_final_metrics,
 )
-from lightning_mlopt.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, StoppedTogether
+from lightning_mlopt.goodput.ledger import GoodputLedger
 from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
 from lightning_mlopt.process.notices import PreemptionNotices
@@ -52,13 +54,16 @@ from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_T
 from lightning_mlopt.run_dir import CONFIG_NAME, DEFAULT_RUNS_ROOT, resolve_run_dir
 from lightning_mlopt.strategies.contract import contract_of
 from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
-from lightning_mlopt.tracking.goodput_ledger import GoodputLedger
 
 DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
 RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 # Keys of 0.1 that 0.2 grouped: named with their new key, not guessed at.
-RENAMED = {f"checkpoint.{old}": f"checkpoint.{new}" for old, new in RENAMED_KEYS.items()}
+RENAMED = {
+    **{f"checkpoint.{old}": f"checkpoint.{new}" for old, new in RENAMED_KEYS.items()},
+    **{f"FaultTolerantCheckpoint.{old}": new for old, new in RENAMED_KEYS.items()},
+    **{f"NCCLHealthCheck.{old}": new for old, new in HEALTH_RENAMED_KEYS.items()},
+}
 
 
 class _Parser(LightningArgumentParser):

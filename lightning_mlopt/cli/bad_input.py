@@ -27,6 +27,7 @@ _CLASS = re.compile(r"<class '([\w.]+)'>")
 _UNKNOWN = re.compile(r"(?:does not accept option|unrecognized arguments:)\s+'?-*([\w.]+)")
 _NOT_ACCEPTED = re.compile(r"Option '(\w+)' is not accepted")
 _BAD_CLASS = re.compile(r"Problem with given class_path '([\w.]+)'")
+_RENAMED_LINE = re.compile(r"\bis now \S+ \(renamed in 0\.2; see CHANGELOG\.md\)")
 _WHERE = re.compile(r" \(set (?:in [^)]*|on the command line)\)")
 # Names other tools give a setting (the Hugging Face Trainer, Keras, hand-written scripts): an unknown key that
 # is one of them is offered our key that means the same, e.g. `learning_rate` -> `model.init_args.lr`.
@@ -106,7 +107,8 @@ def explain_parser_error(
 ) -> str:
     """Shorten a jsonargparse error and add what fixes it: where the key was set and the valid choices.
 
-    ``renamed``: keys of an earlier release -> the key that replaced them, named instead of a guess.
+    ``renamed``: keys of an earlier release -> the key that replaced them, named instead of a guess: dotted
+    config keys (``checkpoint.keep_last``) and a class's init arguments (``NCCLHealthCheck.hang_timeout``).
     """
     known = list(known_keys)
     kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
@@ -132,13 +134,24 @@ def explain_parser_error(
         if bad_class and section in DEMO_CLASSES:
             lines.append(f"valid class_path values include: {', '.join(DEMO_CLASSES[section])}")
         not_accepted = _NOT_ACCEPTED.search(message)
-        if not_accepted and section:
+        moved = [
+            f"{key.rsplit('.', 1)[0]}: {not_accepted.group(1)} is now {new} (renamed in 0.2; see CHANGELOG.md)"
+            for key, new in (renamed or {}).items()
+            if not_accepted and key.endswith(f".{not_accepted.group(1)}") and key[:1].isupper()
+        ]
+        if moved:  # an init argument of one of our classes that a settings group replaced
+            lines = [lines[0], *moved] if key else moved
+        elif not_accepted and section:
             accepted = _accepted_arguments(_class_path_of(section, argv))
             close = difflib.get_close_matches(not_accepted.group(1), accepted, n=3, cutoff=0.6)
             if close:
                 lines.append(f"did you mean: {', '.join(f'{section}.init_args.{name}' for name in close)}?")
             if accepted:
                 lines.append(f"valid keys under {section}.init_args: {', '.join(accepted)}")
+    # A nested parser named the renamed key already: that line is the cause, the union's other tries are noise.
+    explained = list(dict.fromkeys(line.strip().removeprefix("- ") for line in lines if _RENAMED_LINE.search(line)))
+    if explained and not _RENAMED_LINE.search(lines[0]):
+        lines = [lines[0], *(f"  {line}" for line in explained)]
     if len(lines) > MAX_LINES:
         lines = [*lines[: MAX_LINES - 1], "..."]
     return "\n".join(line.rstrip() for line in lines)

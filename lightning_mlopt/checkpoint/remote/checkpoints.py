@@ -37,7 +37,7 @@ from pathlib import Path
 import xxhash
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
-from lightning_mlopt.checkpoint.object_store import ObjectStore
+from lightning_mlopt.checkpoint.remote.object_store import ObjectStore
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.store import LATEST_NAME, CheckpointEntry, CheckpointStore
 from lightning_mlopt.exceptions import (

@@ -4,7 +4,7 @@ Standard library only: the entry point reads it before importing torch.
 
 Example::
 
-    python -m lightning_mlopt fit --config configs/quickstart.yaml   # a Trainer run (cli.py)
+    python -m lightning_mlopt fit --config configs/quickstart.yaml   # a Trainer run (cli/entry.py)
     python -m lightning_mlopt checkpoint verify runs/quickstart-1a2b3c4d    # a tool (its module's main)
 """
 

@@ -1,13 +1,13 @@
 """GoodputLedger: every launch of a run appends where its wall-clock time went to ``<run_dir>/goodput.jsonl``.
 
 One short JSON line per event, written by rank zero as a copy into a shared mapping of the file
-(``tracking/_append_log.py``): a line is in the page cache the moment the copy ends, so a SIGKILL a
+(``goodput/append_log.py``): a line is in the page cache the moment the copy ends, so a SIGKILL a
 microsecond later loses nothing written before it, and a step costs no system call. ``fsync`` runs only at
 rare events (the launch's start, each checkpoint commit, the end, the exit), never per step. No collective and
 no host-device synchronisation: the host clock (``time.time``) on rank zero times everything, from the phase
 changes the step already marks (``process/phase.py``).
 
-The events (``tracking/goodput_report.py`` reads them; ``python -m lightning_mlopt goodput RUN_DIR`` prints
+The events (``goodput/report.py`` reads them; ``python -m lightning_mlopt goodput RUN_DIR`` prints
 the report)::
 
     {"event": "launch", "time": T, "process_start": T0, "pid": 123, "world_size": 2}
@@ -40,11 +40,11 @@ from typing_extensions import override
 from lightning_mlopt._metrics import log_metrics
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.goodput.append_log import AppendLog, append_line
 from lightning_mlopt.hooks import checkpoint_events
 from lightning_mlopt.process import launch_report, phase
 from lightning_mlopt.process.signals import preemption
 from lightning_mlopt.run_dir import GOODPUT_LEDGER_NAME
-from lightning_mlopt.tracking._append_log import AppendLog, append_line
 
 # A step's own phases: what is left of its record's duration after data wait, checkpoint and "other" (any
 # other phase: validation, PerformanceMonitor's own work, setup).
@@ -209,7 +209,7 @@ class GoodputLedger(PhaseMarkers):
         with contextlib.suppress(OSError):
             log.close()
         if self.log_goodput and self.file is not None:
-            from lightning_mlopt.tracking.goodput_report import compute, read_ledger
+            from lightning_mlopt.goodput.report import compute, read_ledger
 
             with contextlib.suppress(Exception):  # a figure for the loggers must never end the run
                 log_metrics(trainer, compute(read_ledger(self.file)).metrics())

@@ -26,9 +26,9 @@ from lightning.pytorch.utilities.model_summary import get_formatted_model_size, 
 from typing_extensions import override
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
+from lightning_mlopt.checkpoint.remote.tiers import checkpoint_folder, store_url
 from lightning_mlopt.checkpoint.settings import configured
 from lightning_mlopt.checkpoint.store import CheckpointStore
-from lightning_mlopt.checkpoint.tiers import checkpoint_folder, store_url
 from lightning_mlopt.demos import OPTIMIZER_DEFAULTS
 from lightning_mlopt.hooks import DescribesOutputs, RunTracker, callbacks_with, loggers_with
 from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, PreemptionNotices, start_polling

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from lightning_mlopt.checkpoint.checksum import DEFAULT_ALGORITHM, new_hasher
 from lightning_mlopt.checkpoint.manifest import FileEntry
-from lightning_mlopt.checkpoint.s3_client import MAX_ATTEMPTS, make_client, translate_error
+from lightning_mlopt.checkpoint.remote.s3_client import MAX_ATTEMPTS, make_client, translate_error
 from lightning_mlopt.exceptions import MissingObjectError, ObjectStoreError
 
 SCHEMES = ("s3",)

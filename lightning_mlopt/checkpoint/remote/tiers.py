@@ -1,9 +1,10 @@
 """Where a run's checkpoints live: one folder, or a fast local tier and an object store behind it.
 
 With ``dirpath`` a folder, saves commit there. With ``dirpath: s3://bucket/prefix``, saves commit to a local
-folder (``tiers.local_dirpath``, else the run dir's) and a :class:`~lightning_mlopt.checkpoint.replicator.Replicator`
-copies them up; resume takes the newest checkpoint that verifies across both. These helpers check the
-store before training starts (the settings check themselves: ``settings.Tiers``).
+folder (``tiers.local_dirpath``, else the run dir's) and a
+:class:`~lightning_mlopt.checkpoint.remote.replicator.Replicator` copies them up; resume takes the newest
+checkpoint that verifies across both. These helpers reach the store before training starts (the settings check
+themselves: ``settings.Tiers``).
 
 Example::
 
@@ -16,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mlopt.checkpoint.errors import first_problem
-from lightning_mlopt.checkpoint.object_store import ObjectStore, is_object_url
-from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
-from lightning_mlopt.checkpoint.replicator import Replicator
+from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
+from lightning_mlopt.checkpoint.remote.object_store import ObjectStore, is_object_url
+from lightning_mlopt.checkpoint.remote.replicator import Replicator
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.settings import Tiers
 from lightning_mlopt.exceptions import CheckpointWriteError, ObjectStoreError

@@ -1,6 +1,6 @@
 """Goodput from a ledger: where every second from a run's first start to its end went, over all its launches.
 
-Reads ``goodput.jsonl`` (written by :class:`~lightning_mlopt.tracking.goodput_ledger.GoodputLedger`) and
+Reads ``goodput.jsonl`` (written by :class:`~lightning_mlopt.goodput.ledger.GoodputLedger`) and
 splits the wall-clock time into productive step time and badput by category. The categories follow
 ``ml-goodput-measurement``'s ``BadputType`` names, so figures compare:
 

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from lightning_mlopt.checkpoint.remote import RemoteCheckpoints
+from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
 from lightning_mlopt.exceptions import ObjectStoreError, SupersededCopyError
 from lightning_mlopt.process.exit import abandon_at_exit
 
