@@ -94,8 +94,6 @@ class MLOptCLI(LightningCLI):
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         self.run_dir: Path | None = None
-        # Settings groups document each field in a docstring under it (checkpoint.keep.last, ...): --help shows it.
-        set_parsing_settings(docstring_parse_attribute_docstrings=True)
         super().__init__(
             model_class=LightningModule,
             # No datamodule class: `data:` is optional (subclass mode), as in LightningCLI, so a model that
@@ -117,7 +115,14 @@ class MLOptCLI(LightningCLI):
                 action.help = f"{action.help or ''} With lightning_mlopt: {ours}, or auto (the memory planner)."
         # On by default: every `fit` gets crash-safe, auto-resuming checkpoints in <run_dir>/checkpoints,
         # configured under the top-level `checkpoint:` key.
-        parser.add_lightning_class_args(FaultTolerantCheckpoint, "checkpoint")
+        # Its settings groups document each field in a docstring under it (checkpoint.keep.last, ...), which
+        # --help shows. Reading attribute docstrings parses the source of every class introspected (~1 s a
+        # start for the Trainer, the model, the data), so it is on for this class alone.
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        try:
+            parser.add_lightning_class_args(FaultTolerantCheckpoint, "checkpoint")
+        finally:
+            set_parsing_settings(docstring_parse_attribute_docstrings=False)
         # On by default too: per-rank step-time breakdown, throughput, input stalls, MFU and memory under
         # `perf/*`, configured under the top-level `performance:` key.
         parser.add_lightning_class_args(PerformanceMonitor, "performance")
