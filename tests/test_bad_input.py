@@ -54,6 +54,7 @@ def test_wrong_type_names_key_and_value(tmp_path, monkeypatch, capsys):
     assert "expected" in message and "many" in message
 
 
+@pytest.mark.slow
 def test_unknown_strategy_lists_choices(tmp_path, monkeypatch, capsys):
     message = _fails(tmp_path, monkeypatch, capsys, "--trainer.strategy=dpp")
     assert "unknown strategy 'dpp'" in message
@@ -61,6 +62,7 @@ def test_unknown_strategy_lists_choices(tmp_path, monkeypatch, capsys):
     assert "ddp_powersgd" in message  # our names are listed
 
 
+@pytest.mark.slow
 def test_unknown_class_path_lists_choices(tmp_path, monkeypatch, capsys):
     name = _write(tmp_path, "model.yaml", "model:\n  class_path: lightning_mlopt.demos.NoSuchNet\n")
     message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
@@ -75,11 +77,13 @@ def test_unknown_model_argument_lists_valid_ones(tmp_path, monkeypatch, capsys):
     assert "depth, width, in_channels" in message
 
 
+@pytest.mark.slow
 def test_out_of_range_value_is_reported_by_the_constructor(tmp_path, monkeypatch, capsys):
     message = _fails(tmp_path, monkeypatch, capsys, "--model.init_args.depth=19")
     assert "depth must be one of [18, 34, 50, 101], got 19" in message
 
 
+@pytest.mark.slow
 def test_wrong_strategy_knob(tmp_path, monkeypatch, capsys):
     name = _write(
         tmp_path,
@@ -135,6 +139,7 @@ def test_fsdp_wrap_class_not_in_the_model(tmp_path, monkeypatch, capsys):
     assert "lightning_mlopt.demos.gpt.TransformerBlock" in message, "the model's classes are listed"
 
 
+@pytest.mark.slow
 def test_a_model_with_its_own_dataloaders_needs_no_data_section(tmp_path, monkeypatch, capsys):
     # Lightning's own BoringModel brings train/val dataloaders; LightningCLI accepts `data:` being absent.
     monkeypatch.chdir(tmp_path)
@@ -153,6 +158,7 @@ def test_a_model_with_its_own_dataloaders_needs_no_data_section(tmp_path, monkey
     assert (tmp_path / "run" / "checkpoints" / "step-000000002").is_dir()
 
 
+@pytest.mark.slow
 def test_reversed_profile_window_names_the_key(tmp_path, monkeypatch, capsys):
     message = _fails(tmp_path, monkeypatch, capsys, "--performance.profile_steps=[8,4]")
     assert "profile_steps must be [start, stop] with 0 <= start < stop, got [8, 4]" in message

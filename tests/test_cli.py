@@ -21,6 +21,7 @@ def _fit(*args: str) -> None:
     main(["fit", "--config", QUICKSTART, *SMOKE, *args])
 
 
+@pytest.mark.slow
 def test_run_dir_is_stable_across_relaunches_and_differs_between_configs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _fit()
@@ -34,6 +35,7 @@ def test_run_dir_is_stable_across_relaunches_and_differs_between_configs(tmp_pat
     assert yaml.safe_load((changed / "config.yaml").read_text())["model"]["init_args"]["lr"] == 0.01
 
 
+@pytest.mark.slow
 def test_run_dir_and_default_root_dir_are_honoured(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _fit("--run_dir=mine")
@@ -43,6 +45,7 @@ def test_run_dir_and_default_root_dir_are_honoured(tmp_path, monkeypatch):
     assert run.name.startswith("quickstart-")
 
 
+@pytest.mark.slow
 def test_validate_writes_its_own_config_next_to_fit(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _fit()
@@ -79,6 +82,7 @@ def test_print_config_prints_the_composed_config_and_writes_nothing(tmp_path, mo
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_our_loggers_may_be_named_by_class_name_alone(tmp_path):
     # A fresh process: lightning_mlopt.tracking imports its classes lazily, and the parser finds a short name only
     # among the classes imported (the CLI imports our loggers for that).
@@ -95,6 +99,7 @@ def test_fingerprint_ignores_launch_details_only():
     assert path.parent == Path("runs") and path.name.startswith("gpt-zero2-")
 
 
+@pytest.mark.slow
 def test_quickstart_learns_and_says_only_what_a_user_can_act_on(tmp_path):
     """The README's first command: the quickstart ends well above chance (0.10) and says so, without noise."""
     result = run_cli(["fit", "--config", QUICKSTART], cwd=tmp_path)
@@ -122,6 +127,7 @@ def test_without_a_subcommand_every_subcommand_is_named_and_help_lists_the_tools
     assert all(f"  {tool}" in out for tool in ("plan", "checkpoint", "sweep", "slurm")) and "{fit,validate" in out
 
 
+@pytest.mark.slow
 def test_relaunching_from_the_saved_or_printed_config_lands_in_the_same_run(tmp_path, monkeypatch, capsys, caplog):
     monkeypatch.chdir(tmp_path)
     # A user's own model and config file (no datamodule: the model brings its dataloaders).
@@ -200,6 +206,7 @@ def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path)
     assert [r["losses"] for r in records["auto"]] == [r["losses"] for r in records["ddp"]]
 
 
+@pytest.mark.slow
 def test_a_relaunch_of_a_finished_run_trains_nothing_and_makes_no_log_folder(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     _fit("--run_dir=run")
@@ -212,6 +219,7 @@ def test_a_relaunch_of_a_finished_run_trains_nothing_and_makes_no_log_folder(tmp
     assert (tmp_path / "run" / "metrics.json").read_text() == metrics
 
 
+@pytest.mark.slow
 def test_an_optimizer_and_scheduler_from_yaml_replace_a_demos_default_without_a_warning(
     tmp_path, monkeypatch, recwarn, capsys
 ):

@@ -28,6 +28,7 @@ def test_configs_exist():
 
 
 @pytest.mark.parametrize("config", BASE_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.slow
 def test_base_config_fits_two_steps(config: Path, tmp_path: Path, monkeypatch, capsys, recwarn):
     monkeypatch.chdir(tmp_path)
     main(["fit", "--config", str(config), "--trainer.accelerator=cpu", "--trainer.devices=1", *SMOKE])

@@ -184,12 +184,14 @@ def python_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, 
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=_ids(PYTHON))
+@pytest.mark.slow
 def test_python_block_runs(block: Block, python_results: tuple[dict[str, str | None], str]):
     results, output = python_results
     assert results[block.id] is None, f"{block.id} raised:\n{results[block.id]}\n--- output ---\n{output}"
 
 
 @pytest.mark.parametrize("block", BASH, ids=_ids(BASH))
+@pytest.mark.slow
 def test_bash_block_runs(block: Block, tmp_path: Path):
     shutil.copytree(CONFIGS, tmp_path / "configs")
     for other in BLOCKS:

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -21,6 +23,7 @@ def _table_rows(text: str) -> list[list[str]]:
     ][1:]
 
 
+@pytest.mark.slow
 def test_the_gpu_checklist_runs_every_section_on_cpu_in_smoke_mode(tmp_path):
     result = subprocess.run(
         [

@@ -65,6 +65,7 @@ def _implementers() -> dict[type, set[type]]:
     return classes
 
 
+@pytest.mark.slow
 def test_every_class_that_defines_a_hook_method_subclasses_its_protocol():
     missing = []
     for module, node in _classes():
@@ -145,6 +146,7 @@ def _walks_of_the_callback_list(tree: ast.AST) -> list[int]:
     return [it.lineno for it in iterables if isinstance(it, ast.Attribute) and it.attr == "callbacks"]
 
 
+@pytest.mark.slow
 def test_no_hook_is_found_by_name_and_no_callback_list_is_scanned_outside_hooks():
     by_name, scans = [], []
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -350,6 +350,7 @@ def _external_private_names(cls: type) -> set[str]:
     return names
 
 
+@pytest.mark.slow
 def test_no_class_of_ours_touches_a_base_class_private_name():
     """``self._x`` where ``_x`` belongs to a Lightning/torch base class: an override or a reach, both via _compat.
 

@@ -168,6 +168,7 @@ def _quickstart(tmp_path: Path, *extra: str) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, monkeypatch, capsys, damage):
     monkeypatch.chdir(tmp_path)
     _quickstart(tmp_path, "--trainer.max_steps=4")
@@ -185,6 +186,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, monk
     assert store.newest_valid().manifest.final
 
 
+@pytest.mark.slow
 def test_full_disk_gives_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, capsys, tmpfs):
     monkeypatch.chdir(tmp_path)
     disk = tmpfs("disk", size="12m")  # room for two quickstart checkpoints, not for a third
@@ -211,6 +213,7 @@ def test_full_disk_gives_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, m
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".staging")], "the failed save was removed"
 
 
+@pytest.mark.slow
 def test_unwritable_directory_gives_a_clear_error_before_training(tmp_path, monkeypatch, capsys, tmpfs):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a_file").write_text("not a folder")
@@ -278,6 +281,7 @@ def test_constructor_validates():
         FaultTolerantCheckpoint(keep_lasts=5)
 
 
+@pytest.mark.slow
 def test_time_trigger_saves_when_minutes_have_passed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # 0.0001 minutes = 6 ms: every step is due; the decision goes through the same collective path.
@@ -380,6 +384,7 @@ def test_a_background_write_that_fails_on_rank_1_only_ends_every_rank_and_commit
     verify(checkpoints / "step-000000002")
 
 
+@pytest.mark.slow
 def test_a_run_whose_final_save_was_lost_is_marked_final_on_relaunch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # What a kill during the final save leaves: the periodic checkpoint at max_steps, not marked final.
@@ -438,6 +443,7 @@ def _signalled_quickstart(tmp_path: Path, grace_s: float, save_s: float) -> tupl
     return stopped.value.code, "\n".join(str(warning.message) for warning in warned)
 
 
+@pytest.mark.slow
 def test_a_grace_too_short_for_a_save_exits_75_at_once_naming_the_checkpoint_to_resume(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     started = time.monotonic()
@@ -450,6 +456,7 @@ def test_a_grace_too_short_for_a_save_exits_75_at_once_naming_the_checkpoint_to_
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_a_grace_that_fits_the_save_saves_the_signalled_step(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, err = _signalled_quickstart(tmp_path, grace_s=20.0, save_s=0.5)
@@ -458,6 +465,7 @@ def test_a_grace_that_fits_the_save_saves_the_signalled_step(tmp_path, monkeypat
     assert newest is not None and newest.step == 5 and newest.manifest.reason == "signal"
 
 
+@pytest.mark.slow
 def test_a_background_save_that_cannot_finish_in_the_grace_is_abandoned_and_never_committed(tmp_path):
     command = [
         sys.executable,

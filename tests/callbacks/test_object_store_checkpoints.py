@@ -33,6 +33,7 @@ def _remote(url: str) -> RemoteCheckpoints:
     return RemoteCheckpoints(ObjectStore.for_url(url))
 
 
+@pytest.mark.slow
 def test_checkpoints_in_a_bucket_survive_the_loss_of_the_node(s3_bucket, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     url = f"s3://{s3_bucket}/runs/quickstart"
@@ -59,6 +60,7 @@ def test_checkpoints_in_a_bucket_survive_the_loss_of_the_node(s3_bucket, tmp_pat
     assert SECRET_KEY not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_store_that_fails_mid_upload_stops_the_run_in_one_line_with_earlier_commits_intact(
     moto_server, s3_bucket, tmp_path, monkeypatch, capsys
 ):
@@ -87,6 +89,7 @@ def test_a_store_that_fails_mid_upload_stops_the_run_in_one_line_with_earlier_co
     assert proxy.failed >= 1
 
 
+@pytest.mark.slow
 def test_an_unreachable_store_stops_before_training_unless_a_local_tier_is_set(
     s3_bucket, tmp_path, monkeypatch, capsys, caplog
 ):

@@ -46,6 +46,7 @@ def test_a_create_only_write_and_a_stale_compare_and_swap_are_refused(s3_bucket)
     assert store.get_bytes("missing") is None
 
 
+@pytest.mark.slow
 def test_a_multipart_upload_and_a_ranged_download_checksum_the_bytes_they_move(s3_bucket, tmp_path):
     store = _store(s3_bucket, part_bytes=5 * MiB, concurrency=3)
     source = _random_file(tmp_path / "state.ckpt", 17 * MiB + 123)  # 4 parts, the last one short
@@ -71,6 +72,7 @@ def test_a_store_without_checksums_gets_an_upload_that_declares_none(s3_bucket, 
     assert "ChecksumCRC32" not in head, head
 
 
+@pytest.mark.slow
 def test_an_upload_whose_connection_drops_mid_way_is_aborted_and_leaves_no_object(
     moto_server, s3_bucket, tmp_path, monkeypatch
 ):
@@ -90,6 +92,7 @@ def test_an_upload_whose_connection_drops_mid_way_is_aborted_and_leaves_no_objec
     assert behind.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []  # aborted
 
 
+@pytest.mark.slow
 def test_throttling_is_retried_with_back_off_then_reported_in_one_line(moto_server, s3_bucket, monkeypatch):
     calls = []
 
@@ -109,6 +112,7 @@ def test_throttling_is_retried_with_back_off_then_reported_in_one_line(moto_serv
     assert moto_server.client().get_object(Bucket=s3_bucket, Key="runs/a/k")["Body"].read() == b"v"
 
 
+@pytest.mark.slow
 def test_an_unreachable_endpoint_a_missing_bucket_and_no_credentials_each_end_in_one_line(
     moto_server, s3_bucket, monkeypatch
 ):
@@ -146,6 +150,7 @@ def test_stale_multipart_uploads_are_aborted_and_deletes_go_in_batches(moto_serv
     assert store.list_keys() == []
 
 
+@pytest.mark.slow
 def test_refused_credentials_end_in_one_line_that_holds_no_secret(monkeypatch):
     with MotoServer(check_credentials=True) as server:  # refuses keys it does not know, as S3 does
         for variable, value in server.environment().items():

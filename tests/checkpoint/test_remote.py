@@ -36,6 +36,7 @@ def _local_checkpoint(root: Path, step: int, state_bytes: int = 1000) -> Path:
     return store.commit(staging, manifest)
 
 
+@pytest.mark.slow
 def test_an_upload_commits_with_its_manifest_and_another_node_downloads_it_verified(s3_bucket, tmp_path):
     local = _local_checkpoint(tmp_path / "node-a", step=5, state_bytes=9 * MiB)  # above one part: multipart
     remote = _remote(s3_bucket)
@@ -58,6 +59,7 @@ def test_an_upload_commits_with_its_manifest_and_another_node_downloads_it_verif
     assert other_node.latest_name() == "step-000000005"
 
 
+@pytest.mark.slow
 def test_a_corrupted_or_half_written_remote_step_is_skipped_for_the_older_one(moto_server, s3_bucket, tmp_path, capsys):
     remote = _remote(s3_bucket)
     for step in (1, 2, 3):
@@ -92,6 +94,7 @@ def test_retention_deletes_older_steps_manifest_first_only_after_the_new_commit(
     assert not [key for key in remote.store.list_keys() if key.startswith("step-000000010/")]
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_prefix_stops_at_its_next_commit_in_one_line(s3_bucket, tmp_path):
     first, second = _remote(s3_bucket), _remote(s3_bucket)
     first.upload(_local_checkpoint(tmp_path / "a", 1))
@@ -106,6 +109,7 @@ def test_a_second_run_on_the_same_prefix_stops_at_its_next_commit_in_one_line(s3
     assert first.store.get_bytes("latest")[0] == b"step-000000002\n"  # the winner's pointer stands
 
 
+@pytest.mark.slow
 def test_two_writers_racing_on_one_step_exactly_one_commits(s3_bucket, tmp_path):
     writers = [_remote(s3_bucket) for _ in range(2)]
     checkpoints = [_local_checkpoint(tmp_path / name, 7, state_bytes=2 * MiB) for name in "ab"]
@@ -152,6 +156,7 @@ def test_one_step_saved_again_replaces_its_commit_and_re_uploading_a_commit_is_a
     assert entry is not None and (entry.path / "state.ckpt").read_bytes() == (final / "state.ckpt").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_step_saved_again_while_it_is_copied_ends_with_the_newer_save_committed(s3_bucket, tmp_path):
     # The final save right after a periodic one of the same step: the local folder is committed anew while the
     # replicator streams the older files (the torture's kill trials met it). Not a failure: the newer save is

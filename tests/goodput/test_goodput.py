@@ -172,6 +172,7 @@ def _fill(folder: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_mid_run_stops_the_ledger_once_and_never_training(tmpfs, tmp_path, monkeypatch):
     import lightning.pytorch as pl
 

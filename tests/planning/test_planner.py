@@ -73,6 +73,7 @@ def test_bad_input_exits_2_with_a_short_message(tmp_path, monkeypatch, args, mes
     assert len(result.stderr.strip().splitlines()) <= 15
 
 
+@pytest.mark.slow
 def test_plan_from_a_config_uses_the_meta_device_and_prints_json(tmp_path):
     result = run_cli(
         ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--world_size", "2", "--gpu_memory", "1GB", "--format", "json"],

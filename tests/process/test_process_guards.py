@@ -140,6 +140,7 @@ def _fit_command(run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_a_signal_during_start_up_is_remembered_then_saved_and_exits_75(tmp_path):
     # SLURM may send --signal=USR1@N while the process still imports torch and Lightning: it must not die
     # (exit 138 = killed by SIGUSR1), but save at the first step boundary and exit 75 to be requeued.
@@ -157,6 +158,7 @@ def test_a_signal_during_start_up_is_remembered_then_saved_and_exits_75(tmp_path
     assert entry is not None and entry.manifest.reason == "signal" and entry.step == 1
 
 
+@pytest.mark.slow
 def test_start_up_deadline_ends_a_run_whose_peer_never_comes(tmp_path):
     # World size 2 on one machine, but rank 1 is never started: rank 0 waits in the rendezvous.
     env = {

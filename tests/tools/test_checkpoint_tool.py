@@ -67,6 +67,7 @@ def test_consolidate_and_export_any_checkpoint(tmp_path, monkeypatch, strategy_r
         assert again.returncode == 2 and "not empty" in again.stderr
 
 
+@pytest.mark.slow
 def test_list_and_verify_report_validity_with_exit_status(tmp_path, monkeypatch):
     from tests.checkpoint.test_checkpoint_store import _commit
 

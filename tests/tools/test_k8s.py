@@ -232,6 +232,7 @@ def _k8s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[i
 
 
 @pytest.mark.parametrize("flavor", ["jobset", "trainjob", "pytorchjob"])
+@pytest.mark.slow
 def test_the_tool_writes_a_valid_manifest_from_the_same_yaml(tmp_path, monkeypatch, flavor):
     code, out, err = _k8s(
         tmp_path,

@@ -75,6 +75,7 @@ def test_gpt_demo_is_compute_bound(tmp_path):
     assert not (run_dir / "checkpoints").exists()  # measured runs keep to <run_dir>/profile/
 
 
+@pytest.mark.slow
 def test_slow_dataset_is_input_bound(tmp_path):
     slow_data = ["--data=tests.support.helpers.SlowCollateTokens", "--data.collate_sleep_s=0.05"]
     result = _profile(tmp_path, "--trainer.devices=1", *slow_data, "--model.n_layer=1", "--model.d_model=64")

@@ -70,6 +70,7 @@ def _refused_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parameters: s
     return sweep, result.stderr
 
 
+@pytest.mark.slow
 def test_a_typo_in_a_swept_key_fails_at_once_naming_it_and_nothing_is_created(tmp_path, monkeypatch):
     _, stderr = _refused_grid(
         tmp_path,
@@ -114,6 +115,7 @@ def _small_model_config(tmp_path: Path) -> list[str]:
     return ["--config", str(path)]
 
 
+@pytest.mark.slow
 def test_a_metric_the_model_never_logs_fails_before_any_trial_naming_what_it_logs(tmp_path):
     sweep = _sweep_file(
         tmp_path,
@@ -129,6 +131,7 @@ def test_a_metric_the_model_never_logs_fails_before_any_trial_naming_what_it_log
     assert not (tmp_path / "sweep").exists(), "no trial ran, nothing was written"
 
 
+@pytest.mark.slow
 def test_a_trial_that_ends_without_the_metric_stops_the_sweep_listing_what_it_logged(tmp_path):
     sweep = _sweep_file(
         tmp_path,
@@ -155,6 +158,7 @@ def test_a_trial_that_ends_without_the_metric_stops_the_sweep_listing_what_it_lo
     assert not (tmp_path / "sweep" / "trial-001").exists(), "the second trial would log the same names"
 
 
+@pytest.mark.slow
 def test_slurm_needs_an_allocation_and_a_dry_run_shows_the_script_without_writing_it(tmp_path, monkeypatch):
     sweep = _sweep_file(
         tmp_path,
@@ -234,6 +238,7 @@ def test_local_grid_on_two_process_trials_ranks_results_and_every_rank_gets_the_
     assert again.returncode == 0 and again.stdout.count(": done earlier") == 2
 
 
+@pytest.mark.slow
 def test_wandb_mode_needs_a_key_and_its_agent_command_is_our_cli(tmp_path, monkeypatch):
     sweep = _sweep_file(
         tmp_path,

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Resume
 from lightning_mlopt.checkpoint import CheckpointStore
@@ -94,6 +95,7 @@ def test_outbox_rewrites_a_file_of_done_records_and_keeps_what_matters(tmp_path,
 # ---------------------------------------------------------------------- a plain Trainer, the local store
 
 
+@pytest.mark.slow
 def test_plain_trainer_logs_to_a_local_store_and_a_relaunch_continues_the_run(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
@@ -146,6 +148,7 @@ def test_plain_trainer_logs_to_a_local_store_and_a_relaunch_continues_the_run(tm
     assert any(key.endswith("/cpu_utilization_percentage") for key in system), system
 
 
+@pytest.mark.slow
 def test_a_recorded_run_the_store_does_not_have_is_replaced_by_a_new_one_and_said(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     logger = MLflowTracker(save_dir=str(tmp_path), run_id="0123456789abcdef", system_metrics_every_s=None)
@@ -200,6 +203,7 @@ def _wait_for(path: Path, job: subprocess.Popen[bytes], timeout: float = 240.0) 
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_server_stopped_mid_run_never_stops_training_and_gets_the_metrics_when_back(tmp_path, mlflow_server):
     run_dir, pace, log = tmp_path / "run", tmp_path / "pace", tmp_path / "launch.log"
     args = _fit_args(run_dir, pace, mlflow_server, max_steps=30)

@@ -206,6 +206,7 @@ def test_wandb_offline_one_run_per_job_continued_on_relaunch_and_no_secret_in_an
 
 
 @pytest.mark.parametrize("tracker", ["csv", "tensorboard"])
+@pytest.mark.slow
 def test_csv_and_tensorboard_trackers_write_into_the_run_directory(tracker, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     overlay = CONFIGS / "trackers" / f"{tracker}.yaml"
@@ -250,6 +251,7 @@ def test_throughput_meter_rate_eta_and_pause():
     assert format_rate(1234.5) == "1.23k" and format_rate(2.5e6) == "2.50M" and format_rate(12.0) == "12.0"
 
 
+@pytest.mark.slow
 def test_the_cli_progress_bar_shows_throughput_and_eta(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = [*QUICK, "--trainer.max_steps=6", "--trainer.max_epochs=1", "--trainer.limit_val_batches=1"]
@@ -275,6 +277,7 @@ def test_progress_lines_come_every_n_steps_when_stdout_is_not_a_terminal(tmp_pat
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
 
 
+@pytest.mark.slow
 def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_path):
     # A SIGKILL to the job left W&B's offline file of that launch empty (its service buffers records): the
     # rows it logged were lost from `wandb sync`. The journal carries them into the next launch of the run.
@@ -317,6 +320,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
     assert "step-5" in aliases[0] and "step-15" in aliases[-2] | aliases[-1]
 
 
+@pytest.mark.slow
 def test_wandb_logs_each_checkpoint_once_and_its_closing_lines_carry_no_colour_codes(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli(
