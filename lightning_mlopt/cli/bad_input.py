@@ -12,11 +12,26 @@ import inspect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
 from lightning_mlopt.exceptions import BadInputError
+
+
+class Renamed(NamedTuple):
+    """What an earlier release called a setting, and what replaced it.
+
+    Args:
+        keys: dotted config keys -> their new key (``checkpoint.keep_last`` -> ``checkpoint.keep.last``).
+        arguments: a class's name -> its old init arguments -> their new keys, for classes given by
+            ``class_path`` (``NCCLHealthCheck``: ``hang_timeout`` -> ``watchdog.timeout``).
+
+    """
+
+    keys: Mapping[str, str]
+    arguments: Mapping[str, Mapping[str, str]]
+
 
 MAX_LINES = 15
 _NOISE = re.compile(
@@ -103,12 +118,11 @@ def check_config_files(paths: Iterable[str]) -> None:
 
 
 def explain_parser_error(
-    message: str, known_keys: Iterable[str], argv: Sequence[str], renamed: Mapping[str, str] | None = None
+    message: str, known_keys: Iterable[str], argv: Sequence[str], renamed: Renamed | None = None
 ) -> str:
     """Shorten a jsonargparse error and add what fixes it: where the key was set and the valid choices.
 
-    ``renamed``: keys of an earlier release -> the key that replaced them, named instead of a guess: dotted
-    config keys (``checkpoint.keep_last``) and a class's init arguments (``NCCLHealthCheck.hang_timeout``).
+    ``renamed``: keys and init arguments of an earlier release, named with what replaced them instead of a guess.
     """
     known = list(known_keys)
     kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
@@ -120,8 +134,8 @@ def explain_parser_error(
     if unknown:
         key = unknown.group(1)
         lines = [f"unknown key {key!r}{_where(key, argv)}", *_key_choices(key, [*known, *_init_keys(argv)])]
-        if renamed and key in renamed:
-            lines = [f"{key}{_where(key, argv)} is now {renamed[key]} (renamed in 0.2; see CHANGELOG.md)"]
+        if renamed and key in renamed.keys:
+            lines = [f"{key}{_where(key, argv)} is now {renamed.keys[key]} (renamed in 0.2; see CHANGELOG.md)"]
         elif "." not in key:  # a bare name, as other tools write them: the keys it most likely meant to set
             lines += _init_key_lines(argv)
     else:
@@ -134,10 +148,11 @@ def explain_parser_error(
         if bad_class and section in DEMO_CLASSES:
             lines.append(f"valid class_path values include: {', '.join(DEMO_CLASSES[section])}")
         not_accepted = _NOT_ACCEPTED.search(message)
+        option = not_accepted.group(1) if not_accepted else ""
         moved = [
-            f"{key.rsplit('.', 1)[0]}: {not_accepted.group(1)} is now {new} (renamed in 0.2; see CHANGELOG.md)"
-            for key, new in (renamed or {}).items()
-            if not_accepted and key.endswith(f".{not_accepted.group(1)}") and key[:1].isupper()
+            f"{owner}: {option} is now {arguments[option]} (renamed in 0.2; see CHANGELOG.md)"
+            for owner, arguments in (renamed.arguments.items() if renamed else ())
+            if option in arguments
         ]
         if moved:  # an init argument of one of our classes that a settings group replaced
             lines = [lines[0], *moved] if key else moved

@@ -29,7 +29,7 @@ from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subco
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor, ThroughputProgressBar
 from lightning_mlopt.callbacks.health_settings import RENAMED_KEYS as HEALTH_RENAMED_KEYS
 from lightning_mlopt.checkpoint.settings import RENAMED_KEYS
-from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error
+from lightning_mlopt.cli.bad_input import Renamed, check_config_files, config_paths, explain_parser_error
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.cli.quiet import silence_known_noise
 from lightning_mlopt.cli.support import (
@@ -59,11 +59,10 @@ DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
 RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 # Keys of 0.1 that 0.2 grouped: named with their new key, not guessed at.
-RENAMED = {
-    **{f"checkpoint.{old}": f"checkpoint.{new}" for old, new in RENAMED_KEYS.items()},
-    **{f"FaultTolerantCheckpoint.{old}": new for old, new in RENAMED_KEYS.items()},
-    **{f"NCCLHealthCheck.{old}": new for old, new in HEALTH_RENAMED_KEYS.items()},
-}
+RENAMED = Renamed(
+    keys={f"checkpoint.{old}": f"checkpoint.{new}" for old, new in RENAMED_KEYS.items()},
+    arguments={"FaultTolerantCheckpoint": RENAMED_KEYS, "NCCLHealthCheck": HEALTH_RENAMED_KEYS},
+)
 
 
 class _Parser(LightningArgumentParser):
