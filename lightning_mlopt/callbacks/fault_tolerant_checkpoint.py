@@ -12,7 +12,8 @@ from typing_extensions import override
 from lightning_mlopt._compat import callback_state_key
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.checkpoint.preempted_exit import PreemptedExit
-from lightning_mlopt.checkpoint.remote.tiers import attach_tiers, checkpoint_folder, store_url
+from lightning_mlopt.checkpoint.remote.object_store import store_url
+from lightning_mlopt.checkpoint.remote.tiers import attach_tiers, checkpoint_folder
 from lightning_mlopt.checkpoint.resume import DATA_POSITION_KEY, ResumingStrategy, data_position, order_this_epoch
 from lightning_mlopt.checkpoint.resumption import Resumption
 from lightning_mlopt.checkpoint.saver import CheckpointSaver

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_mlopt.checkpoint.remote.object_store import ObjectURL, is_object_url
+from lightning_mlopt.checkpoint.remote.object_store import ObjectURL, store_url
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.store import refuse_url
 from lightning_mlopt.process import exit_codes
@@ -162,9 +162,9 @@ class Tiers:
             ...
             ValueError: checkpoint.tiers.local_dirpath sets the local tier of an object store, and ...
         """
-        is_store = dirpath is not None and is_object_url(dirpath)
-        if dirpath is not None and is_store:
-            ObjectURL.parse(dirpath)  # names the bucket
+        store = store_url(dirpath)
+        if store is not None:
+            ObjectURL.parse(store)  # names the bucket
         elif dirpath is not None:
             refuse_url(dirpath, "checkpoint.dirpath", alternative=", or an S3-compatible store: s3://bucket/prefix")
         if self.local_dirpath is not None:
@@ -174,7 +174,7 @@ class Tiers:
         if self.remote_every_n_minutes is not None and self.remote_every_n_minutes <= 0:
             raise ValueError(f"tiers.remote_every_n_minutes must be > 0, got {self.remote_every_n_minutes}")
         given = [name for name, value in vars(self).items() if value is not None]
-        if given and not is_store:
+        if given and store is None:
             raise ValueError(
                 f"checkpoint.tiers.{given[0]} sets the local tier of an object store, and checkpoint.dirpath is not "
                 "one: set checkpoint.dirpath: s3://bucket/prefix, or remove it"

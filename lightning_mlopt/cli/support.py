@@ -26,7 +26,8 @@ from lightning.pytorch.utilities.model_summary import get_formatted_model_size, 
 from typing_extensions import override
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
-from lightning_mlopt.checkpoint.remote.tiers import checkpoint_folder, store_url
+from lightning_mlopt.checkpoint.remote.object_store import store_url
+from lightning_mlopt.checkpoint.remote.tiers import checkpoint_folder
 from lightning_mlopt.checkpoint.settings import configured
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.demos import OPTIMIZER_DEFAULTS

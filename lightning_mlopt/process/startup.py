@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from lightning_mlopt.process import exit_codes
 
@@ -51,6 +52,7 @@ class StartupGuard:
         self._parent: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._last_words: list[Callable[[str], None]] = []
 
     def arm(self, timeout_s: float | None) -> None:
         """Start (or restart) the start-up clock: ``timeout_s`` from now; None or 0 turns it off."""
@@ -71,6 +73,20 @@ class StartupGuard:
         """End this process when its parent (the launcher) is gone."""
         self._parent = os.getppid()
         self._ensure_thread()
+
+    def add_last_words(self, write: Callable[[str], None]) -> None:
+        """Call ``write(reason)`` before this rank ends because its launcher is gone.
+
+        The hang watchdog registers its stack dump here: when every rank's watchdog fires at once and the
+        launching rank exits first, the rank that hung would otherwise end as an orphan before its own watchdog
+        wrote the dump that names the culprit.
+        """
+        self._last_words.append(write)
+
+    def remove_last_words(self, write: Callable[[str], None]) -> None:
+        """Undo :meth:`add_last_words` (the watchdog stopped)."""
+        if write in self._last_words:
+            self._last_words.remove(write)
 
     def stop(self) -> None:
         """Stop the thread (tests); the process-wide guard otherwise lives as long as the process."""
@@ -97,11 +113,19 @@ class StartupGuard:
                     f"status {STARTUP_TIMEOUT_EXIT_CODE}.",
                 )
             if self._parent is not None and os.getppid() != self._parent:
+                self._say_last_words(f"the process that launched this rank (pid {self._parent}) is gone")
                 self._exit(
                     ORPHAN_EXIT_CODE,
                     f"the process that launched this rank (pid {self._parent}) is gone; its peers are gone or "
                     f"going, so this rank exits (status {ORPHAN_EXIT_CODE}) instead of waiting for them.",
                 )
+
+    def _say_last_words(self, reason: str) -> None:
+        for write in list(self._last_words):
+            try:
+                write(reason)
+            except Exception as error:  # an exit path: a failed dump must not keep the orphan alive
+                sys.stderr.write(f"warning: could not write the last words before exiting: {error!r}\n")
 
     @staticmethod
     def _exit(code: int, message: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lightning_mlopt._compat import current_frames
 from lightning_mlopt.process import phase
+from lightning_mlopt.process.startup import StartupGuard, startup_guard
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +25,19 @@ class HangWatchdog:
     Before exiting it writes every thread's Python stack to ``dump_dir/hang-rank<R>.txt`` and the log,
     naming the step and the phase last entered, so the culprit is on disk even when the job is killed.
 
+    Every rank's watchdog fires at about the same moment (the ranks waiting in a collective time out with
+    the one that hung). When the launching rank exits first, a launched rank ends as an orphan (see
+    :mod:`lightning_mlopt.process.startup`), possibly before its own watchdog looked; so the watchdog also
+    leaves its dump as the orphan's last words when its step has run for half its limit or more.
+
     Args:
         timeout: returns the current limit in seconds (fixed, or adaptive to the steps seen).
         dump_dir: folder for the stack dumps.
         rank: this process's global rank (for the file name and the message).
         exit_code: exit status; distinctive, so a launcher and a human can tell a hang from a crash.
         poll_seconds: how often the thread looks.
+        exit_process: ends the process (``os._exit``; tests record the status instead).
+        guard: the start-up guard whose orphan exit writes the dump first (the process's own).
 
     Example::
 
@@ -49,6 +57,7 @@ class HangWatchdog:
         exit_code: int,
         poll_seconds: float = 0.5,
         exit_process: Callable[[int], None] = os._exit,
+        guard: StartupGuard = startup_guard,
     ) -> None:
         self.timeout = timeout
         self.dump_dir = dump_dir
@@ -56,6 +65,8 @@ class HangWatchdog:
         self.exit_code = exit_code
         self.poll_seconds = poll_seconds
         self._exit_process = exit_process
+        self._guard = guard
+        self._dump_once = threading.Lock()  # the watchdog's own report and the orphan's last words may coincide
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -66,6 +77,7 @@ class HangWatchdog:
         # A daemon: it must never keep a finished process alive.
         self._thread = threading.Thread(target=self._watch, name=f"hang-watchdog-rank{self.rank}", daemon=True)
         self._thread.start()
+        self._guard.add_last_words(self.dump_if_stuck)
 
     def beat(self) -> None:
         """A step finished."""
@@ -73,6 +85,7 @@ class HangWatchdog:
 
     def stop(self) -> None:
         """Stop watching and wait for the thread."""
+        self._guard.remove_last_words(self.dump_if_stuck)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -86,13 +99,33 @@ class HangWatchdog:
                 self._report_and_exit(waited, limit)
                 return
 
+    def dump_if_stuck(self, reason: str) -> None:
+        """Write the dump now if the current step has run for half the limit or more (the process is ending).
+
+        ``reason`` says why it ends, e.g. "the process that launched this rank (pid 812) is gone".
+        """
+        waited, limit = time.monotonic() - self._last_beat, self.timeout()
+        if waited >= limit / 2:
+            self._write_dump(f"HANG on rank {self.rank}: {self._when(waited, limit)}; {reason}, so this rank exits")
+
     def _report_and_exit(self, waited: float, limit: float) -> None:
-        name, step, in_phase = phase.current()
-        header = (
-            f"HANG on rank {self.rank}: no training step finished for {waited:.0f} s (limit {limit:.0f} s); "
-            f"last step {step}, phase '{name}' entered {in_phase:.0f} s ago. Stacks of every thread follow; "
+        self._write_dump(
+            f"HANG on rank {self.rank}: {self._when(waited, limit)}. Stacks of every thread follow; "
             f"exiting with status {self.exit_code}."
         )
+        self._exit_process(self.exit_code)
+
+    @staticmethod
+    def _when(waited: float, limit: float) -> str:
+        name, step, in_phase = phase.current()
+        return (
+            f"no training step finished for {waited:.0f} s (limit {limit:.0f} s); "
+            f"last step {step}, phase '{name}' entered {in_phase:.0f} s ago"
+        )
+
+    def _write_dump(self, header: str) -> None:
+        if not self._dump_once.acquire(blocking=False):
+            return
         stacks = _format_stacks()
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         path = self.dump_dir / f"hang-rank{self.rank}.txt"
@@ -103,7 +136,6 @@ class HangWatchdog:
         log.error("%s\n%s\n(also written to %s)", header, stacks, path)
         sys.stderr.write(f"{header}\n{stacks}\n(also written to {path})\n")
         sys.stderr.flush()
-        self._exit_process(self.exit_code)
 
 
 def _format_stacks() -> str:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from lightning_mlopt.process import phase
+from lightning_mlopt.process.startup import StartupGuard
 from lightning_mlopt.process.watchdog import HangWatchdog
 
 
@@ -69,3 +70,26 @@ def test_an_adaptive_limit_is_read_at_every_poll(tmp_path: Path) -> None:
         time.sleep(0.02)
     watchdog.stop()
     assert exits.codes == [124]
+
+
+def test_an_orphaned_rank_leaves_its_dump_when_its_step_ran_half_the_limit(tmp_path: Path) -> None:
+    """All watchdogs fire together; when the launching rank exits first, the hung rank ends as an orphan before
+    its own watchdog looked: the guard's orphan exit has it write the dump first (a flake seen once in CI)."""
+    guard, exits = StartupGuard(), _Exits()
+    watchdog = HangWatchdog(
+        lambda: 0.4, tmp_path, rank=1, exit_code=124, poll_seconds=60, exit_process=exits, guard=guard
+    )
+    phase.set_phase("forward", step=3)
+    watchdog.start()
+    guard._say_last_words("the process that launched this rank (pid 812) is gone")
+    assert not (tmp_path / "hang-rank1.txt").exists(), "a step 0.0 s old is no hang: nothing to report"
+    time.sleep(0.25)  # more than half the 0.4 s limit, less than the limit: the watchdog itself has not fired
+    guard._say_last_words("the process that launched this rank (pid 812) is gone")
+    watchdog.stop()
+    phase.set_phase("setup", step=0)
+    dump = (tmp_path / "hang-rank1.txt").read_text()
+    assert dump.startswith("HANG on rank 1: no training step finished for 0 s (limit 0 s); last step 3")
+    assert "phase 'forward'" in dump.splitlines()[0]
+    assert "(pid 812) is gone, so this rank exits" in dump.splitlines()[0]
+    assert "test_an_orphaned_rank_leaves_its_dump" in dump and exits.codes == []  # the guard, not it, ends the rank
+    assert guard._last_words == [], "a stopped watchdog says nothing at a later exit"

@@ -90,6 +90,17 @@ def is_object_url(text: str) -> bool:
     return any(text.startswith(f"{scheme}://") for scheme in SCHEMES)
 
 
+def store_url(dirpath: str | None) -> str | None:
+    """``dirpath`` when it names an object store (``s3://...``), else None.
+
+    Example::
+
+        >>> store_url("s3://ckpt/run"), store_url("/shared/ckpt"), store_url(None)
+        ('s3://ckpt/run', None, None)
+    """
+    return dirpath if dirpath is not None and is_object_url(dirpath) else None
+
+
 class ObjectStore:
     """The objects under one ``s3://bucket/prefix``; keys given to its methods are relative to the prefix.
 

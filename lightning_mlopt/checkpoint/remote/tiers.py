@@ -18,23 +18,12 @@ from typing import Any
 
 from lightning_mlopt.checkpoint.errors import first_problem
 from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
-from lightning_mlopt.checkpoint.remote.object_store import ObjectStore, is_object_url
+from lightning_mlopt.checkpoint.remote.object_store import ObjectStore, store_url
 from lightning_mlopt.checkpoint.remote.replicator import Replicator
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.settings import Tiers
 from lightning_mlopt.exceptions import CheckpointWriteError, ObjectStoreError
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
-
-
-def store_url(dirpath: str | None) -> str | None:
-    """``dirpath`` when it names an object store (``s3://...``), else None.
-
-    Example::
-
-        >>> store_url("s3://ckpt/run"), store_url("/shared/ckpt"), store_url(None)
-        ('s3://ckpt/run', None, None)
-    """
-    return dirpath if dirpath is not None and is_object_url(dirpath) else None
 
 
 def local_folder(dirpath: str | None, local_dirpath: str | None) -> str | None:
