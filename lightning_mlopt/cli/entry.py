@@ -27,11 +27,10 @@ from typing_extensions import override
 from lightning_mlopt import strategies
 from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subcommand_parsers
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor, ThroughputProgressBar
-from lightning_mlopt.callbacks.health_settings import RENAMED_KEYS as HEALTH_RENAMED_KEYS
-from lightning_mlopt.checkpoint.settings import RENAMED_KEYS
-from lightning_mlopt.cli.bad_input import Renamed, check_config_files, config_paths, explain_parser_error
+from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.cli.quiet import silence_known_noise
+from lightning_mlopt.cli.renamed_keys import RENAMED
 from lightning_mlopt.cli.support import (
     MeasuredModelSummary,
     RunFinished,
@@ -58,11 +57,6 @@ from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401
 DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
 RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
-# Keys of 0.1 that 0.2 grouped: named with their new key, not guessed at.
-RENAMED = Renamed(
-    keys={f"checkpoint.{old}": f"checkpoint.{new}" for old, new in RENAMED_KEYS.items()},
-    arguments={"FaultTolerantCheckpoint": RENAMED_KEYS, "NCCLHealthCheck": HEALTH_RENAMED_KEYS},
-)
 
 
 class _Parser(LightningArgumentParser):

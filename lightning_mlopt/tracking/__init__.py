@@ -18,16 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_mlopt.callbacks.throughput_progress_bar import ThroughputProgressBar
+    from lightning_mlopt.tracking.mlflow_settings import Delivery
     from lightning_mlopt.tracking.mlflow_tracker import MLflowTracker
     from lightning_mlopt.tracking.wandb_tracker import WandbTracker
 
 _MODULES = {
+    "Delivery": "lightning_mlopt.tracking.mlflow_settings",
     "MLflowTracker": "lightning_mlopt.tracking.mlflow_tracker",
     "ThroughputProgressBar": "lightning_mlopt.callbacks.throughput_progress_bar",
     "WandbTracker": "lightning_mlopt.tracking.wandb_tracker",
 }
 
-__all__ = ["MLflowTracker", "ThroughputProgressBar", "WandbTracker"]
+__all__ = ["Delivery", "MLflowTracker", "ThroughputProgressBar", "WandbTracker"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,7 @@ from lightning_mlopt.hooks import CheckpointUploader, ResumeListener, RunTracker
 from lightning_mlopt.redaction import redact
 from lightning_mlopt.tracking.mlflow_run import MLflowRun, redacted_uri
 from lightning_mlopt.tracking.mlflow_sender import MLflowSender
+from lightning_mlopt.tracking.mlflow_settings import Delivery, refuse_flat_keys
 from lightning_mlopt.tracking.outbox import Outbox
 from lightning_mlopt.tracking.provenance import run_provenance
 from lightning_mlopt.tracking.system_metrics import SystemMetricsSampler, node_name
@@ -60,10 +61,10 @@ class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
     - **Each step once, with the surviving value.** While FaultTolerantCheckpoint manages checkpoints, metric
       rows wait until a checkpoint after them commits (or the run finishes): the steps a killed launch ran
       after its last checkpoint are redone by the next launch, and only that computation reaches MLflow.
-      Metrics therefore appear in MLflow at each checkpoint, not at each step (``hold_until_checkpoint``).
+      Metrics therefore appear in MLflow at each checkpoint, not at each step (``delivery.hold_until_checkpoint``).
     - **Durable and asynchronous.** Everything logged is appended to ``<save_dir>/mlflow/outbox.jsonl`` first
       and sent by a background thread in batches. A server that is down is said once and retried; training
-      goes on; the records are sent when it answers, at the end (up to ``flush_timeout_s``), or by the next
+      goes on; the records are sent when it answers, at the end (up to ``delivery.flush_timeout_s``), or by the next
       launch of the run.
     - **System metrics** (CPU, memory, GPUs) every ``system_metrics_every_s`` under ``system/<node>/``.
     - **Checkpoints recorded, not copied**: each committed checkpoint gets ``checkpoints/step-<N>.json`` on the
@@ -83,12 +84,9 @@ class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
         run_id: log into this run; None: the run this run directory logged to before, else a new one.
         checkpoint_dir: where FaultTolerantCheckpoint commits; None: ``<save_dir>/checkpoints``.
         system_metrics_every_s: seconds between system samples; None or 0: no system metrics.
-        send_every_s: seconds between the sender's passes.
-        flush_timeout_s: at the end of a successful fit, how long to wait for the server to take what is left
-            (a failed or preempted launch waits at most 5 s: its grace belongs to the checkpoint).
-        hold_until_checkpoint: with FaultTolerantCheckpoint, send step rows once a checkpoint after them commits
-            (each step once, the surviving value). False: send them as they come (live charts; a step redone
-            after a kill then appears twice).
+        delivery: the sender's pace (``send_every_s``), the wait for the server at the end
+            (``flush_timeout_s``), and whether step rows wait for a checkpoint (``hold_until_checkpoint``);
+            see :class:`~lightning_mlopt.tracking.mlflow_settings.Delivery`.
         log_provenance: set git commit, dirty flag, command and our version as ``mlopt.*`` tags.
 
     Example::
@@ -113,17 +111,14 @@ class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
         run_id: str | None = None,
         checkpoint_dir: str | None = None,
         system_metrics_every_s: float | None = 10.0,
-        send_every_s: float = 2.0,
-        flush_timeout_s: float = 60.0,
-        hold_until_checkpoint: bool = True,
+        delivery: Delivery = Delivery(),
         log_provenance: bool = True,
+        **renamed: Any,
     ) -> None:
         super().__init__()
+        refuse_flat_keys(renamed)
         if importlib.util.find_spec("mlflow") is None:
             raise ValueError("MLflowTracker needs the mlflow package: pip install 'lightning-mlopt[mlflow]'")
-        for name, value in (("send_every_s", send_every_s), ("flush_timeout_s", flush_timeout_s)):
-            if value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
         if system_metrics_every_s is not None and system_metrics_every_s < 0:
             raise ValueError(f"system_metrics_every_s must be >= 0 or null, got {system_metrics_every_s}")
         if not experiment_name:
@@ -137,9 +132,7 @@ class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
         self.artifact_location = artifact_location
         self.checkpoint_dir = checkpoint_dir
         self.system_metrics_every_s = system_metrics_every_s
-        self.send_every_s = send_every_s
-        self.flush_timeout_s = flush_timeout_s
-        self.hold_until_checkpoint = hold_until_checkpoint
+        self.delivery = delivery
         self.log_provenance = log_provenance
         self._run = MLflowRun(
             self.folder, experiment_name, run_name, tracking_uri, artifact_location, run_id, checkpoint_dir
@@ -228,7 +221,7 @@ class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
         dropped (this launch computes it again). The checkpoint resumed from is recorded if it was not.
         """
         outbox = self._start()
-        if self.hold_until_checkpoint:
+        if self.delivery.hold_until_checkpoint:
             self._holds = True
             outbox.resumed(step)
         if path is not None and (path / MANIFEST_NAME).is_file():
@@ -269,7 +262,7 @@ class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
         if succeeded:
             self._outbox.release()  # every step of a finished launch survives
         self._outbox.add("status", status="FINISHED" if succeeded else "FAILED")
-        self._stop(self.flush_timeout_s if succeeded else min(self.flush_timeout_s, 5.0))
+        self._stop(self.delivery.flush_timeout_s if succeeded else min(self.delivery.flush_timeout_s, 5.0))
 
     def describe_location(self) -> str:
         """Where this logger's records go, for the CLI's start-up summary."""
@@ -308,7 +301,7 @@ class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
 
     def _start_threads(self, outbox: Outbox) -> None:
         self._sender = MLflowSender(
-            outbox, self._connect, _say, self.send_every_s, redacted_uri(self._run.tracking_uri())
+            outbox, self._connect, _say, self.delivery.send_every_s, redacted_uri(self._run.tracking_uri())
         )
         self._sender.start()
         if self.system_metrics_every_s:

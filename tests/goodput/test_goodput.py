@@ -340,7 +340,7 @@ def _command(
         f"--trainer.logger.init_args.tracking_uri={tracking_uri}",
         "--trainer.logger.init_args.experiment_name=requeued",
         "--trainer.logger.init_args.system_metrics_every_s=0.5",
-        "--trainer.logger.init_args.send_every_s=0.5",
+        "--trainer.logger.init_args.delivery.send_every_s=0.5",
         "--checkpoint.every_n_steps=4",
         # Saves are waited for (still committed on the writer's thread): a background write would slow the next
         # batch's fetch, which the ledger rightly counts in that step but the test's clock (at the batch's start,

@@ -172,7 +172,7 @@ def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, max_steps: int) -
         f"--trainer.logger.init_args.tracking_uri={server.uri}",
         "--trainer.logger.init_args.experiment_name=kills",
         "--trainer.logger.init_args.system_metrics_every_s=0.5",
-        "--trainer.logger.init_args.send_every_s=0.5",
+        "--trainer.logger.init_args.delivery.send_every_s=0.5",
         "--trainer.accelerator=cpu",
         "--trainer.devices=1",
         f"--trainer.max_steps={max_steps}",
@@ -211,7 +211,7 @@ def test_a_server_stopped_mid_run_never_stops_training_and_gets_the_metrics_when
     _wait_for(pace / "step-6.rank0", job)
     mlflow_server.stop()  # down for the rest of training
     _wait_for(pace / "step-30.rank0", job)  # training went on without it
-    mlflow_server.start()  # back while the finished run waits to flush (flush_timeout_s)
+    mlflow_server.start()  # back while the finished run waits to flush (delivery.flush_timeout_s)
     assert job.wait(timeout=180) == 0, failure_report(
         subprocess.CompletedProcess([], job.returncode, "", log.read_text())
     )
