@@ -139,6 +139,26 @@ def test_fsdp_wrap_class_not_in_the_model(tmp_path, monkeypatch, capsys):
     assert "lightning_mlopt.demos.gpt.TransformerBlock" in message, "the model's classes are listed"
 
 
+def test_tensor_parallel_plan_that_does_not_fit_the_model(tmp_path, monkeypatch, capsys):
+    # A typo in a glob would otherwise be skipped with a warning by parallelize_module, and train unsplit.
+    name = _write(
+        tmp_path,
+        "tp.yaml",
+        "trainer:\n  devices: 2\n  strategy:\n    class_path: lightning_mlopt.strategies.TensorParallelStrategy\n"
+        "    init_args:\n      tp_plan: {model.layers.*.attn.qvk: colwise, model.layers.*.attn.proj: rowwise}\n",
+    )
+    gpt = ("--config", str(CONFIGS / "gpt.yaml"), "--trainer.accelerator=cpu")
+    message = _fails(tmp_path, monkeypatch, capsys, *gpt, "--config", name)
+    assert "'model.layers.*.attn.qvk' matches no module of the model. Nearest names: model.layers.*.attn.qkv" in message
+    wide = _write(
+        tmp_path,
+        "tp4.yaml",
+        (tmp_path / name).read_text().replace("tp_plan:", "tensor_parallel_size: 4\n      tp_plan:"),
+    )
+    message = _fails(tmp_path, monkeypatch, capsys, *gpt, "--config", wide)
+    assert "tensor_parallel_size=4 must divide the world size (2 = devices x nodes)" in message
+
+
 @pytest.mark.slow
 def test_a_model_with_its_own_dataloaders_needs_no_data_section(tmp_path, monkeypatch, capsys):
     # Lightning's own BoringModel brings train/val dataloaders; LightningCLI accepts `data:` being absent.
@@ -202,6 +222,14 @@ def test_a_flat_checkpoint_key_of_0_1_names_its_grouped_key(tmp_path, monkeypatc
 def test_a_bad_value_in_a_checkpoint_group_names_the_grouped_key(tmp_path, monkeypatch, capsys):
     message = _fails(tmp_path, monkeypatch, capsys, "--checkpoint.keep.last=0")
     assert "keep.last must be >= 1" in message
+
+
+def test_a_flat_mlflow_delivery_key_of_0_1_names_its_grouped_key(tmp_path, monkeypatch, capsys):
+    logger = "trainer:\n  logger:\n    class_path: lightning_mlopt.tracking.MLflowTracker\n"
+    name = _write(tmp_path, "mlflow.yaml", logger + "    init_args:\n      flush_timeout_s: 5\n")
+    message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
+    assert "MLflowTracker: flush_timeout_s is now delivery.flush_timeout_s" in message
+    assert len(message.strip().splitlines()) <= 3, message
 
 
 def test_a_flat_health_check_key_of_0_1_names_its_grouped_key(tmp_path, monkeypatch, capsys):

@@ -27,6 +27,17 @@ def test_strategy_trains_on_gpus_in_bf16(tmp_path, overlay):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("overlay", ["tp", "fsdp_tp"])
+def test_tensor_parallel_trains_on_gpus_in_bf16(tmp_path, overlay):
+    # TP at the world size there is (1 on a one-GPU machine: a one-rank mesh); fsdp_tp's TP=2 needs 2 GPUs.
+    if overlay == "fsdp_tp" and torch.cuda.device_count() < 2:
+        pytest.skip("fsdp_tp splits 2 ways: 2 GPUs")
+    extra = ["--trainer.strategy.init_args.param_dtype=bfloat16"] if overlay == "fsdp_tp" else []
+    result = _fit_on_gpus(tmp_path, overlay, "--trainer.precision=bf16-mixed", *extra, *SMOKE)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def _gpt_trainer(tmp_path, callbacks, steps=12):  # type: ignore[no-untyped-def]
     import lightning.pytorch as pl
 

@@ -30,14 +30,17 @@ from lightning_mlopt.demos import (
 from lightning_mlopt.demos._loader import LoaderDataModule
 from lightning_mlopt.goodput import GoodputLedger
 from lightning_mlopt.process.notices import PreemptionNotices
-from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
-from lightning_mlopt.tracking import MLflowTracker, ThroughputProgressBar, WandbTracker
+from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, TensorParallelStrategy
+from lightning_mlopt.tracking import Delivery, MLflowTracker, ThroughputProgressBar, WandbTracker
 
 PINNED = {
     DDPStrategy: "comm_hook powersgd_rank powersgd_start_iter bucket_cap_mb gradient_as_bucket_view static_graph "
     "find_unused_parameters timeout_minutes process_group_backend",
     FSDPStrategy: "wrap_classes min_params_to_wrap reshard_after_forward replicate_group_size activation_checkpointing "
     "param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes process_group_backend",
+    TensorParallelStrategy: "tensor_parallel_size tp_plan wrap_classes min_params_to_wrap reshard_after_forward "
+    "activation_checkpointing param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes "
+    "process_group_backend",
     DeepSpeedStrategy: "preset config offload_optimizer offload_parameters timeout_minutes process_group_backend",
     FaultTolerantCheckpoint: "dirpath every_n_steps every_n_minutes async_save save_on keep tiers preemption resume",
     SaveOn: "epoch_end train_end exception",
@@ -57,7 +60,8 @@ PINNED = {
     PreemptionNotices: "notices poll_interval_s",
     WandbTracker: "project name save_dir id mode entity group tags checkpoint_dir upload_checkpoints log_provenance",
     MLflowTracker: "experiment_name run_name tracking_uri tags save_dir prefix artifact_location run_id checkpoint_dir "
-    "system_metrics_every_s send_every_s flush_timeout_s hold_until_checkpoint log_provenance",
+    "system_metrics_every_s delivery log_provenance",
+    Delivery: "send_every_s flush_timeout_s hold_until_checkpoint",
     ThroughputProgressBar: "refresh_rate window leave log_every_n_steps min_interval_s",
     GoodputLedger: "path log_goodput",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",

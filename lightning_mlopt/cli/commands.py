@@ -28,6 +28,10 @@ TOOLS = {
         "lightning_mlopt.tools.profile",
         "why is my run slow: step time per rank, input ceiling, MFU, scaling",
     ),
+    "parity": (
+        "lightning_mlopt.tools.parity",
+        "is my parallel config silently wrong: a few steps against one process, tensor by tensor",
+    ),
     "goodput": (
         "lightning_mlopt.tools.goodput",
         "share of wall-clock time on steps that survived, and badput by category, over all launches",

@@ -14,24 +14,30 @@ from lightning_mlopt.demos._progress import progress_bar_shown
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with one fused QKV projection."""
+    """Multi-head causal self-attention with one fused, head-major QKV projection; tensor-parallel-correct.
+
+    The fused projection's output features are laid out head by head (head 0's q, k and v, then head 1's...),
+    and the head count is read from the width this rank holds: a column-wise split of ``qkv`` across
+    tensor-parallel ranks gives each rank whole heads, and ``proj`` (row-wise) sums their outputs.
+    """
 
     def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
         super().__init__()
-        self.n_head = n_head
+        self.n_head = n_head  # the tensor-parallel plan check reads it: the split must keep whole heads
+        self.head_dim = d_model // n_head
         self.dropout = dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     @override
     def forward(self, x: Tensor) -> Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        # (B, T, C) -> (B, heads, T, C / heads)
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        # (B, T, heads * 3 * head_dim) -> (B, heads, T, 3 * head_dim): `heads` is this rank's, never fixed.
+        qkv = self.qkv(x).view(batch, time, -1, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split(self.head_dim, dim=-1)
         dropout = self.dropout if self.training else 0.0
         out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, time, channels))
+        return self.proj(out.transpose(1, 2).reshape(batch, time, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -115,6 +121,18 @@ class GPTLanguageModel(pl.LightningModule):
         logits = model(torch.randint(0, 256, (2, 64)))  # (2, 64, 256)
 
     """
+
+    # Megatron's split, used by `trainer.strategy: tp` when the YAML gives no plan: column-wise then
+    # row-wise in attention and in the MLP (one all-reduce each), the vocabulary split in the embedding, and
+    # the LM head's logits gathered for the loss. Block size and norms stay whole on every rank.
+    tp_plan = {
+        "model.token_embedding": "embedding_rowwise",
+        "model.layers.*.attn.qkv": "colwise",
+        "model.layers.*.attn.proj": "rowwise",
+        "model.layers.*.mlp.0": "colwise",
+        "model.layers.*.mlp.2": "rowwise",
+        "model.lm_head": "colwise_replicated",
+    }
 
     def __init__(
         self,

@@ -89,14 +89,15 @@ def global_grad_norm(parameters: Iterable[Tensor], sharding: Sharding | None = N
     return total.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, sharding: Sharding | None = None) -> Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the pre-clip norm.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``, capped at 1),
-    for plain and sharded gradients alike (torch's fails on a mix of DTensors and plain tensors).
+    for plain and sharded gradients alike (torch's fails on a mix of DTensors and plain tensors). ``sharding``
+    as for :func:`global_grad_norm`.
     """
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, sharding)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     grads = [piece.tensor for piece in TensorSharding().gradient_pieces(params)]
     for device_grads in _by_device(grads).values():

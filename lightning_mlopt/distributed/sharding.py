@@ -124,6 +124,10 @@ class TensorSharding:
 
     can_skip_step = True
 
+    def replication_of(self, tensor: DTensor) -> int:
+        """On how many ranks each local shard of ``tensor`` lives (its mesh spans the world: FSDP, HSDP)."""
+        return dtensor_replication(tensor)
+
     def gradient_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
         """See :class:`Sharding`. ``params`` is a list the caller keeps (walking the module each step costs more)."""
         world = world_size()
@@ -132,7 +136,7 @@ class TensorSharding:
             if grad is None:
                 continue
             if isinstance(grad, DTensor):
-                yield Piece(param, grad.to_local(), dtensor_replication(grad))
+                yield Piece(param, grad.to_local(), self.replication_of(grad))
             else:
                 yield Piece(param, grad, world)  # DDP and single device: every rank holds the whole gradient
 
@@ -141,7 +145,7 @@ class TensorSharding:
         world = world_size()
         for param in params:
             if isinstance(param, DTensor):
-                yield Piece(param, param.to_local(), dtensor_replication(param))
+                yield Piece(param, param.to_local(), self.replication_of(param))
             else:
                 yield Piece(param, param.detach(), world)
 
@@ -173,6 +177,19 @@ class TensorSharding:
         else:
             what = "buffers only (parameters are fully sharded: no rank holds another's copy)"
         return ReplicaSet(replicas + buffers, f"{what}: {len(replicas) + len(buffers)} tensors")
+
+
+class SubMeshSharding(TensorSharding):
+    """Tensor parallelism, alone or under FSDP: a DTensor on a sub-mesh is replicated across the others.
+
+    A parameter left out of the tensor-parallel plan (a norm's weight) is sharded by FSDP over the data mesh
+    only, and every tensor-parallel rank holds the same shard: ``world / mesh size`` copies of each piece
+    beyond what its placements say. (A pipeline stage's sub-mesh would not be: that strategy answers for itself.)
+    """
+
+    def replication_of(self, tensor: DTensor) -> int:
+        """See :meth:`TensorSharding.replication_of`, times the copies of its mesh across the world."""
+        return dtensor_replication(tensor) * max(1, world_size() // tensor.device_mesh.size())
 
 
 def _shard_group(tensor: DTensor) -> int:

@@ -17,7 +17,7 @@ measured from one micro-batch when a config is given, else what ``activation_byt
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 Precision = Literal["mixed", "fp32"]
@@ -134,10 +134,14 @@ def plan_memory(
     optimizer: OptimizerKind = "adam",
     activation_bytes: float = 0.0,
     headroom: float = 0.1,
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> MemoryPlan:
     """Rows for DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and their CPU-offload variants; the first that fits wins.
 
-    A strategy fits when ``total x (1 + headroom) <= gpu_memory``.
+    A strategy fits when ``total x (1 + headroom) <= gpu_memory``. With ``tensor_parallel`` = (T, S), a plan
+    splitting S of the parameters T ways, a last row: tensor parallelism (``tpT``), or FSDP x TP
+    (``fsdpDxtpT``) when the world holds D = world / T data-parallel groups; it is a row to compare, never the
+    recommendation (``strategy: auto`` does not choose TP: it needs a plan).
 
     Raises:
         ValueError: a non-positive count, world size or memory, or a headroom outside [0, 1).
@@ -181,7 +185,29 @@ def plan_memory(
             )
         )
     recommendation = next((row.strategy for row in rows if row.fits), None)
+    if tensor_parallel is not None:
+        row = _tensor_parallel_row(tensor_parallel, psi, world_size, (p, g, k), activation_bytes)
+        rows.append(replace(row, fits=row.total * (1 + headroom) <= gpu_memory))
     return MemoryPlan(num_params, world_size, gpu_memory, headroom, precision, optimizer, rows, recommendation)
+
+
+def _tensor_parallel_row(
+    tensor_parallel: tuple[int, int],
+    psi: float,
+    world_size: int,
+    per_parameter: tuple[int, int, int],
+    activation_bytes: float,
+) -> PlanRow:
+    """Each rank holds 1/T of the split parameters and all of the rest, then FSDP divides that by D."""
+    size, split = tensor_parallel
+    if size < 1 or world_size % size:
+        raise ValueError(f"tensor_parallel_size ({size}) must divide the world size ({world_size})")
+    data = world_size // size
+    held = (split / size + (psi - split)) / data
+    p, g, k = per_parameter
+    name = f"tp{size}" if data == 1 else f"fsdp{data}xtp{size}"
+    total = (p + g + k) * held + activation_bytes
+    return PlanRow(name, p * held, g * held, k * held, activation_bytes, 0.0, total, fits=False)  # judged by the caller
 
 
 def format_table(plan: MemoryPlan) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from lightning_mlopt.checkpoint.layout import DCP_META_NAME, DCP_SHARDS, ONE_FIL
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import dcp_stager, load_file, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
-from lightning_mlopt.distributed.sharding import TensorSharding
+from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
@@ -220,13 +221,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
     def _shard(self, module: nn.Module) -> None:
         """Apply activation checkpointing, then ``fully_shard`` to units, then to the root children."""
         self.check_model(module)
-        if self.checkpoint_classes:
-            checkpoint = composable_checkpoint()
-            # The composable form keeps parameter names unchanged (a wrapper would add a prefix that
-            # breaks checkpoints saved without it).
-            for sub in module.modules():
-                if isinstance(sub, tuple(self.checkpoint_classes)):
-                    checkpoint(sub)
+        self._checkpoint_activations(module)
         options = self._shard_options()
         wrapped: set[nn.Module] = set()
         if self.wrap_classes:
@@ -253,6 +248,16 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         replicated = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
         if replicated:  # would train without gradient synchronisation: refuse rather than diverge silently
             raise RuntimeError(f"FSDPStrategy left parameters unsharded: {', '.join(replicated[:10])}")
+
+    def _checkpoint_activations(self, module: nn.Module) -> None:
+        """Recompute the activations of ``activation_checkpointing``'s classes in backward instead of storing them."""
+        if self.checkpoint_classes:
+            checkpoint = composable_checkpoint()
+            # The composable form keeps parameter names unchanged (a wrapper would add a prefix that
+            # breaks checkpoints saved without it).
+            for sub in module.modules():
+                if isinstance(sub, tuple(self.checkpoint_classes)):
+                    checkpoint(sub)
 
     def _shard_options(self) -> dict[str, Any]:
         param_dtype = _dtype(self.param_dtype)
@@ -306,7 +311,8 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         super().setup_precision_plugin()
         # Lightning clips with torch.nn.utils.clip_grad_norm_, which fails on a mix of sharded and plain
         # gradients and has no notion of HSDP's replicate dimension; ours reduces each sharded mesh dimension.
-        self.precision_plugin.clip_grad_by_norm = _clip_grad_by_norm  # type: ignore[method-assign]
+        clip = partial(_clip_grad_by_norm, sharding=self.sharding)  # TP's sharding counts sub-mesh copies
+        self.precision_plugin.clip_grad_by_norm = clip  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -336,9 +342,9 @@ class _OwnShards:
         return entries
 
 
-def _clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
+def _clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float, sharding: Sharding) -> None:
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    clip_grad_norm_(parameters, float(clip_val))
+    clip_grad_norm_(parameters, float(clip_val), sharding)
 
 
 def _import_class(path: str, key: str) -> type[nn.Module]:

@@ -46,17 +46,21 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--format", choices=["table", "json"], default="table")
     args = parser.parse_args(list(argv))
     try:
-        plan = _plan(args)
+        plan, placements = _plan(args)
     except (ValueError, KeyError, ImportError, AttributeError, TypeError) as error:
         return bad_input(error)
-    print(json.dumps(plan.to_dict(), indent=2) if args.format == "json" else format_table(plan))
+    print(
+        json.dumps(plan.to_dict(), indent=2) if args.format == "json" else "\n".join([*placements, format_table(plan)])
+    )
     return 0
 
 
-def _plan(args: argparse.Namespace) -> Any:
+def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """The memory plan, and the tensor-parallel plan's placement of each module (lines; none without TP)."""
     if not args.config and args.num_params is None:
         raise ValueError("give --config FILE or --num_params N")
-    precision, optimizer, activations = args.precision, args.optimizer, 0.0
+    precision, optimizer, activations, tensor_parallel = args.precision, args.optimizer, 0.0, None
+    placements: list[str] = []
     world_size = args.world_size
     if args.config:
         config = _merged_config(args.config)
@@ -74,13 +78,14 @@ def _plan(args: argparse.Namespace) -> Any:
             world_size = devices * nodes
         if "data" in config and args.activation_memory is None:
             activations = measure_activations(model, instantiate(config["data"]))
+        tensor_parallel, placements = _tensor_parallel(trainer, model, world_size)
     else:
         num_params = parse_count(args.num_params)
     if world_size is None:
         raise ValueError("give --world_size (a number >= 1)")
     if args.activation_memory is not None:
         activations = float(parse_size(args.activation_memory))
-    return plan_memory(
+    plan = plan_memory(
         num_params,
         world_size,
         parse_size(args.gpu_memory),
@@ -88,4 +93,26 @@ def _plan(args: argparse.Namespace) -> Any:
         optimizer=optimizer or "adam",
         activation_bytes=activations,
         headroom=args.headroom,
+        tensor_parallel=tensor_parallel,
     )
+    return plan, placements
+
+
+def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[tuple[int, int] | None, list[str]]:
+    """(T, split parameters) when the config's strategy is tensor-parallel, and its plan, a line a module."""
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("TensorParallelStrategy"):
+        init_args = strategy.get("init_args") or {}
+    elif strategy in ("tp", "fsdp_tp"):
+        init_args = {"tensor_parallel_size": 2} if strategy == "fsdp_tp" else {}
+    else:
+        return None, []
+    from lightning_mlopt.strategies.tp_plan import resolve
+
+    devices = trainer.get("devices")
+    # null: each node's devices; with devices: auto, the world given (one node)
+    size = init_args.get("tensor_parallel_size") or (devices if isinstance(devices, int) else world_size)
+    plan = resolve(model, init_args.get("tp_plan") or getattr(model, "tp_plan", None) or {}, size)
+    lines = [f"tensor-parallel plan ({size} ways, data-parallel {world_size // size}):"]
+    lines += [f"  {line}" for line in plan.describe()]
+    return (size, plan.split_elements(model)), lines

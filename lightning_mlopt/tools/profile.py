@@ -16,23 +16,19 @@ Arguments it does not know (``--trainer.devices=2``) go to every run.
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_mlopt.cli.bad_input import config_paths
-from lightning_mlopt.cli.commands import command_line
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.run_dir import (
-    CHECKPOINTS_DIR,
     PERF_DIR,
     PERF_SUMMARY_NAME,
     PROFILE_CHART_NAME,
     PROFILE_REPORT_NAME,
     PROFILE_RUNS_DIR,
 )
+from lightning_mlopt.tools._child_fit import checked_fit, run_child_fit
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments
 
 # Every measured run: its own run directory, no resume, no saves at the end, no logger, no validation.
@@ -94,13 +90,9 @@ def main(argv: Sequence[str]) -> int:
         if options.steps < 2:
             raise BadInputError(f"--steps must be >= 2 (the first step is warm-up), got {options.steps}")
         counts = _process_counts(options.scaling)
-        from lightning_mlopt.cli.entry import check_arguments
-        from lightning_mlopt.run_dir import resolve_run_dir
-
-        config = check_arguments(base_args).as_dict()
+        config, run_dir = checked_fit(base_args)
     except BadInputError as error:
         return bad_input(error)
-    run_dir = resolve_run_dir(config, config_paths(base_args))
     folder = run_dir / PROFILE_RUNS_DIR
     steps = options.steps + 1  # the monitor leaves the first batch out
     runs: dict[str, dict[str, Any]] = {}
@@ -128,31 +120,10 @@ def _loader_only_model(config: dict[str, Any]) -> str:
 
 
 def _measure(base_args: list[str], arguments: list[str], folder: Path) -> dict[str, Any] | int:
-    """Run one measured ``fit`` into ``folder``: its PerformanceMonitor summary, or the exit status to end with.
-
-    A run that failed is reported with the end of its log; its bad-input status 2 is passed on, others are 1.
-    """
-    from lightning_mlopt.process.child import child_fit_env, run_forwarding_signals
-
-    folder.mkdir(parents=True, exist_ok=True)
+    """Run one measured ``fit`` into ``folder``: its PerformanceMonitor summary, or the exit status to end with."""
     summary_path = folder / PERF_DIR / PERF_SUMMARY_NAME
-    summary_path.unlink(missing_ok=True)
-    command = command_line("fit", *base_args, *arguments, f"--run_dir={folder}")
-    log_path = folder / "output.log"
-    with open(log_path, "wb") as log:
-        code, signalled = run_forwarding_signals(command, log, child_fit_env())
-    shutil.rmtree(folder / CHECKPOINTS_DIR, ignore_errors=True)  # a measurement, not a run to resume
-    if code == 2:  # bad input: the run said why in one line, before writing anything
-        said = [line for line in log_path.read_text(errors="replace").splitlines() if line.startswith("error: ")]
-        sys.stderr.write((said[0] if said else f"error: bad input (see {log_path})") + "\n")
-        return 2
-    if code != 0 or not summary_path.is_file():
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        why = "it was signalled" if signalled else f"exit {code}" if code else "no summary was written"
-        sys.stderr.write(f"error: the measured run in {folder} failed ({why}); its log ends:\n")
-        sys.stderr.write("\n".join(tail) + "\n")
-        return 1
-    return dict(json.loads(summary_path.read_text()))
+    code = run_child_fit([*base_args, *arguments], folder, expected=summary_path)
+    return code if code else dict(json.loads(summary_path.read_text()))
 
 
 def _title(configs: Sequence[str], steps: int) -> str:

@@ -160,3 +160,22 @@ def test_the_gpt_demo_at_gpu_size_plans_near_what_an_h200_held():
     plan = plan_memory(params, 1, 140 * 10**9, "mixed", "adam", measure_activations(model, data))
     ddp = next(row for row in plan.rows if row.strategy == "ddp")
     assert 16.0e9 <= ddp.total <= 16.0e9 * 1.3, ddp.total  # on the safe side, within 30%
+
+
+@pytest.mark.slow
+def test_tensor_parallel_rows_place_each_module_and_divide_as_the_plan_does(tmp_path):
+    fsdp_tp = ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "fsdp_tp.yaml")]
+    result = run_cli([*fsdp_tp, "--world_size", "4"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "tensor-parallel plan (2 ways, data-parallel 2):"
+    assert "  model.layers.0.attn.qkv: colwise, out_features 384 -> 192 a rank" in lines
+    rows = {
+        line.split()[0]: [float(x) for x in line.split()[1:7]] for line in lines if line.startswith(("ddp ", "fsdp2"))
+    }
+    ddp, tp = rows["ddp"], rows["fsdp2xtp2"]
+    # The plan splits most parameters 2 ways; FSDP halves everything again: a little over a quarter of DDP's.
+    assert 0.25 < tp[0] / ddp[0] < 0.27 and tp[2] / ddp[2] == pytest.approx(tp[0] / ddp[0], rel=0.01)
+    # A plan that does not fit the model is bad input here too.
+    bad = run_cli([*fsdp_tp, "--world_size", "3"], cwd=tmp_path)
+    assert bad.returncode == 2 and "must divide the world size (3)" in bad.stderr

@@ -114,13 +114,13 @@ def test_a_new_strategy_is_one_spec():
 
     tp = StrategySpec(
         _TensorParallel,
-        names={"tp": ({}, "tensor parallel"), "fsdp_tp": ({"data_parallel": "fsdp"}, "2D: FSDP x TP")},
+        names={"tp_sketch": ({}, "tensor parallel"), "fsdp_tp_sketch": ({"data_parallel": "fsdp"}, "2D: FSDP x TP")},
         layout=CheckpointLayout("TP shards", lambda state, trust=False: {"state_dict": {}}, resumes_from=(DCP_SHARDS,)),
         overlays=("tp.yaml",),
     )
     names, layouts = names_table((*SPECS, tp)), layouts_table((*SPECS, tp))
-    assert names["fsdp_tp"] == (_TensorParallel, {"data_parallel": "fsdp"}, "2D: FSDP x TP")
-    assert _TensorParallel.strategy_name == "mlopt_tp"  # derived from the spec, not written on the class
+    assert names["fsdp_tp_sketch"] == (_TensorParallel, {"data_parallel": "fsdp"}, "2D: FSDP x TP")
+    assert _TensorParallel.strategy_name == "mlopt_tp_sketch"  # derived from the spec, not written on the class
     assert can_resume(DCP_SHARDS, layouts["TP shards"]) and layouts["TP shards"].read(CONFIGS) == {"state_dict": {}}
     assert contract_of(_TensorParallel("cpu")).checkpoint_layout == "TP shards"
     with pytest.raises(ValueError, match="claimed by"):

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -43,7 +44,10 @@ class RecordTraining(pl.Callback):
         hook = None
         if isinstance(wrapped, DistributedDataParallel):
             hook = wrapped._get_ddp_logging_data().get("comm_hook")
-        params = torch.cat([p.detach().float().flatten() for p in pl_module.parameters()])
+        # Whole parameters (collective for DTensors: every rank is here): tensor parallelism mixes DTensors and
+        # plain tensors, which one cat cannot take.
+        whole = [p.full_tensor() if isinstance(p, DTensor) else p for p in pl_module.parameters()]
+        params = torch.cat([p.detach().float().flatten() for p in whole])
         record = {
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,

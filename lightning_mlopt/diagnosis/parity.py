@@ -1,0 +1,178 @@
+"""Is a parallel configuration silently wrong? What a run records for the comparison, and the comparison.
+
+The ``parity`` tool (``tools/parity.py``) runs a few steps of a configuration and of a one-process reference
+of the same model, seed and data, each with :class:`ParityRecorder`, then compares them with
+:func:`compare`: the losses step by step, the first step's gradients and the final parameters tensor by
+tensor, every tensor whole (DTensor shards gathered, ZeRO-3 partitions too).
+
+Example::
+
+    verdict = compare(load_record(parallel_folder), load_record(reference_folder))
+    print(verdict.summary)  # "parity: ... match the one-process run" or the first tensor that diverges
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_mlopt.distributed.state import full_parameters
+
+RECORD_NAME = "parity.pt"
+
+
+class ParityRecorder(pl.Callback):
+    """Records on rank zero what :func:`compare` needs, in ``out_dir/parity.pt``.
+
+    Each step's loss over the whole job, the first step's full gradients and the final full parameters. The
+    loss is averaged over every rank (collective, each step): the ranks of a tensor-parallel group hold the
+    same loss, so the world's mean is the data-parallel groups' mean, the loss of the global batch.
+
+    Args:
+        out_dir: the folder for ``parity.pt``.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ParityRecorder("parity/parallel")], max_steps=4)
+
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.losses: list[float] = []
+        self.gradients: dict[str, Tensor] | None = None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = loss.detach().float().clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        self.losses.append(float(loss))
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.gradients is None:  # the first step: before clipping and before any update
+            self.gradients = {
+                name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().cpu()
+                for name, p in pl_module.named_parameters()
+                if p.grad is not None
+            }
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        params = full_parameters(pl_module)  # collective: every rank calls it
+        if trainer.global_rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            record = {
+                "losses": self.losses,
+                "gradients": self.gradients or {},
+                "parameters": {name: value.float() for name, value in params.items()},
+                "data_parallel_size": data_parallel_size(trainer),
+            }
+            torch.save(record, self.out_dir / RECORD_NAME)
+
+
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """How many different batches a step of ``trainer`` trains on (world / tensor-parallel size)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", trainer.world_size))
+
+
+def load_record(folder: Path) -> dict[str, Any]:
+    """What :class:`ParityRecorder` wrote in ``folder``."""
+    record: dict[str, Any] = torch.load(folder / RECORD_NAME, weights_only=True)
+    return record
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``||a - b|| <= rtol * ||b||`` over a whole tensor: how far a tensor may be from the reference's.
+
+    Over the whole tensor, not elementwise: Adam's first updates are about ``lr * sign(grad)``, so an element
+    whose gradient is rounding noise moves by the learning rate either way, while the tensor stays close.
+    fp32 sums taken in another order differ by ~1e-6 relative; bf16 by ~1e-2.
+    """
+
+    rtol: float
+
+    def close(self, actual: Tensor, expected: Tensor) -> tuple[bool, float]:
+        """Whether ``actual`` matches ``expected``, and their relative difference."""
+        if actual.shape != expected.shape:
+            return False, float("inf")
+        scale = float(expected.norm())
+        relative = float((actual - expected).norm()) / scale if scale > 0 else float((actual - expected).norm())
+        return relative <= self.rtol, relative
+
+
+FP32 = Tolerance(rtol=1e-3)
+HALF = Tolerance(rtol=5e-2)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The comparison's outcome: whether the runs match, and the line (or lines) that say so."""
+
+    matches: bool
+    summary: str
+
+
+def compare(parallel: dict[str, Any], reference: dict[str, Any], tolerance: Tolerance = FP32) -> Verdict:
+    """Compare a configuration's record with the one-process reference's: losses, then gradients, then parameters.
+
+    Example::
+
+        >>> same = {"losses": [2.0, 1.5], "gradients": {"w": torch.ones(2)}, "parameters": {"w": torch.zeros(2)}}
+        >>> compare(same, same).matches
+        True
+    """
+    steps = min(len(parallel["losses"]), len(reference["losses"]))
+    lines = []
+    for step in range(steps):
+        actual, expected = torch.tensor(parallel["losses"][step]), torch.tensor(reference["losses"][step])
+        if not tolerance.close(actual, expected)[0]:
+            lines.append(
+                f"the loss diverges at step {step}: {float(actual):.6g} here, {float(expected):.6g} in one process"
+            )
+            break
+    largest: dict[str, float] = {}
+    for kind, when in (("gradients", "at the first step"), ("parameters", f"after {steps} steps")):
+        mine, theirs = parallel[kind], reference[kind]
+        missing = sorted(set(theirs) - set(mine))
+        if missing and mine:
+            lines.append(f"{kind} missing here that one process has: {', '.join(missing[:5])}")
+        largest[kind] = 0.0
+        for name, expected in theirs.items():
+            if name not in mine:
+                continue
+            close, difference = tolerance.close(mine[name], expected)
+            largest[kind] = max(largest[kind], difference)
+            if not close:
+                lines.append(
+                    f"first diverging {kind[:-1]} {when}: {name} (relative difference {difference:.3g}, "
+                    f"tolerance {tolerance.rtol:g})"
+                )
+                break
+    if not parallel["gradients"]:
+        largest["gradients"] = float("nan")  # the strategy keeps them in its own partitions (DeepSpeed ZeRO)
+    if lines:
+        return Verdict(False, "parity: DIVERGES from the one-process run\n" + "\n".join(f"  {line}" for line in lines))
+    return Verdict(
+        True,
+        f"parity: {steps} steps match the one-process run (losses, {len(reference['gradients'])} gradients, "
+        f"{len(reference['parameters'])} parameters; largest relative differences: gradient "
+        f"{largest['gradients']:.2g}, parameter {largest['parameters']:.2g})",
+    )

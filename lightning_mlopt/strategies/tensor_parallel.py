@@ -1,0 +1,193 @@
+"""Tensor parallelism (and FSDP x TP) from a YAML plan, applied to an unmodified LightningModule."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from typing_extensions import override
+
+from lightning_mlopt.distributed.sharding import SubMeshSharding
+from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.strategies import fsdp
+from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
+from lightning_mlopt.strategies.spec import StrategySpec
+from lightning_mlopt.strategies.tp_plan import ResolvedPlan, resolve
+
+DATA, TENSOR = "data", "tensor"  # the mesh's dimensions: (data-parallel, tensor-parallel)
+
+
+@runtime_checkable
+class DeclaresTPPlan(Protocol):
+    """A LightningModule that ships its own tensor-parallel plan (used when the strategy is given none).
+
+    Example::
+
+        class MyModel(LightningModule):
+            tp_plan = {"net.*.fc1": "colwise", "net.*.fc2": "rowwise"}
+    """
+
+    tp_plan: Mapping[str, str]
+
+
+class TensorParallelStrategy(FSDPStrategy):
+    """Tensor parallelism from a plan in YAML, with FSDP over the data-parallel dimension (2D) when it is > 1.
+
+    The world is a 2-D mesh ``(data, tensor)``: ``tensor_parallel_size`` consecutive ranks (one node's GPUs,
+    where the all-reduces are cheap) split each planned layer Megatron-style (column-wise, then row-wise, one
+    all-reduce per pair), and ``world / tensor_parallel_size`` data-parallel groups each get their own slice of
+    the data, their parameters sharded by FSDP with the FSDP keys below (``wrap_classes``,
+    ``reshard_after_forward``, mixed precision, activation checkpointing). The user's module is not changed;
+    the plan names its modules (see :mod:`lightning_mlopt.strategies.tp_plan` for the styles) and is checked
+    before any process group starts. Checkpoints are DCP folders, like FSDP's, and load at another layout.
+
+    A model is tensor-parallel-correct when it works from the width it is given: heads counted from the local
+    projection's width (``view(batch, time, -1, head_dim)``, never a fixed head count), and a fused projection
+    laid out so that a column split keeps whole heads.
+
+    Args:
+        tensor_parallel_size: ranks that split each planned layer; must divide the world size. None: each
+            node's devices (then the data-parallel dimension is the node count).
+        tp_plan: module-name glob -> style, e.g. ``{"model.layers.*.mlp.0": "colwise"}``. None: the model's own
+            ``tp_plan`` attribute (:class:`DeclaresTPPlan`).
+        wrap_classes, min_params_to_wrap, reshard_after_forward, activation_checkpointing, param_dtype,
+            reduce_dtype, cpu_offload, save_distributed_checkpoint, timeout_minutes, process_group_backend:
+            as for :class:`~lightning_mlopt.strategies.FSDPStrategy` (the FSDP ones act when the data-parallel
+            dimension is > 1; activation checkpointing always).
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` < 1.
+
+    Example::
+
+        strategy = TensorParallelStrategy(
+            tensor_parallel_size=2,
+            tp_plan={"model.layers.*.attn.qkv": "colwise", "model.layers.*.attn.proj": "rowwise"},
+        )
+        trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # 2 x 2: FSDP x TP
+
+    """
+
+    sharding = SubMeshSharding()  # a parameter left out of the plan is held by every tensor-parallel rank
+
+    def __init__(
+        self,
+        tensor_parallel_size: int | None = None,
+        tp_plan: Mapping[str, str] | None = None,
+        wrap_classes: Sequence[str] = (),
+        min_params_to_wrap: int | None = None,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: Sequence[str] = (),
+        param_dtype: DType | None = None,
+        reduce_dtype: DType | None = None,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        timeout_minutes: float = 30.0,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+    ) -> None:
+        if tensor_parallel_size is not None and tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        super().__init__(
+            wrap_classes=wrap_classes,
+            min_params_to_wrap=min_params_to_wrap,
+            reshard_after_forward=reshard_after_forward,
+            activation_checkpointing=activation_checkpointing,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            timeout_minutes=timeout_minutes,
+            process_group_backend=process_group_backend,
+        )
+        self._tensor_parallel_size = tensor_parallel_size
+        self.tp_plan = dict(tp_plan) if tp_plan is not None else None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks that split each planned layer (each node's devices unless set)."""
+        return self._tensor_parallel_size or self.num_processes
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel groups: ``world / tensor_parallel_size``."""
+        return self.world_size // self.tensor_parallel_size
+
+    def plan_for(self, module: nn.Module) -> ResolvedPlan:
+        """The plan resolved against ``module`` and checked (the CLI calls it through ``check_model``).
+
+        Raises:
+            BadInputError: no plan, a world size the tensor-parallel size does not divide, or a plan that does
+                not fit the model (see :func:`~lightning_mlopt.strategies.tp_plan.resolve`).
+
+        """
+        plan = self.tp_plan
+        if plan is None:
+            plan = module.tp_plan if isinstance(module, DeclaresTPPlan) else None
+        if plan is None:
+            raise BadInputError(
+                f"TensorParallelStrategy needs a plan: {type(module).__name__} declares no tp_plan and "
+                "trainer.strategy.init_args.tp_plan is not set (see configs/strategies/tp.yaml)"
+            )
+        size, world = self.tensor_parallel_size, self.world_size
+        if world % size:
+            raise BadInputError(
+                f"tensor_parallel_size={size} must divide the world size ({world} = devices x nodes); "
+                f"choose a divisor of {world}"
+            )
+        return resolve(module, plan, size)
+
+    @override
+    def check_model(self, module: nn.Module) -> None:
+        """FSDP's check of the class names, then the plan's (globs, styles, dimensions, consumers)."""
+        super().check_model(module)
+        self.plan_for(module)
+
+    @property
+    @override
+    def shard_mesh(self) -> DeviceMesh:
+        """FSDP shards over the data-parallel dimension only."""
+        return self.device_mesh[DATA]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The ranks of one tensor-parallel group compute one model replica: they must see the same batch.
+        data = self.device_mesh[DATA]
+        return {"num_replicas": data.size(), "rank": data.get_local_rank()}
+
+    @override
+    def _build_mesh(self) -> DeviceMesh:
+        shape = (self.data_parallel_size, self.tensor_parallel_size)
+        return init_device_mesh(self.root_device.type, shape, mesh_dim_names=(DATA, TENSOR))
+
+    @override
+    def _shard(self, module: nn.Module) -> None:
+        """Split the planned layers over the tensor dimension, then FSDP over the data dimension (if > 1).
+
+        A module that parallelized itself in ``configure_model`` (Lightning's recipe) is left as it is.
+        """
+        if any(isinstance(param, DTensor) for param in module.parameters()):
+            return
+        plan = self.plan_for(module)
+        parallelize_module(module, self.device_mesh[TENSOR], plan.parallelize_plan())
+        if self.data_parallel_size > 1:
+            super()._shard(module)  # activation checkpointing, then fully_shard on the data mesh
+        else:
+            self._checkpoint_activations(module)
+
+
+SPEC = StrategySpec(
+    TensorParallelStrategy,
+    names={
+        "tp": ({}, "tensor parallel over each node's devices, FSDP across nodes; plan from YAML or the model"),
+        "fsdp_tp": ({"tensor_parallel_size": 2}, "2-way tensor parallel, FSDP over the rest (2D)"),
+    },
+    layout=fsdp.SPEC.layout,  # DCP folders, read and resharded like FSDP's
+    overlays=("tp.yaml", "fsdp_tp.yaml", "tp_hf.yaml"),
+)
+
+__all__ = ["DeclaresTPPlan", "TensorParallelStrategy"]

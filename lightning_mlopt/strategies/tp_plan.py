@@ -1,0 +1,224 @@
+"""A tensor-parallel plan from YAML: module-name globs to styles, resolved against the model and checked.
+
+A plan maps globs over the LightningModule's module names to a style::
+
+    tp_plan:
+      model.layers.*.attn.qkv: colwise      # split the output features across the tensor-parallel ranks
+      model.layers.*.attn.proj: rowwise     # split the input features; one all-reduce gives the full output
+      model.lm_head: colwise_replicated     # split, then all-gather the logits
+
+``*`` matches any part of a name, dots included, so ``*.q_proj`` finds every ``q_proj`` at any depth, and a
+glob without ``*`` names one module. :func:`resolve` turns the globs into concrete module names and checks
+them before any process group starts: every glob matches a module; each style fits its module (a Linear for
+the linear styles, an Embedding for the embedding ones); the split dimension and any head count divide by the
+tensor-parallel size; and a column-wise module's split output is consumed by a row-wise module in the same
+scope. What no static check sees (a fused projection split in the wrong places, a ``view`` with a fixed head
+count) the parity test catches against a one-process run.
+
+Example::
+
+    plan = resolve(module, {"model.layers.*.attn.qkv": "colwise", "model.layers.*.attn.proj": "rowwise"}, 2)
+    parallelize_module(module, tp_mesh, plan.parallelize_plan())
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_mlopt.exceptions import BadInputError
+
+HEAD_COUNT_ATTRIBUTES = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_head")
+
+
+@dataclass(frozen=True)
+class Style:
+    """One plan style: which module it fits, which dimension it splits, and the torch style it becomes.
+
+    Args:
+        module_class: the class the module must be (or subclass).
+        split_dimension: the module attribute that the tensor-parallel size must divide.
+        make: builds the ``torch.distributed.tensor.parallel`` style.
+        splits_output: the module's output stays split across ranks (a row-wise module must consume it).
+        description: one line for the docs and the error messages.
+
+    """
+
+    module_class: type[nn.Module]
+    split_dimension: str
+    make: Callable[[], ParallelStyle]
+    splits_output: bool
+    description: str
+
+
+STYLES: dict[str, Style] = {
+    "colwise": Style(
+        nn.Linear,
+        "out_features",
+        ColwiseParallel,
+        splits_output=True,
+        description="output features split across ranks; a rowwise module in the same scope consumes them",
+    ),
+    "rowwise": Style(
+        nn.Linear,
+        "in_features",
+        RowwiseParallel,
+        splits_output=False,
+        description="input features split (a colwise module's output); one all-reduce gives the full output",
+    ),
+    "colwise_replicated": Style(
+        nn.Linear,
+        "out_features",
+        lambda: ColwiseParallel(output_layouts=Replicate()),
+        splits_output=False,
+        description="output features split, then all-gathered (e.g. an LM head whose loss needs all logits)",
+    ),
+    "embedding_rowwise": Style(
+        nn.Embedding,
+        "num_embeddings",
+        lambda: RowwiseParallel(input_layouts=Replicate()),
+        splits_output=False,
+        description="the vocabulary split across ranks; one all-reduce gives every token's embedding",
+    ),
+    "embedding_colwise": Style(
+        nn.Embedding,
+        "embedding_dim",
+        lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        splits_output=False,
+        description="the embedding width split across ranks, then all-gathered",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan whose globs are resolved to module names: ``{name: style}`` in the model's module order."""
+
+    styles: dict[str, str]
+    size: int
+    widths: dict[str, int]  # each planned module's split dimension, unsplit
+
+    def parallelize_plan(self) -> dict[str, ParallelStyle]:
+        """The plan ``parallelize_module`` takes: each resolved module name and its torch style."""
+        return {name: STYLES[style].make() for name, style in self.styles.items()}
+
+    def split_elements(self, module: nn.Module) -> int:
+        """Elements of ``module``'s parameters that the plan splits (each rank holds ``1 / size`` of them).
+
+        A split module's weight always; its bias where the output features are split (column-wise).
+        """
+        modules = dict(module.named_modules())
+        total = 0
+        for name, style in self.styles.items():
+            for kind, param in modules[name].named_parameters(recurse=False):
+                if kind == "weight" or STYLES[style].split_dimension in ("out_features", "embedding_dim"):
+                    total += param.numel()
+        return total
+
+    def describe(self) -> list[str]:
+        """One line per planned module, e.g. ``model.layers.0.attn.qkv: colwise, out_features 384 -> 192 a rank``."""
+        return [
+            f"{name}: {style}, {STYLES[style].split_dimension} {self.widths[name]} -> "
+            f"{self.widths[name] // self.size} a rank"
+            for name, style in self.styles.items()
+        ]
+
+
+def resolve(module: nn.Module, plan: Mapping[str, str], size: int) -> ResolvedPlan:
+    """Resolve ``plan``'s globs against ``module`` and check that the plan fits it at tensor-parallel ``size``.
+
+    Raises:
+        BadInputError: an unknown style, a glob that matches nothing (the nearest module names are given), a
+            module claimed by two styles, a style on the wrong kind of module, a dimension or head count that
+            ``size`` does not divide, or a column-wise output that nothing row-wise consumes.
+
+    Example::
+
+        >>> gpt = nn.ModuleDict({"fc": nn.Linear(8, 32), "out": nn.Linear(32, 8)})
+        >>> resolve(gpt, {"fc": "colwise", "out": "rowwise"}, 2).styles
+        {'fc': 'colwise', 'out': 'rowwise'}
+
+    """
+    if not plan:
+        raise BadInputError("tp_plan is empty: give module-name globs and styles, e.g. configs/strategies/tp.yaml")
+    modules = dict(module.named_modules())
+    styles: dict[str, str] = {}
+    claimed_by: dict[str, str] = {}
+    for glob, style in plan.items():
+        if style not in STYLES:
+            raise BadInputError(f"tp_plan[{glob!r}]: unknown style {style!r}; choose one of {', '.join(STYLES)}")
+        matched = [name for name in modules if name and fnmatchcase(name, glob)]
+        if not matched:
+            raise BadInputError(f"tp_plan: {glob!r} matches no module of the model.{_nearest(glob, modules)}")
+        for name in matched:
+            if name in styles and styles[name] != style:
+                raise BadInputError(
+                    f"tp_plan: module {name} is {styles[name]} by {claimed_by[name]!r} and {style} by {glob!r}; "
+                    "give each module one style"
+                )
+            styles[name], claimed_by[name] = style, glob
+    ordered = {name: styles[name] for name in modules if name in styles}
+    for name, style in ordered.items():
+        _check_fit(name, modules[name], style, size)
+    _check_head_counts(modules, ordered, size)
+    _check_split_outputs_are_consumed(ordered)
+    widths = {name: getattr(modules[name], STYLES[style].split_dimension) for name, style in ordered.items()}
+    return ResolvedPlan(ordered, size, widths)
+
+
+def _check_fit(name: str, module: nn.Module, style: str, size: int) -> None:
+    spec = STYLES[style]
+    if not isinstance(module, spec.module_class):
+        kind = spec.module_class.__name__
+        raise BadInputError(
+            f"tp_plan: {name} ({type(module).__name__}) cannot be {style}: that style splits an nn.{kind} "
+            f"({spec.description})"
+        )
+    width = getattr(module, spec.split_dimension)
+    if width % size:
+        raise BadInputError(
+            f"tp_plan: {name} ({style}) splits {spec.split_dimension}={width}, which tensor_parallel_size={size} "
+            "does not divide; choose a size that divides it, or leave the module out of the plan"
+        )
+
+
+def _check_head_counts(modules: Mapping[str, nn.Module], styles: Mapping[str, str], size: int) -> None:
+    for owner, module in modules.items():
+        for attribute in HEAD_COUNT_ATTRIBUTES:
+            heads = getattr(module, attribute, None)
+            if not isinstance(heads, int) or isinstance(heads, bool):
+                continue
+            inside = [name for name in styles if owner == "" or name.startswith(f"{owner}.")]
+            if inside and heads % size:
+                raise BadInputError(
+                    f"tp_plan: {owner or 'the model'}.{attribute}={heads} does not divide by "
+                    f"tensor_parallel_size={size}, and {inside[0]} is split: each rank must hold whole heads"
+                )
+
+
+def _check_split_outputs_are_consumed(styles: Mapping[str, str]) -> None:
+    rowwise = [name for name, style in styles.items() if style == "rowwise"]
+    for name, style in styles.items():
+        if not STYLES[style].splits_output:
+            continue
+        scope = name.rpartition(".")[0]
+        if not any(not scope or other.startswith(f"{scope}.") for other in rowwise):
+            raise BadInputError(
+                f"tp_plan: {name} is {style}, so its output stays split across ranks, and no rowwise module in "
+                f"{scope or 'the model'} consumes it; plan the module that takes its output as rowwise, or make "
+                f"{name} colwise_replicated"
+            )
+
+
+def _nearest(glob: str, modules: Mapping[str, nn.Module]) -> str:
+    # Compare against names with their indices starred: `layers.*.attn.qvk` is near `layers.*.attn.qkv`.
+    starred = list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", name) for name in modules if name))
+    close = difflib.get_close_matches(glob, starred, n=3, cutoff=0.5)
+    return f" Nearest names: {', '.join(close)}" if close else f" Its modules include: {', '.join(starred[:6])}"

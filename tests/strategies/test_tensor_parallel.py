@@ -1,0 +1,115 @@
+"""Tensor parallelism through the real CLI on CPU (gloo), against runs without it.
+
+- TP=2 on 2 processes (``configs/strategies/tp.yaml``) trains the GPT demo as one process does: the same
+  losses and final parameters, fp32, with gradient clipping active (so the global norm over DTensor shards
+  and replicated parameters is the one-process norm), and each rank holds its split of the planned matrices.
+- FSDP x TP, 2 x 2 on 4 processes (``fsdp_tp.yaml``), trains as DDP on 2 processes does (the session's
+  shared run: the same global batch of 2 x 16, the same data order).
+- ``tp_hf.yaml``, written for Hugging Face's module names, trains a Llama-shaped model (grouped-query
+  attention, SwiGLU, RMSNorm) at TP=2 as one process does.
+
+The one-process reference is our DDP at one device: like the TP run (whose data-parallel size is 1) it reads
+the data through a one-replica DistributedSampler, so both see the same batches in the same order.
+Tolerances as in test_strategy_equivalence.py: the all-reduces sum partial products in another order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_mlopt.demos import GPTLanguageModel
+from lightning_mlopt.planning.memory import plan_memory
+from lightning_mlopt.strategies.tp_plan import resolve
+from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_STEPS
+from tests.support.llama_style import LlamaStyleLM
+from tests.support.strategy_runs import TrainedRun, train
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainedRun]:
+    root = tmp_path_factory.mktemp("tp_runs")
+    return {
+        "tp": train(root, "tp", "tp", STEPS, devices=2, extra=(SHARED_RUN_CLIP,)),
+        "one": train(root, "one", "ddp", STEPS, devices=1, extra=(SHARED_RUN_CLIP,)),
+    }
+
+
+def _assert_same_training(run: TrainedRun, reference: TrainedRun, rank_pairs: dict[int, int]) -> None:
+    for rank, reference_rank in rank_pairs.items():
+        expected = torch.tensor(reference.records[reference_rank]["losses"])
+        torch.testing.assert_close(torch.tensor(run.records[rank]["losses"]), expected, rtol=1e-4, atol=0)
+    assert run.params.keys() == reference.params.keys()
+    for name, value in reference.params.items():
+        torch.testing.assert_close(run.params[name], value, rtol=0, atol=1e-4, msg=name)
+    losses = reference.records[0]["losses"]
+    assert losses[-1] < losses[0], "the reference trained: agreeing on doing nothing proves nothing"
+
+
+def _strategy_class_path(run: TrainedRun) -> str:
+    return yaml.safe_load((run.run_dir / "config.yaml").read_text())["trainer"]["strategy"]["class_path"]
+
+
+@pytest.mark.multiprocess
+def test_tp2_trains_the_one_process_model(gpt_runs):
+    # Both ranks of the tensor-parallel group computed the same loss from the same batch.
+    _assert_same_training(gpt_runs["tp"], gpt_runs["one"], {0: 0, 1: 0})
+    assert _strategy_class_path(gpt_runs["tp"]) == "lightning_mlopt.strategies.TensorParallelStrategy"
+
+
+@pytest.mark.multiprocess
+def test_tp2_ranks_hold_their_split_of_the_planned_matrices(gpt_runs):
+    # The bytes each rank holds, worked out from the plan: split weights (and column-wise biases) halved,
+    # row-wise biases, norms and the position embedding whole.
+    model = GPTLanguageModel(**yaml.safe_load((CONFIGS / "gpt.yaml").read_text())["model"]["init_args"])
+    plan_of = resolve(model, GPTLanguageModel.tp_plan, 2)
+    plan = plan_of.styles
+    expected = 0
+    for name, param in model.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        split = owner in plan and (kind == "weight" or plan[owner].startswith("colwise"))
+        expected += param.numel() * 4 // (2 if split else 1)
+    for record in gpt_runs["tp"].records:
+        assert record["state_bytes"]["parameters"] == expected
+        assert record["state_bytes"]["optimizer_state"] == pytest.approx(2 * expected, rel=0.01)
+    whole = gpt_runs["one"].records[0]["state_bytes"]["parameters"]
+    assert 0.5 < expected / whole < 0.6
+    # The planner's TP row says the same (fp32: 4 bytes a parameter).
+    total = sum(p.numel() for p in model.parameters())
+    row = plan_memory(total, 2, 10**9, precision="fp32", tensor_parallel=(2, plan_of.split_elements(model))).rows[-1]
+    assert (row.strategy, row.parameters) == ("tp2", expected)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_x_tp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
+    run = train(tmp_path, "fsdp_tp", "fsdp_tp", SHARED_RUN_STEPS, devices=4, extra=(SHARED_RUN_CLIP,))
+    # Ranks 0 and 1 are data-parallel rank 0 (one tensor-parallel pair), ranks 2 and 3 data-parallel rank 1.
+    _assert_same_training(run, strategy_runs["ddp"], {0: 0, 1: 0, 2: 1, 3: 1})
+    # 2D: every parameter is sharded over the data dimension, the planned ones over the tensor one too.
+    one_rank = run.records[0]["state_bytes"]["parameters"]
+    assert one_rank < 0.3 * strategy_runs["ddp"].records[0]["state_bytes"]["parameters"]
+
+
+def _llama_config(tmp_path: Path) -> str:
+    config = {
+        "seed_everything": 1234,
+        "model": {"class_path": "tests.support.llama_style.LlamaStyleLM", "init_args": {"n_layer": 2}},
+        "data": yaml.safe_load((CONFIGS / "gpt.yaml").read_text())["data"],
+        "trainer": {"gradient_clip_val": 0.05},
+    }
+    (tmp_path / "llama.yaml").write_text(yaml.safe_dump(config))
+    return str(tmp_path / "llama.yaml")
+
+
+@pytest.mark.multiprocess
+def test_the_hugging_face_overlay_trains_a_llama_shaped_model_like_one_process(tmp_path):
+    llama = ("--config", _llama_config(tmp_path))
+    tp = train(tmp_path, "tp_hf", "tp_hf", STEPS, devices=2, extra=llama)  # the overlay by its file
+    one = train(tmp_path, "one", "ddp", STEPS, devices=1, extra=llama)
+    _assert_same_training(tp, one, {0: 0, 1: 0})
+    assert LlamaStyleLM.__name__ in (tp.run_dir / "config.yaml").read_text()
