@@ -103,13 +103,13 @@ class TensorParallelStrategy(FSDPStrategy):
             timeout_minutes=timeout_minutes,
             process_group_backend=process_group_backend,
         )
-        self._tensor_parallel_size = tensor_parallel_size
+        self._requested_tensor_parallel_size = tensor_parallel_size
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
 
     @property
     def tensor_parallel_size(self) -> int:
         """Ranks that split each planned layer (each node's devices unless set)."""
-        return self._tensor_parallel_size or self.num_processes
+        return self._requested_tensor_parallel_size or self.num_processes
 
     @property
     def data_parallel_size(self) -> int:
