@@ -84,7 +84,10 @@ def main(argv: Sequence[str]) -> int:
     from lightning_mlopt.diagnosis.parity import FP32, HALF, compare, load_record
 
     parallel = load_record(folder / "configured")
-    batch = _reference_batch(config, parallel["data_parallel_size"])
+    try:
+        batch = _reference_batch(config, parallel["data_parallel_size"])
+    except BadInputError as error:
+        return bad_input(error)
     print(f"parity: {options.steps} steps of the one-process reference ...", flush=True)
     code = _run([*base_args, *_COMPARED_RUN, *steps, *_REFERENCE, *batch], folder / "reference")
     if code:
@@ -97,20 +100,21 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _reference_batch(config: dict[str, Any], data_parallel: int) -> list[str]:
-    """``--data.init_args.batch_size=B x D``: the reference's one batch is the configured run's global batch."""
+    """``--data.init_args.batch_size=B x D``: the reference's one batch is the configured run's global batch.
+
+    Raises:
+        BadInputError: D > 1 and the data module takes no ``batch_size`` to scale.
+
+    """
     if data_parallel == 1:
         return []
     data = config.get("data") or {}
     batch = (data.get("init_args") or {}).get("batch_size") if isinstance(data, dict) else None
     if not isinstance(batch, int):
-        raise SystemExit(
-            bad_input(
-                BadInputError(
-                    f"parity: the configured run has {data_parallel} data-parallel ranks, so the reference needs "
-                    "their global batch in one, and the data module has no data.init_args.batch_size to scale; "
-                    "give the data module a batch_size argument"
-                )
-            )
+        raise BadInputError(
+            f"parity: the configured run has {data_parallel} data-parallel ranks, so the reference needs their "
+            "global batch in one, and the data module has no data.init_args.batch_size to scale; give the data "
+            "module a batch_size argument"
         )
     return [f"--data.init_args.batch_size={batch * data_parallel}"]
 

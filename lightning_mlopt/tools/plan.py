@@ -100,15 +100,16 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
 
 def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[tuple[int, int] | None, list[str]]:
     """(T, split parameters) when the config's strategy is tensor-parallel, and its plan, a line a module."""
-    strategy = trainer.get("strategy")
-    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("TensorParallelStrategy"):
-        init_args = strategy.get("init_args") or {}
-    elif strategy in ("tp", "fsdp_tp"):
-        init_args = {"tensor_parallel_size": 2} if strategy == "fsdp_tp" else {}
-    else:
-        return None, []
+    from lightning_mlopt.strategies import STRATEGIES, TensorParallelStrategy
     from lightning_mlopt.strategies.tp_plan import resolve
 
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith(TensorParallelStrategy.__name__):
+        init_args = strategy.get("init_args") or {}
+    elif isinstance(strategy, str) and STRATEGIES.get(strategy, (None,))[0] is TensorParallelStrategy:
+        init_args = STRATEGIES[strategy][1]  # the YAML name's own arguments (fsdp_tp: tensor_parallel_size 2)
+    else:
+        return None, []
     devices = trainer.get("devices")
     # null: each node's devices; with devices: auto, the world given (one node)
     size = init_args.get("tensor_parallel_size") or (devices if isinstance(devices, int) else world_size)
