@@ -7,6 +7,8 @@
   shared run: the same global batch of 2 x 16, the same data order).
 - ``tp_hf.yaml``, written for Hugging Face's module names, trains a Llama-shaped model (grouped-query
   attention, SwiGLU, RMSNorm) at TP=2 as one process does.
+- A TP=2 checkpoint resumes under FSDP on 2 processes, and that one on one process (DCP reshards each time:
+  the tensor split, then the data split, undone), with every parameter restored exactly.
 
 The one-process reference is our DDP at one device: like the TP run (whose data-parallel size is 1) it reads
 the data through a one-replica DistributedSampler, so both see the same batches in the same order.
@@ -21,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.planning.memory import plan_memory
 from lightning_mlopt.strategies.tp_plan import resolve
@@ -93,6 +96,26 @@ def test_fsdp_x_tp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
     # 2D: every parameter is sharded over the data dimension, the planned ones over the tensor one too.
     one_rank = run.records[0]["state_bytes"]["parameters"]
     assert one_rank < 0.3 * strategy_runs["ddp"].records[0]["state_bytes"]["parameters"]
+
+
+def _resume(tmp_path: Path, name: str, first: TrainedRun, strategy: str, devices: int, steps: int) -> TrainedRun:
+    """Train on from ``first``'s newest checkpoint to ``steps``; assert every parameter came back exactly."""
+    saved = CheckpointStore(first.run_dir / "checkpoints").newest_valid()
+    assert saved is not None
+    run = train(tmp_path, name, strategy, steps, devices, extra=(f"--ckpt_path={saved.path / STATE_NAME}",))
+    start = torch.load(tmp_path / name / "start_params.pt")
+    assert start["step"] == saved.step
+    assert start["params"].keys() == first.params.keys()
+    for param, value in first.params.items():
+        assert torch.equal(start["params"][param], value), f"{param} was not restored exactly"
+    assert [len(record["losses"]) for record in run.records] == [steps - saved.step] * devices
+    return run
+
+
+@pytest.mark.multiprocess
+def test_a_tp_checkpoint_resumes_under_fsdp_and_then_on_one_process(tmp_path, gpt_runs):
+    on_fsdp = _resume(tmp_path, "fsdp2", gpt_runs["tp"], "fsdp", devices=2, steps=STEPS + 2)
+    _resume(tmp_path, "fsdp1", on_fsdp, "fsdp", devices=1, steps=STEPS + 3)
 
 
 def _llama_config(tmp_path: Path) -> str:
