@@ -8,7 +8,8 @@
 - ``tp_hf.yaml``, written for Hugging Face's module names, trains a Llama-shaped model (grouped-query
   attention, SwiGLU, RMSNorm) at TP=2 as one process does.
 - A TP=2 checkpoint resumes under FSDP on 2 processes, and that one on one process (DCP reshards each time:
-  the tensor split, then the data split, undone), with every parameter restored exactly.
+  the tensor split, then the data split, undone), with every parameter restored exactly; ``checkpoint
+  consolidate`` and ``export`` turn it into full tensors equal to the run's.
 
 The one-process reference is our DDP at one device: like the TP run (whose data-parallel size is 1) it reads
 the data through a one-replica DistributedSampler, so both see the same batches in the same order.
@@ -27,7 +28,7 @@ from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.planning.memory import plan_memory
 from lightning_mlopt.strategies.tp_plan import resolve
-from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_STEPS
+from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_STEPS, run_tool_here
 from tests.support.llama_style import LlamaStyleLM
 from tests.support.strategy_runs import TrainedRun, train
 
@@ -116,6 +117,25 @@ def _resume(tmp_path: Path, name: str, first: TrainedRun, strategy: str, devices
 def test_a_tp_checkpoint_resumes_under_fsdp_and_then_on_one_process(tmp_path, gpt_runs):
     on_fsdp = _resume(tmp_path, "fsdp2", gpt_runs["tp"], "fsdp", devices=2, steps=STEPS + 2)
     _resume(tmp_path, "fsdp1", on_fsdp, "fsdp", devices=1, steps=STEPS + 3)
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_consolidate_and_export_give_the_full_tensors_of_a_tp_run(tmp_path, monkeypatch, gpt_runs):
+    from safetensors.torch import load_file
+
+    run = gpt_runs["tp"]  # read only: its final checkpoint holds the parameters it recorded at the end
+    checkpoints = str(run.run_dir / "checkpoints")
+    consolidated = run_tool_here(
+        "checkpoint", ["consolidate", checkpoints, str(tmp_path / "one.ckpt")], tmp_path, monkeypatch
+    )
+    assert consolidated.returncode == 0, consolidated.stderr
+    exported = run_tool_here("checkpoint", ["export", checkpoints, str(tmp_path / "export")], tmp_path, monkeypatch)
+    assert exported.returncode == 0, exported.stderr
+    state_dict = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
+    tensors = load_file(tmp_path / "export" / "model.safetensors")
+    assert state_dict.keys() == tensors.keys() == run.params.keys()
+    for name, value in run.params.items():
+        assert torch.equal(state_dict[name], value) and torch.equal(tensors[name], value), name
 
 
 def _llama_config(tmp_path: Path) -> str:
