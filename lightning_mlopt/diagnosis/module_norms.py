@@ -147,9 +147,12 @@ class ModuleNorms:
     ) -> tuple[Tensor | None, Tensor]:
         """Per-entry weights (1 / replication; None without replications) and group indices.
 
-        Built once per list of parameters: the parameters holding gradients do not change between steps.
+        Built once per list of parameters and replications: the parameters holding gradients do not change
+        between steps. A parameter's replication is not always its gradient's: under tensor parallelism a
+        row-wise embedding's weight is split (``Shard(0)``) while torch hands back its gradient whole
+        (``Replicate()``), so both are part of the key.
         """
-        key = (replications is not None, *[id(p) for p in params])  # a list, not a generator: faster
+        key = (None if replications is None else tuple(replications), *[id(p) for p in params])
         plan = self._plans.get(key)
         if plan is None:
             if self.groups and any(id(p) not in self._group_of for p in params):
