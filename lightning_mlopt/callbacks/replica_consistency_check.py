@@ -26,8 +26,9 @@ class ReplicaConsistencyCheck(Callback, SaveVetter):
     as a NaN; it shows as replicas that no longer agree. Each rank fingerprints, on its device and bit-exactly
     (``diagnosis/bit_hash.py``), every tensor its strategy says replicas share (``Sharding.replicas``: under
     DDP the parameters, optimizer state and buffers; under ZeRO-1/2 the parameters and buffers; under HSDP
-    each shard across its replica groups; under full-shard FSDP and ZeRO-3 the buffers only, which the
-    start-up line says), and one all-gather of two int64 per tensor compares them. A mismatch names the step,
+    each shard across its replica groups; under tensor parallelism what the plan leaves whole or replicated,
+    never a split's pieces; under full-shard FSDP and ZeRO-3 the buffers only, which the start-up line
+    says), and one all-gather of two int64 per tensor compares them. A mismatch names the step,
     the tensors and the ranks that differ (the minority, or with two replicas both) and the newest checkpoint
     saved before the last clean check; ``on_mismatch: stop`` ends every rank together (the same verdict
     everywhere) without saving the diverged state, ``warn`` goes on. The check also runs right before

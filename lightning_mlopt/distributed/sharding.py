@@ -156,27 +156,31 @@ class TensorSharding:
     def replicas(self, module: nn.Module, optimizers: Sequence[Any]) -> ReplicaSet:
         """See :class:`Sharding`. Plain tensors (DDP): parameters, optimizer state and buffers, on every rank.
 
-        DTensors (FSDP, HSDP): each shard across the ranks that hold it (HSDP's replica groups; none under
-        full sharding), and the buffers.
+        DTensors (FSDP, HSDP, tensor parallelism): each shard across the ranks that hold it (HSDP's replica
+        groups, a tensor-parallel plan's replicated biases, a norm's FSDP shard on every tensor-parallel rank;
+        none under full sharding), never one split's different pieces. Plain parameters beside them (those a
+        tensor-parallel plan leaves out) are held whole on every rank: compared with their optimizer state.
         """
         buffers = synchronized_buffers(module)
         named = list(module.named_parameters())
-        if not any(isinstance(param, DTensor) for _, param in named):
-            replicas = [Replica(name, param, 0) for name, param in named]
-            replicas += _optimizer_state(named, optimizers)
+        whole = [(name, param) for name, param in named if not isinstance(param, DTensor)]
+        replicas = [Replica(name, param, 0) for name, param in whole] + _optimizer_state(whole, optimizers)
+        if len(whole) == len(named):
             what = "parameters, optimizer state and buffers (every rank holds them whole)"
             return ReplicaSet(replicas + buffers, f"{what}: {len(replicas) + len(buffers)} tensors")
-        shards = [(name, param) for name, param in named if isinstance(param, DTensor)]
-        replicas = [
+        shards = [
             Replica(name, param.to_local(), _shard_group(param))
-            for name, param in shards
-            if dtensor_replication(param) > 1
+            for name, param in named
+            if isinstance(param, DTensor) and self.replication_of(param) > 1
         ]
+        parts = [f"{len(shards)} parameter shards, each across its replicas"] if shards else []
         if replicas:
-            what = f"each parameter shard across its {dtensor_replication(shards[0][1])} replicas, and buffers"
-        else:
-            what = "buffers only (parameters are fully sharded: no rank holds another's copy)"
-        return ReplicaSet(replicas + buffers, f"{what}: {len(replicas) + len(buffers)} tensors")
+            parts.append(f"{len(replicas)} parameters and optimizer states held whole on every rank")
+        if not parts:
+            parts.append("no parameters (they are fully sharded: no rank holds another's copy)")
+        what = "; ".join(parts)
+        total = len(shards) + len(replicas) + len(buffers)
+        return ReplicaSet(shards + replicas + buffers, f"{what}; and buffers: {total} tensors")
 
 
 class SubMeshSharding(TensorSharding):

@@ -103,6 +103,28 @@ def test_a_bit_flipped_on_rank_1_under_zero2_is_reported_and_training_goes_on_un
 
 
 @pytest.mark.multiprocess
+def test_under_tp_what_the_plan_leaves_whole_or_replicated_is_compared_and_the_split_pieces_are_not(tmp_path):
+    # Step 5: the tensor-parallel ranks hold different pieces of every planned matrix, and no alarm is raised.
+    # Step 10: a norm's weight (left out of the plan, held whole on both ranks) was flipped on rank 1 after
+    # step 7. Rank 1 has computed with it since, so the other tensors the ranks must hold identically have
+    # drifted too: the row-wise layers' biases (DTensors replicated over the tensor dimension), the position
+    # embedding, their Adam moments. The split pieces are never compared: they differ by design.
+    flip = "bitflip:rank=1,step=7,param=layers.0.ln1.weight"
+    result = _run(tmp_path, "tp", 10, flip, "--trainer.callbacks.on_mismatch=warn")
+    assert result.returncode == 0, failure_report(result)
+    output = result.stdout + result.stderr
+    assert (
+        "compare 2 parameter shards, each across its replicas; 7 parameters and optimizer states held whole" in output
+    )
+    assert output.count("replica mismatch at step") == 1
+    assert "replica mismatch at step 10: model.layers.0.attn.proj.bias: ranks 0 and 1 disagree" in output
+    for drifted in ("layers.0.ln1.weight", "position_embedding.weight", "layers.0.mlp.2.bias"):
+        assert f"model.{drifted}: ranks 0 and 1 disagree" in output, drifted
+    for split in ("attn.qkv", "mlp.0", "token_embedding", "lm_head"):
+        assert split not in output, split
+
+
+@pytest.mark.multiprocess
 # ZeRO-1 is left out: it holds whole parameters on every rank exactly as ZeRO-2 does (the stages differ only in
 # gradient partitioning), so the fingerprints compared are the same, and the suite's time is spent elsewhere.
 @pytest.mark.parametrize(
