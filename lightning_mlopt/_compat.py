@@ -323,6 +323,16 @@ def cpu_attention_ops() -> tuple[Any, Any]:
     )
 
 
+def raw_flop_formula(formula: Callable[..., int]) -> Callable[..., int]:
+    """Mark a FLOP formula for ``FlopCounterMode(custom_mapping=...)`` as taking the tensors, not their shapes.
+
+    Reach: the ``_get_raw`` attribute ``torch.utils.flop_counter`` reads off a custom formula (what its own
+    ``register_flop_formula(get_raw=True)`` sets).
+    """
+    formula._get_raw = True  # type: ignore[attr-defined]
+    return formula
+
+
 def record_memory_history(max_entries: int) -> None:
     """Record CUDA allocations (with stacks), keeping the newest ``max_entries``; 0 stops recording.
 

@@ -121,6 +121,18 @@ def test_torch_and_interpreter_reaches_resolve():
     assert _compat.profiler_enabled() is False
     forward, backward = _compat.cpu_attention_ops()
     assert "flash_attention_for_cpu" in str(forward) and "backward" in str(backward)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    given: list[type] = []
+
+    def formula(a: torch.Tensor, b: torch.Tensor, out_val: torch.Tensor | None = None) -> int:
+        given.append(type(a))
+        return 7
+
+    raw = _compat.raw_flop_formula(formula)
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.mm: raw}) as counter:
+        torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+    assert counter.get_total_flops() == 7 and given == [torch.Tensor]  # the tensor itself, not a shape
     # The CUDA memory reaches are exercised on a GPU (tests/test_gpu.py); here: they still exist.
     assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
 

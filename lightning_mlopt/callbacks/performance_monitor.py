@@ -16,6 +16,7 @@ from lightning_mlopt._compat import defer_progress_bar_scalars
 from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
+from lightning_mlopt.distributed.sharding import data_parallel_size
 from lightning_mlopt.hooks import DescribesOutputs
 from lightning_mlopt.perf.breakdown import FIELDS, JobWindow, RankWindow, pack, unpack
 from lightning_mlopt.perf.flops import TrainingFlopCounter
@@ -51,7 +52,8 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
       ``perf/peaks.py``), ``perf/mfu_measured`` against a matmul probe run at start on every rank (CPUs too),
       ``perf/tflops_per_rank``. FLOPs are counted on the first batch with torch's FLOP counter (forward and
       backward) unless ``flops_per_sample`` is given. An MFU above 1 means the count is wrong: it is reported
-      as such and not logged;
+      as such and not logged. Under tensor parallelism the ranks of a group share a batch: samples and tokens
+      count once per group, and each rank counts the FLOPs of its own pieces;
     - ``perf/peak_memory_gb`` (max over ranks), ``perf/peak_memory_gb_min``, ``perf/peak_memory_rank``, and
       ``perf/peak_reserved_gb`` on CUDA. On CPU the peak is the process's resident set.
 
@@ -133,7 +135,10 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         self._window = RankWindow()
         self._batches = 0
         self._counter: TrainingFlopCounter | None = None
+        # FLOPs this rank does per sample it computes on: counted, or flops_per_sample split over the ranks
+        # that share a batch (tensor parallelism).
         self._flops_per_sample: float | None = flops_per_sample
+        self._ranks_per_batch = 1  # ranks computing on one batch together (a tensor-parallel group)
         self._tokens: int | None = None
         self._measured_peak = 0.0
         self._published_peak: float | None = None
@@ -177,6 +182,9 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         if self.measure_peak:
             self._measured_peak = measure_peak_flops(device, self._precision)
         self._tokens = self.tokens_per_sample or getattr(pl_module, "tokens_per_sample", None)
+        self._ranks_per_batch = trainer.world_size // data_parallel_size(trainer.strategy, trainer.world_size)
+        if self.flops_per_sample is not None:
+            self._flops_per_sample = self.flops_per_sample / self._ranks_per_batch
         self._clock = PhaseClock(device).attach()
         self._sums = WindowSum(trainer)
         self._batches = 0
@@ -200,6 +208,11 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
             self._batch_ended(trainer, count_samples(batch))
 
     def _batch_ended(self, trainer: pl.Trainer, samples: int) -> None:
+        """Count one batch of ``samples`` this rank computed on (its FLOPs are its own work, counted locally).
+
+        The ranks of a tensor-parallel group compute on the same batch: each counts its share of the samples,
+        so the job's sum is the data it trained on, while each counts the FLOPs it did itself.
+        """
         self._batches += 1
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
@@ -217,8 +230,9 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
             return
         window = self._window
         window.batches += 1
-        window.samples += samples
-        window.tokens += samples * (self._tokens or 0)
+        share = samples / self._ranks_per_batch
+        window.samples += share
+        window.tokens += share * (self._tokens or 0)
         window.flops += samples * (self._flops_per_sample or 0.0)
         every = logging_period(self.log_every_n_steps, trainer)
         if (self._batches - 1) % (every * trainer.accumulate_grad_batches) == 0:

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
 from lightning_mlopt._compat import defer_progress_bar_scalars
+from lightning_mlopt.distributed.sharding import data_parallel_size
 
 
 def count_items(batch: Any) -> tuple[int, str]:
@@ -114,7 +115,8 @@ def format_rate(rate: float) -> str:
 class ThroughputProgressBar(TQDMProgressBar):
     """The TQDM progress bar plus the job's throughput and the time left in the whole run.
 
-    Shows ``samples/s`` (or ``tokens/s`` for integer ``[batch, time]`` inputs) summed over all ranks, assuming
+    Shows ``samples/s`` (or ``tokens/s`` for integer ``[batch, time]`` inputs) summed over the data-parallel
+    ranks (tensor-parallel ranks share a batch and count once), assuming
     every rank sees batches of the same size (true with the DistributedSampler), and ``eta``: time until
     ``max_steps``/``max_epochs`` at the recent pace, validation excluded. The CLI uses it by default;
     ``trainer.enable_progress_bar: false`` turns it off.
@@ -186,7 +188,8 @@ class ThroughputProgressBar(TQDMProgressBar):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         items, self._unit = count_items(batch)
-        self._meter.batch_done(items * trainer.world_size)
+        # Tensor-parallel ranks share their batch: the job's data is this rank's times the data-parallel ranks.
+        self._meter.batch_done(items * data_parallel_size(trainer.strategy, trainer.world_size))
         if self._lines:
             self._print_line_if_due(trainer, pl_module)
         else:

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_mlopt.distributed.sharding import data_parallel_size
 from lightning_mlopt.distributed.state import full_parameters
 
 RECORD_NAME = "parity.pt"
@@ -81,15 +82,9 @@ class ParityRecorder(pl.Callback):
                 "losses": self.losses,
                 "gradients": self.gradients or {},
                 "parameters": {name: value.float() for name, value in params.items()},
-                "data_parallel_size": data_parallel_size(trainer),
+                "data_parallel_size": data_parallel_size(trainer.strategy, trainer.world_size),
             }
             torch.save(record, self.out_dir / RECORD_NAME)
-
-
-def data_parallel_size(trainer: pl.Trainer) -> int:
-    """How many different batches a step of ``trainer`` trains on (world / tensor-parallel size)."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", trainer.world_size))
 
 
 def load_record(folder: Path) -> dict[str, Any]:

@@ -92,6 +92,20 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def data_parallel_size(strategy: Any, world: int) -> int:
+    """How many different batches a step trains on: ``world`` divided by the ranks that share one batch.
+
+    Tensor parallelism gives every rank of a tensor-parallel group the same batch, so throughput and sample
+    counts are per data-parallel rank; the strategy's sampler says how many there are (``num_replicas``).
+
+    Example::
+
+        data_parallel_size(trainer.strategy, trainer.world_size)   # 2 for FSDP x TP = 2 x 2 on 4 ranks
+    """
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", world))
+
+
 def synchronized_buffers(module: nn.Module) -> list[Replica]:
     """Buffers every rank keeps identical: all but the running statistics of (non-synchronized) BatchNorm.
 

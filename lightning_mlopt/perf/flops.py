@@ -13,9 +13,16 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
-from lightning_mlopt._compat import cpu_attention_ops
+from lightning_mlopt._compat import cpu_attention_ops, raw_flop_formula
 
 
 def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -32,7 +39,37 @@ def _cpu_sdpa_backward_flops(
 # scaled_dot_product_attention uses on CPU: without these, a CPU run would miss every attention FLOP.
 def _extra_formulas() -> dict[Any, Any]:
     forward, backward = cpu_attention_ops()
-    return {forward: _cpu_sdpa_flops, backward: _cpu_sdpa_backward_flops}
+    return {forward: shape_wrapper(_cpu_sdpa_flops), backward: shape_wrapper(_cpu_sdpa_backward_flops)}
+
+
+def _local(value: Any) -> Any:
+    """``value`` with every DTensor in it (an op's arguments: tensors, lists, dicts) replaced by its local piece."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, list | tuple):
+        return type(value)(_local(each) for each in value)
+    if isinstance(value, dict):
+        return {key: _local(each) for key, each in value.items()}
+    return value
+
+
+def _on_local_shapes(formula: Any) -> Any:
+    """``formula`` (shape-wrapped) applied to what this rank computes: a DTensor's local piece, not its whole.
+
+    torch's counter sees an op on DTensors at their global shapes, and the plain ops inside a tensor-parallel
+    module (attention over this rank's heads) at their local ones: a mixture. Counted locally throughout, each
+    rank's figure is the work it did, and the ranks' figures add up to the job's.
+    """
+
+    def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return int(formula(*_local(args), out_val=_local(out_val), **_local(kwargs)))
+
+    return raw_flop_formula(counted)  # given the tensors, not their shapes: it needs to see the DTensors
+
+
+def _formulas() -> dict[Any, Any]:
+    """The FLOP formulas of torch and of CPU attention, each on the local shapes (:func:`_on_local_shapes`)."""
+    return {op: _on_local_shapes(formula) for op, formula in {**flop_registry, **_extra_formulas()}.items()}
 
 
 class TrainingFlopCounter:
@@ -43,7 +80,8 @@ class TrainingFlopCounter:
     backward includes the recomputation of the scores that flash attention does (``2·B·T²·d`` per layer more
     than :func:`transformer_training_flops`, about 1% of a small GPT's total). Under activation
     checkpointing the recomputed forward is counted too (hardware FLOPs); give the model FLOPs by hand
-    (``PerformanceMonitor(flops_per_sample=...)``) where that matters.
+    (``PerformanceMonitor(flops_per_sample=...)``) where that matters. Under tensor parallelism each op is
+    counted at the shapes this rank computes (a DTensor's local piece): the rank's own work.
 
     Attributes:
         total: the FLOPs counted, once the block has exited.
@@ -52,7 +90,7 @@ class TrainingFlopCounter:
 
     def __init__(self) -> None:
         self.total = 0
-        self._mode = FlopCounterMode(display=False, custom_mapping=_extra_formulas())
+        self._mode = FlopCounterMode(display=False, custom_mapping=_formulas())
 
     def __enter__(self) -> TrainingFlopCounter:
         self._mode.__enter__()

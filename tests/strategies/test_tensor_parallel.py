@@ -10,6 +10,7 @@
 - A TP=2 checkpoint resumes under FSDP on 2 processes, and that one on one process (DCP reshards each time:
   the tensor split, then the data split, undone), with every parameter restored exactly; ``checkpoint
   consolidate`` and ``export`` turn it into full tensors equal to the run's.
+- PerformanceMonitor counts a tensor-parallel group's batch once and each rank's own FLOPs.
 
 The one-process reference is our DDP at one device: like the TP run (whose data-parallel size is 1) it reads
 the data through a one-replica DistributedSampler, so both see the same batches in the same order.
@@ -18,6 +19,7 @@ Tolerances as in test_strategy_equivalence.py: the all-reduces sum partial produ
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -38,9 +40,10 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainedRun]:
     root = tmp_path_factory.mktemp("tp_runs")
+    extra = (SHARED_RUN_CLIP, "--trainer.callbacks+=lightning_mlopt.callbacks.PerformanceMonitor")
     return {
-        "tp": train(root, "tp", "tp", STEPS, devices=2, extra=(SHARED_RUN_CLIP,)),
-        "one": train(root, "one", "ddp", STEPS, devices=1, extra=(SHARED_RUN_CLIP,)),
+        "tp": train(root, "tp", "tp", STEPS, devices=2, extra=extra),
+        "one": train(root, "one", "ddp", STEPS, devices=1, extra=extra),
     }
 
 
@@ -87,6 +90,20 @@ def test_tp2_ranks_hold_their_split_of_the_planned_matrices(gpt_runs):
     total = sum(p.numel() for p in model.parameters())
     row = plan_memory(total, 2, 10**9, precision="fp32", tensor_parallel=(2, plan_of.split_elements(model))).rows[-1]
     assert (row.strategy, row.parameters) == ("tp2", expected)
+
+
+@pytest.mark.multiprocess
+def test_performance_monitor_counts_a_tp_groups_batch_once_and_each_ranks_own_flops(gpt_runs):
+    # The tensor-parallel pair computed on one batch per step: together they trained on as many samples as the
+    # one process did, and did its FLOPs, each half of them (every matmul of the demo's plan is split).
+    def summary(run: TrainedRun) -> dict:
+        return json.loads((run.run_dir / "perf" / "summary.json").read_text())
+
+    one, tp = summary(gpt_runs["one"]), summary(gpt_runs["tp"])
+    (alone,) = one["ranks"]
+    assert [rank["samples"] for rank in tp["ranks"]] == [alone["samples"] / 2] * 2
+    assert [rank["flops"] for rank in tp["ranks"]] == [alone["flops"] / 2] * 2
+    assert tp["flops_per_sample"] == one["flops_per_sample"] / 2  # what each rank does per sample
 
 
 @pytest.mark.multiprocess
