@@ -3,10 +3,12 @@
     torchrun --nproc-per-node=2 benchmarks/parity/hand_loop.py --strategy fsdp --steps 60 --out /tmp/params.pt
 
 What a careful user writes with the library alone (``DistributedDataParallel``; ``fully_shard`` per block and
-on the model; ``deepspeed.initialize`` with the preset's config), doing what ``configs/gpt.yaml`` asks of the
-Trainer: the same seed, model, data order (a ``DistributedSampler`` seeded as Lightning seeds it), AdamW groups
-and warm-up (the demo's own ``configure_optimizers``), and gradient clipping at the config's value. Rank 0
-writes the full final parameters to ``--out`` (for the bitwise comparison) after the last step.
+on the model; ``parallelize_module`` with ``configs/strategies/tp.yaml``'s plan written out in torch's styles,
+every rank reading the same batch; ``deepspeed.initialize`` with the preset's config), doing what
+``configs/gpt.yaml`` asks of the Trainer: the same seed, model, data order (a ``DistributedSampler`` seeded as
+Lightning seeds it), AdamW groups and warm-up (the demo's own ``configure_optimizers``), and gradient clipping
+at the config's value. Rank 0 writes the full final parameters to ``--out`` (for the bitwise comparison)
+after the last step.
 
 ``--set key=value`` overrides the config as the CLI's ``--model.init_args.n_layer=2`` would (the benchmark's
 short-step model). Each rank uses ``cpus // processes`` threads, as Lightning's launcher sets them (torchrun
@@ -32,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+STRATEGIES = ("ddp", "fsdp", "tp", "zero1", "zero2", "zero3")
 COUNTED_STEPS = (10, 12)  # warm steps, neither a logging step of configs/gpt.yaml on our side
 
 
@@ -98,7 +100,9 @@ def main() -> None:
     module = GPTLanguageModel(**config["model"]["init_args"])
     data = TokenDataModule(**config["data"]["init_args"])
     data.setup("fit")
-    sampler = DistributedSampler(data.train_set, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    # Tensor parallelism over the whole world: one data-parallel replica, every rank reads the same batch.
+    replicas, replica = (1, 0) if args.strategy == "tp" else (world, rank)
+    sampler = DistributedSampler(data.train_set, num_replicas=replicas, rank=replica, shuffle=True, seed=seed)
     sampler.set_epoch(0)
     batch_size = int(config["data"]["init_args"]["batch_size"])
     # The demo's batches are gathered whole (InMemoryTensors), as a careful user's in-memory pipeline does.
@@ -109,6 +113,8 @@ def main() -> None:
 
     if args.strategy.startswith("zero"):
         train = _deepspeed_loop(module, args.strategy, batch_size, clip, rank)
+    elif args.strategy == "tp":
+        train = _tensor_parallel_loop(module, world, clip)
     else:
         train = _torch_loop(module, args.strategy, clip)
     batches = iter(loader)
@@ -192,6 +198,56 @@ def _torch_loop(module: Any, strategy: str, clip: float) -> Any:
         loss.backward()
         if clip > 0:  # over the optimizer's parameters in its groups' order, as Lightning's clip_gradients does
             torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+
+    return train
+
+
+def _tensor_parallel_loop(module: Any, world: int, clip: float) -> Any:
+    """``configs/strategies/tp.yaml``'s plan, written out as a user of ``parallelize_module`` writes it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan: dict[str, Any] = {"model.token_embedding": RowwiseParallel(input_layouts=Replicate())}
+    for index in range(len(module.model.layers)):
+        layer = f"model.layers.{index}"
+        plan[f"{layer}.attn.qkv"] = ColwiseParallel()
+        plan[f"{layer}.attn.proj"] = RowwiseParallel()
+        plan[f"{layer}.mlp.0"] = ColwiseParallel()
+        plan[f"{layer}.mlp.2"] = RowwiseParallel()
+    plan["model.lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(module, init_device_mesh("cpu", (world,)), plan)
+    optimizer, scheduler = _optimizer(module)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def clip_gradients() -> None:
+        # torch's clip_grad_norm_ refuses a mix of DTensors and plain tensors: the split pieces' squares are
+        # summed over the ranks in one all-reduce; what every rank holds whole is counted once, locally.
+        split, whole = [], []
+        for param in params:
+            grad = param.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):
+                (split if any(p.is_shard() for p in grad.placements) else whole).append(grad.to_local())
+            else:
+                whole.append(grad)
+        squares = torch.stack([g.float().pow(2).sum() for g in split]).sum()
+        dist.all_reduce(squares)
+        total = (squares + torch.stack([g.float().pow(2).sum() for g in whole]).sum()).sqrt()
+        scale = (clip / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(split + whole, scale)
+
+    def train(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        inputs, targets = batch
+        loss = _loss(module(inputs), targets)
+        loss.backward()
+        if clip > 0:
+            clip_gradients()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:

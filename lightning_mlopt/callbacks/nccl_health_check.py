@@ -29,6 +29,7 @@ from lightning_mlopt.hooks import DescribesOutputs
 from lightning_mlopt.process import phase
 from lightning_mlopt.process.watchdog import HangWatchdog
 from lightning_mlopt.run_dir import HEALTH_DIR
+from lightning_mlopt.strategies.contract import contract_of
 
 log = logging.getLogger(__name__)
 OnProblem = Literal["warn", "error"]
@@ -39,12 +40,13 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
 
     Targets NCCL on GPUs and works the same with gloo on CPU.
 
-    Pre-flight (at setup, every rank): a barrier with a timeout (the error names the ranks that did not
-    arrive, and their hosts); an all-reduce of known values; an environment fingerprint per rank (host,
-    torch, CUDA, the NCCL actually loaded, driver, GPU, lightning, deepspeed, lightning_mlopt, Python, the
-    NCCL_* and TORCH_NCCL_* variables) compared across ranks; an all-reduce bandwidth probe reported as
-    algorithm and bus bandwidth (busbw = algbw x 2(n-1)/n, as nccl-tests). A table at start; the figures go
-    to the trainer's logger under ``health/``.
+    Pre-flight (at setup, every rank): a barrier with a timeout (the error names the ranks that did not arrive, and
+    their hosts); an all-reduce of known values, over the world and, for a strategy whose ranks form a 2-D mesh
+    (HSDP, FSDP x TP), over each dimension's groups (a failure names the dimension); an environment fingerprint per
+    rank (host, torch, CUDA, the NCCL actually loaded, driver, GPU, lightning, deepspeed, lightning_mlopt, Python,
+    the NCCL_* and TORCH_NCCL_* variables) compared across ranks; an all-reduce bandwidth probe reported as
+    algorithm and bus bandwidth (busbw = algbw x 2(n-1)/n, as nccl-tests). A table at start; the figures go to the
+    trainer's logger under ``health/``.
 
     Hang watchdog: a thread per rank ends the process with ``watchdog.exit_code`` when no step has finished for
     ``watchdog.timeout`` seconds (or, with ``watchdog.adaptive_multiple``, that multiple of the longest step seen
@@ -107,6 +109,7 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
         self.hosts: list[str] = []
         self.bandwidth: Bandwidth | None = None
         self.mismatches: list[str] = []
+        self.mesh_dimensions: dict[str, int] = {}  # each checked mesh dimension's size (a 2-D mesh only)
         self.straggling_ranks: list[int] = []
         self._watchdog: HangWatchdog | None = None
         self._longest_step = 0.0  # agreed across ranks at each straggler check
@@ -151,7 +154,15 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
         # A gloo group for the barrier: NCCL has no monitored barrier. On CPU the default group is gloo.
         group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self._barrier(rank, world, group)
-        self._check_all_reduce(world, device)
+        self._check_all_reduce(device)
+        # Each dimension of a 2-D mesh has communicators of its own (FSDP x TP: one per tensor-parallel group,
+        # within a node, and one per data-parallel group, across nodes): a bad one shows here, named.
+        mesh = contract_of(trainer.strategy).process_mesh
+        if mesh is not None and mesh.ndim > 1 and mesh.mesh_dim_names:
+            for name in mesh.mesh_dim_names:
+                if mesh.size(mesh.mesh_dim_names.index(name)) > 1:
+                    self._check_all_reduce(device, mesh.get_group(name), name)
+                self.mesh_dimensions[name] = mesh.size(mesh.mesh_dim_names.index(name))
         fingerprints: list[Any] = [None] * world
         dist.all_gather_object(fingerprints, collect_fingerprint())
         self.hosts = [fp["host"] for fp in fingerprints]
@@ -176,20 +187,31 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
             ) from error
 
     @staticmethod
-    def _check_all_reduce(world: int, device: torch.device) -> None:
+    def _check_all_reduce(device: torch.device, group: Any = None, dimension: str | None = None) -> None:
+        """Sum each rank's ``rank + 1`` over ``group`` (the world, or one mesh dimension's group) and check it."""
         values = torch.full((4,), float(dist.get_rank() + 1), device=device)
-        dist.all_reduce(values)
-        expected = world * (world + 1) / 2
+        dist.all_reduce(values, group=group)
+        expected = float(sum(rank + 1 for rank in dist.get_process_group_ranks(group or dist.group.WORLD)))
         if not torch.allclose(values.cpu(), torch.full((4,), expected)):
+            over = f" over the mesh's {dimension!r} dimension" if dimension else ""
             raise HealthCheckError(
-                f"pre-flight all-reduce returned {values.tolist()} instead of {expected} on rank {dist.get_rank()}: "
-                "the collective library is giving wrong answers (mixed NCCL versions? a faulty link?)"
+                f"pre-flight all-reduce{over} returned {values.tolist()} instead of {expected} on rank "
+                f"{dist.get_rank()}: the collective library is giving wrong answers (mixed NCCL versions? a "
+                "faulty link?)"
             )
 
     def _report(self, trainer: pl.Trainer, world: int, fingerprint: dict[str, str], seconds: float) -> None:
         rows = [
             f"NCCLHealthCheck pre-flight ({seconds:.2f} s): {world} ranks on {len(set(self.hosts))} host(s)",
             f"  barrier and all-reduce      ok (backend {dist.get_backend()})",
+            *(
+                [
+                    "  all-reduce per mesh dimension ok: "
+                    + ", ".join(f"{n} ({s})" for n, s in self.mesh_dimensions.items())
+                ]
+                if self.mesh_dimensions
+                else []
+            ),
             f"  torch {fingerprint['torch']}, CUDA {fingerprint['cuda']}, NCCL {fingerprint['nccl']}, "
             f"GPU {fingerprint['gpu']}, driver {fingerprint['driver']}",
         ]

@@ -10,6 +10,7 @@ them a :class:`StrategyContract`:
   (the layout is described in the family's spec, ``strategies/spec.py``);
 - ``background_saves``, ``save_checkpoint_async`` and ``checkpoint_process_group``: async saves;
 - ``check_model``: a check of the model against the strategy's settings, before anything runs;
+- ``process_mesh``: the named device mesh its ranks form, if any (NCCLHealthCheck checks each dimension);
 - ``collectives_at_step_start``: whether its first collective of a step comes at the step's start (a host
   sum must not be in flight on its group then).
 
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mlopt.checkpoint.layout import (
     DCP_SHARDS,
@@ -60,6 +62,11 @@ class StrategyContract(CheckpointingStrategy, Protocol):
     @property
     def sharding(self) -> Sharding:
         """What this rank holds of each parameter and gradient."""
+        ...
+
+    @property
+    def process_mesh(self) -> DeviceMesh | None:
+        """The named device mesh the strategy lays its ranks out on (FSDP, HSDP, FSDP x TP); None: the world."""
         ...
 
     def check_model(self, module: nn.Module) -> None:
@@ -90,6 +97,11 @@ class DeclaresContract:
     def sharding(self) -> Sharding:
         """Every rank holds whole torch tensors (or DTensors that say what they hold)."""
         return _PLAIN_TENSORS
+
+    @property
+    def process_mesh(self) -> DeviceMesh | None:
+        """The mesh of a model-parallel strategy's set-up (FSDP, FSDP x TP); else None: one flat world."""
+        return _mesh_of(self)
 
     def check_model(self, module: nn.Module) -> None:
         """Every model fits (no settings that name parts of it)."""
@@ -152,6 +164,11 @@ class ForeignStrategy(DeclaresContract):
             return ZeroSharding(self.strategy)
         return _PLAIN_TENSORS
 
+    @property
+    def process_mesh(self) -> DeviceMesh | None:
+        """Lightning's model-parallel strategy's ``device_mesh`` (built in its set-up); else None."""
+        return _mesh_of(self.strategy)
+
     def check_model(self, module: nn.Module) -> None:
         """The strategy's own ``check_model``, where it has one."""
         check = getattr(self.strategy, "check_model", None)
@@ -167,6 +184,15 @@ class ForeignStrategy(DeclaresContract):
     def checkpoint_process_group(self) -> Any:
         """The strategy's own group for background writes."""
         return self.strategy.checkpoint_process_group
+
+
+def _mesh_of(strategy: Any) -> DeviceMesh | None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        mesh: DeviceMesh = strategy.device_mesh
+        return mesh
+    return None
 
 
 def _recognised_layout(strategy: Any) -> str:

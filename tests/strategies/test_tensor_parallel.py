@@ -4,7 +4,8 @@
   losses and final parameters, fp32, with gradient clipping active (so the global norm over DTensor shards
   and replicated parameters is the one-process norm), and each rank holds its split of the planned matrices.
 - FSDP x TP, 2 x 2 on 4 processes (``fsdp_tp.yaml``), trains as DDP on 2 processes does (the session's
-  shared run: the same global batch of 2 x 16, the same data order).
+  shared run: the same global batch of 2 x 16, the same data order); NCCLHealthCheck's pre-flight checks
+  both mesh dimensions.
 - ``tp_hf.yaml``, written for Hugging Face's module names, trains a Llama-shaped model (grouped-query
   attention, SwiGLU, RMSNorm) at TP=2 as one process does.
 - A TP=2 checkpoint resumes under FSDP on 2 processes, and that one on one process (DCP reshards each time:
@@ -108,7 +109,10 @@ def test_performance_monitor_counts_a_tp_groups_batch_once_and_each_ranks_own_fl
 
 @pytest.mark.multiprocess
 def test_fsdp_x_tp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
-    run = train(tmp_path, "fsdp_tp", "fsdp_tp", SHARED_RUN_STEPS, devices=4, extra=(SHARED_RUN_CLIP,))
+    health = "--trainer.callbacks+=lightning_mlopt.callbacks.NCCLHealthCheck"
+    run = train(tmp_path, "fsdp_tp", "fsdp_tp", SHARED_RUN_STEPS, devices=4, extra=(SHARED_RUN_CLIP, health))
+    # The pre-flight checked each mesh dimension's groups, not only the world.
+    assert "all-reduce per mesh dimension ok: data (2), tensor (2)" in (tmp_path / "fsdp_tp" / "output.txt").read_text()
     # Ranks 0 and 1 are data-parallel rank 0 (one tensor-parallel pair), ranks 2 and 3 data-parallel rank 1.
     _assert_same_training(run, strategy_runs["ddp"], {0: 0, 1: 0, 2: 1, 3: 1})
     # 2D: every parameter is sharded over the data dimension, the planned ones over the tensor one too.

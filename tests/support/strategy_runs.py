@@ -25,6 +25,8 @@ def train(
 ) -> TrainedRun:
     """Fit ``steps`` steps with a strategy name or overlay file under ``tmp_path/runs/name``.
 
+    What it printed is kept in ``tmp_path/name/output.txt``.
+
     Example::
 
         records, params, run_dir = train(tmp_path, "first", "fsdp", steps=3)
@@ -45,6 +47,7 @@ def train(
         cwd=tmp_path,
     )
     assert result.returncode == 0, f"{name} failed (exit {result.returncode}):\n{failure_report(result)}"
+    (out / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, for tests to read
     records = read_records(out)
     assert [r["rank"] for r in records] == list(range(devices))
     return TrainedRun(records, torch.load(out / "params.pt"), tmp_path / "runs" / name)
