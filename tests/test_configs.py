@@ -18,7 +18,7 @@ OVERLAYS = sorted(CONFIGS.glob("strategies/*.yaml"))  # trackers/ are run and re
 TRAINED_BY_SHARED_RUNS = {"ddp", "fsdp", "zero1", "zero2", "zero3"}
 # Overlays tests/strategies/test_tensor_parallel.py trains against a one-process run (tp_hf.yaml on a
 # Llama-shaped model: its globs name Hugging Face's modules, not the GPT demo's).
-TRAINED_BY_TP_TESTS = {"tp", "fsdp_tp", "tp_hf"}
+TRAINED_BY_TP_TESTS = {"tp", "fsdp_tp", "tp_hf", "tp_sp"}
 TRACKERS = sorted(CONFIGS.glob("trackers/*.yaml"))
 
 

@@ -67,8 +67,13 @@ class ParityRecorder(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self.gradients is None:  # the first step: before clipping and before any update
+            # Copies: for an fp32 CPU gradient, .float().cpu() is the gradient itself, which clipping then
+            # scales in place (the record of a clipped run held its clipped gradients, and a TP run's split
+            # ones, gathered into new tensors, did not: a false divergence).
             self.gradients = {
-                name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().cpu()
+                name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                .detach()
+                .to("cpu", torch.float32, copy=True)
                 for name, p in pl_module.named_parameters()
                 if p.grad is not None
             }

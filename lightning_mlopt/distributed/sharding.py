@@ -20,13 +20,14 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_mlopt._compat import norm_layer_base
 
@@ -104,6 +105,38 @@ def data_parallel_size(strategy: Any, world: int) -> int:
     """
     kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     return int(kwargs.get("num_replicas", world))
+
+
+def settle_partial_gradients(params: Iterable[Tensor]) -> None:
+    """Turn every ``Partial`` placement of the parameters' DTensor gradients into ``Replicate``, in place.
+
+    The partial sums of all of them travel in one all-reduce per mesh (flattened into one buffer), not one
+    per gradient. A gradient without a ``Partial`` placement is left as it is.
+
+    Example::
+
+        loss.backward()
+        settle_partial_gradients(model.parameters())   # a sequence-parallel norm's gradient is now whole
+    """
+    partial: dict[Any, list[Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+            partial.setdefault((grad.device_mesh, tuple(grad.placements), grad.dtype), []).append(param)
+    for (mesh, placements, _), owners in partial.items():
+        dims = [dim for dim, placement in enumerate(placements) if placement.is_partial()]
+        locals_ = [owner.grad.to_local() for owner in owners]  # type: ignore[union-attr]
+        flat = torch.cat([local.reshape(-1) for local in locals_])
+        for dim in dims:
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+        settled = [Replicate() if placement.is_partial() else placement for placement in placements]
+        offset = 0
+        for owner, local in zip(owners, locals_, strict=True):
+            whole = flat[offset : offset + local.numel()].view_as(local)
+            offset += local.numel()
+            owner.grad = DTensor.from_local(
+                whole, mesh, settled, run_check=False, shape=owner.shape, stride=owner.stride()
+            )
 
 
 def synchronized_buffers(module: nn.Module) -> list[Replica]:

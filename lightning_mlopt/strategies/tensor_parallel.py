@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from typing_extensions import override
 
-from lightning_mlopt.distributed.sharding import SubMeshSharding
+from lightning_mlopt.distributed.sharding import SubMeshSharding, settle_partial_gradients
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
@@ -160,6 +160,18 @@ class TensorParallelStrategy(FSDPStrategy):
         return {"num_replicas": data.size(), "rank": data.get_local_rank()}
 
     @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Sum the gradients backward left as partial sums (sequence parallelism's norms) into whole ones.
+
+        A norm under ``sequence_parallel`` holds its weight whole (``Replicate``) but sees this rank's part of
+        the sequence only, so its gradient comes out ``Partial``: each rank's share of the sum. Clipping, the
+        optimizer and every norm of ours read a gradient as what it is on each rank, so it is made whole here,
+        one all-reduce for all of them, before anything reads it.
+        """
+        super().post_backward(closure_loss)
+        settle_partial_gradients(self.lightning_module.parameters())
+
+    @override
     def _build_mesh(self) -> DeviceMesh:
         shape = (self.data_parallel_size, self.tensor_parallel_size)
         return init_device_mesh(self.root_device.type, shape, mesh_dim_names=(DATA, TENSOR))
@@ -187,7 +199,7 @@ SPEC = StrategySpec(
         "fsdp_tp": ({"tensor_parallel_size": 2}, "2-way tensor parallel, FSDP over the rest (2D)"),
     },
     layout=fsdp.SPEC.layout,  # DCP folders, read and resharded like FSDP's
-    overlays=("tp.yaml", "fsdp_tp.yaml", "tp_hf.yaml"),
+    overlays=("tp.yaml", "fsdp_tp.yaml", "tp_hf.yaml", "tp_sp.yaml"),
 )
 
 __all__ = ["DeclaresTPPlan", "TensorParallelStrategy"]

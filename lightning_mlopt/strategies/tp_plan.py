@@ -30,8 +30,14 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from lightning_mlopt.exceptions import BadInputError
 
@@ -44,18 +50,21 @@ class Style:
 
     Args:
         module_class: the class the module must be (or subclass).
-        split_dimension: the module attribute that the tensor-parallel size must divide.
+        split_dimension: the module attribute that the tensor-parallel size must divide; None for a style that
+            splits no parameter (sequence parallelism's norms, a module whose input is gathered).
         make: builds the ``torch.distributed.tensor.parallel`` style.
         splits_output: the module's output stays split across ranks (a row-wise module must consume it).
         description: one line for the docs and the error messages.
+        consumes_split: the module takes a column-wise module's split output (the row-wise styles).
 
     """
 
     module_class: type[nn.Module]
-    split_dimension: str
+    split_dimension: str | None
     make: Callable[[], ParallelStyle]
     splits_output: bool
     description: str
+    consumes_split: bool = False
 
 
 STYLES: dict[str, Style] = {
@@ -72,6 +81,7 @@ STYLES: dict[str, Style] = {
         RowwiseParallel,
         splits_output=False,
         description="input features split (a colwise module's output); one all-reduce gives the full output",
+        consumes_split=True,
     ),
     "colwise_replicated": Style(
         nn.Linear,
@@ -93,6 +103,45 @@ STYLES: dict[str, Style] = {
         lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         splits_output=False,
         description="the embedding width split across ranks, then all-gathered",
+    ),
+    # Sequence parallelism (Korthikanti et al., 2022): between the split layers, the activations (and the
+    # norms' and dropouts' work on them) are split along the sequence; the all-reduce of a row-wise layer
+    # becomes a reduce-scatter, and the sequence is all-gathered where a block needs it whole.
+    "sequence_parallel": Style(
+        nn.Module,
+        None,
+        SequenceParallel,
+        splits_output=False,
+        description="a norm or dropout run on this rank's part of the sequence (its parameters replicated)",
+    ),
+    "gather_sequence": Style(
+        nn.Module,
+        None,
+        lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        splits_output=False,
+        description="the sequence-split input all-gathered whole before the module (an attention or MLP block)",
+    ),
+    "rowwise_sequence": Style(
+        nn.Linear,
+        "in_features",
+        lambda: RowwiseParallel(output_layouts=Shard(1)),
+        splits_output=False,
+        description="rowwise, its partial outputs reduce-scattered along the sequence (sequence parallelism)",
+        consumes_split=True,
+    ),
+    "embedding_rowwise_sequence": Style(
+        nn.Embedding,
+        "num_embeddings",
+        lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2)),
+        splits_output=False,
+        description="embedding_rowwise, its output reduce-scattered along the sequence (token or position ids)",
+    ),
+    "colwise_replicated_from_sequence": Style(
+        nn.Linear,
+        "out_features",
+        lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        splits_output=False,
+        description="colwise_replicated on a sequence-split input, all-gathered first (the LM head under SP)",
     ),
 }
 
@@ -117,6 +166,8 @@ class ResolvedPlan:
         modules = dict(module.named_modules())
         total = 0
         for name, style in self.styles.items():
+            if STYLES[style].split_dimension is None:
+                continue  # its parameters (a norm's) are replicated
             for kind, param in modules[name].named_parameters(recurse=False):
                 if kind == "weight" or STYLES[style].split_dimension in ("out_features", "embedding_dim"):
                     total += param.numel()
@@ -127,6 +178,8 @@ class ResolvedPlan:
         return [
             f"{name}: {style}, {STYLES[style].split_dimension} {self.widths[name]} -> "
             f"{self.widths[name] // self.size} a rank"
+            if STYLES[style].split_dimension
+            else f"{name}: {style} ({STYLES[style].description})"
             for name, style in self.styles.items()
         ]
 
@@ -169,7 +222,11 @@ def resolve(module: nn.Module, plan: Mapping[str, str], size: int) -> ResolvedPl
         _check_fit(name, modules[name], style, size)
     _check_head_counts(modules, ordered, size)
     _check_split_outputs_are_consumed(ordered)
-    widths = {name: getattr(modules[name], STYLES[style].split_dimension) for name, style in ordered.items()}
+    widths = {
+        name: getattr(modules[name], dimension)
+        for name, style in ordered.items()
+        if (dimension := STYLES[style].split_dimension)
+    }
     return ResolvedPlan(ordered, size, widths)
 
 
@@ -181,6 +238,8 @@ def _check_fit(name: str, module: nn.Module, style: str, size: int) -> None:
             f"tp_plan: {name} ({type(module).__name__}) cannot be {style}: that style splits an nn.{kind} "
             f"({spec.description})"
         )
+    if spec.split_dimension is None:
+        return
     width = getattr(module, spec.split_dimension)
     if width % size:
         raise BadInputError(
@@ -204,7 +263,7 @@ def _check_head_counts(modules: Mapping[str, nn.Module], styles: Mapping[str, st
 
 
 def _check_split_outputs_are_consumed(styles: Mapping[str, str]) -> None:
-    rowwise = [name for name, style in styles.items() if style == "rowwise"]
+    rowwise = [name for name, style in styles.items() if STYLES[style].consumes_split]
     for name, style in styles.items():
         if not STYLES[style].splits_output:
             continue

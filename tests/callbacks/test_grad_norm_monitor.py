@@ -45,7 +45,7 @@ def _reference(out: Path, start_params: dict[str, torch.Tensor]) -> tuple[float,
 @pytest.mark.multiprocess
 # TP: the norm over DTensor pieces split across the tensor dimension and the replicated ones counted once (both
 # ranks read the same batch, so the reference's mean of the two batches' losses is that batch's loss).
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3", "tp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "tp_sp"])
 def test_global_norm_equals_the_unsharded_reference(tmp_path, strategy):
     out = tmp_path / "monitor"
     final = train(tmp_path, "run", strategy, steps=1, extra=(*MONITOR, *_record(out))).params

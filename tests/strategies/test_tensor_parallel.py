@@ -6,6 +6,7 @@
 - FSDP x TP, 2 x 2 on 4 processes (``fsdp_tp.yaml``), trains as DDP on 2 processes does (the session's
   shared run: the same global batch of 2 x 16, the same data order); NCCLHealthCheck's pre-flight checks
   both mesh dimensions.
+- ``tp_sp.yaml`` (with sequence parallelism: norms on half the sequence each) trains as one process does.
 - ``tp_hf.yaml``, written for Hugging Face's module names, trains a Llama-shaped model (grouped-query
   attention, SwiGLU, RMSNorm) at TP=2 as one process does.
 - A TP=2 checkpoint resumes under FSDP on 2 processes, and that one on one process (DCP reshards each time:
@@ -44,6 +45,7 @@ def gpt_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainedRun]:
     extra = (SHARED_RUN_CLIP, "--trainer.callbacks+=lightning_mlopt.callbacks.PerformanceMonitor")
     return {
         "tp": train(root, "tp", "tp", STEPS, devices=2, extra=extra),
+        "tp_sp": train(root, "tp_sp", "tp_sp", STEPS, devices=2, extra=(SHARED_RUN_CLIP,)),
         "one": train(root, "one", "ddp", STEPS, devices=1, extra=extra),
     }
 
@@ -68,6 +70,13 @@ def test_tp2_trains_the_one_process_model(gpt_runs):
     # Both ranks of the tensor-parallel group computed the same loss from the same batch.
     _assert_same_training(gpt_runs["tp"], gpt_runs["one"], {0: 0, 1: 0})
     assert _strategy_class_path(gpt_runs["tp"]) == "lightning_mlopt.strategies.TensorParallelStrategy"
+
+
+@pytest.mark.multiprocess
+def test_tp2_with_sequence_parallelism_trains_the_one_process_model(gpt_runs):
+    # The norms see half the sequence each and their gradients come back as partial sums: made whole before
+    # clipping (active here) and the optimizer read them.
+    _assert_same_training(gpt_runs["tp_sp"], gpt_runs["one"], {0: 0, 1: 0})
 
 
 @pytest.mark.multiprocess

@@ -114,4 +114,23 @@ def test_a_bad_plan_is_refused_naming_the_cause(plan, size, model, expected):
 
 def test_every_style_says_what_it_does():
     # The docs and the messages quote these; an empty one would leave a user guessing.
-    assert all(style.description and style.split_dimension for style in STYLES.values())
+    assert all(style.description for style in STYLES.values())
+    # The styles that split no parameter are sequence parallelism's: a norm on part of the sequence, a gather.
+    assert {name for name, style in STYLES.items() if style.split_dimension is None} == {
+        "sequence_parallel",
+        "gather_sequence",
+    }
+
+
+def test_the_sequence_parallel_overlay_splits_what_tp_splits_and_runs_the_norms_on_part_of_the_sequence():
+    model = _gpt()
+    sequence = resolve(model, _overlay_plan("tp_sp.yaml"), 2)
+    plain = resolve(model, _overlay_plan("tp.yaml"), 2)
+    # The same matrices split, plus the position table (split by position): the norms are whole on every rank.
+    position_table = model.model.position_embedding.weight.numel()
+    assert sequence.split_elements(model) == plain.split_elements(model) + position_table
+    assert sequence.styles["model.layers.1.ln2"] == "sequence_parallel"
+    assert sequence.styles["model.layers.1.mlp"] == "gather_sequence"
+    assert "model.layers.0.ln1: sequence_parallel (a norm or dropout run on this rank's part" in sequence.describe()[2]
+    # A row-wise layer that reduce-scatters along the sequence still consumes the column-wise split.
+    resolve(model, {"model.layers.*.mlp.0": "colwise", "model.layers.*.mlp.2": "rowwise_sequence"}, 2)

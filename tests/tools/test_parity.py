@@ -10,6 +10,7 @@ diverges, with exit status 1. Bad input ends with 2 before anything runs.
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
 from lightning_mlopt.strategies.tp_plan import resolve
@@ -50,3 +51,20 @@ def test_bad_input_ends_before_anything_runs(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --steps must be >= 1, got 0"
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_recorded_gradients_are_copies_that_clipping_cannot_change(tmp_path):
+    # An fp32 CPU gradient's .float().cpu() is the gradient itself: recorded as such, clipping (in place, after
+    # the hook) rewrote the record, and a TP run, whose split gradients are gathered into new tensors, looked
+    # diverged wherever clipping was active.
+    from lightning_mlopt.diagnosis.parity import ParityRecorder
+
+    model = torch.nn.Linear(4, 4)
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    recorder = ParityRecorder(str(tmp_path))
+    recorder.on_before_optimizer_step(None, model, None)  # type: ignore[arg-type]  # reads the module only
+    recorded = {name: gradient.clone() for name, gradient in (recorder.gradients or {}).items()}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert recorded.keys() == {"weight", "bias"}
+    for name, gradient in recorded.items():
+        assert torch.equal(recorder.gradients[name], gradient), name  # type: ignore[index]
