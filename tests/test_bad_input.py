@@ -54,6 +54,29 @@ def test_wrong_type_names_key_and_value(tmp_path, monkeypatch, capsys):
     assert "expected" in message and "many" in message
 
 
+def test_a_sharded_checkpoint_given_to_a_strategy_that_cannot_load_it(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    # DDP would otherwise fail deep in Lightning's restore: IsADirectoryError on DCP's folder.
+    from lightning_mlopt.checkpoint import CheckpointStore
+    from lightning_mlopt.checkpoint.manifest import Manifest, describe_files
+
+    store = CheckpointStore(tmp_path_factory.mktemp("saved"))
+    staging = store.stage(4)
+    (staging / "state.ckpt").mkdir()  # DCP's folder of shards
+    (staging / "state.ckpt" / ".metadata").write_bytes(b"shards")
+    manifest = Manifest(step=4, epoch=0, world_size=2, strategy="FSDPStrategy", reason="test", layout="DCP shards")
+    manifest.files = describe_files(staging)
+    store.commit(staging, manifest)
+    step = store.root / "step-000000004"
+    for given in (step, step / "state.ckpt"):
+        message = _fails(tmp_path, monkeypatch, capsys, "--trainer.strategy=ddp", f"--ckpt_path={given}")
+        assert (
+            f"ckpt_path: {step} was written by FSDPStrategy as DCP shards, which the configured trainer.strategy"
+            in message
+        )
+        assert "(fsdp or tp, at any world size, one device included)" in message
+        assert f"checkpoint consolidate {step} <out.ckpt>" in message
+
+
 @pytest.mark.slow
 def test_unknown_strategy_lists_choices(tmp_path, monkeypatch, capsys):
     message = _fails(tmp_path, monkeypatch, capsys, "--trainer.strategy=dpp")

@@ -159,11 +159,37 @@ def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
     own = checkpoint_folder(configured(checkpoint, "dirpath"), local_tier, run_dir)
     path, described = resolve_checkpoint_path(str(value), own, mode=configured(checkpoint, "keep.mode", "min"))
     target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
+    _refuse_an_unreadable_layout(config, target.parent if target.name == STATE_NAME else target)
     if target.exists():
         check_trusted(target, bool(configured(checkpoint, "resume.trust_pickles")))
     if described is not None:
         config["ckpt_path"] = path
     return described
+
+
+def _refuse_an_unreadable_layout(config: Namespace, step_folder: Path) -> None:
+    """Bad input when ``step_folder`` (one of ours, by its manifest) is in a layout the strategy cannot load.
+
+    Lightning would fail deep in its restore (DDP opening DCP's folder: ``IsADirectoryError``).
+    """
+    from lightning_mlopt.checkpoint.layout import DCP_SHARDS, layout_of_manifest
+    from lightning_mlopt.exceptions import BadInputError
+    from lightning_mlopt.strategies import LAYOUTS
+
+    try:
+        manifest = Manifest.from_json((step_folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return  # not one of our step folders: Lightning reads it as it is
+    if _strategy_resumes(config.as_dict().get("trainer") or {}, manifest):
+        return
+    layout = layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values())
+    readers = " (fsdp or tp, at any world size, one device included)" if layout == DCP_SHARDS else ""
+    raise BadInputError(
+        f"ckpt_path: {step_folder} was written by {manifest.strategy} as {layout}, which the configured "
+        f"trainer.strategy cannot load. Resume it with a strategy that reads that layout{readers}, or turn it "
+        f"into one Lightning file of weights with `python -m lightning_mlopt checkpoint consolidate {step_folder} "
+        "<out.ckpt>`."
+    )
 
 
 def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
