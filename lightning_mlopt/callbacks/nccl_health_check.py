@@ -159,10 +159,10 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
         # within a node, and one per data-parallel group, across nodes): a bad one shows here, named.
         mesh = contract_of(trainer.strategy).process_mesh
         if mesh is not None and mesh.ndim > 1 and mesh.mesh_dim_names:
-            for name in mesh.mesh_dim_names:
-                if mesh.size(mesh.mesh_dim_names.index(name)) > 1:
+            for dim, name in enumerate(mesh.mesh_dim_names):
+                if mesh.size(dim) > 1:
                     self._check_all_reduce(device, mesh.get_group(name), name)
-                self.mesh_dimensions[name] = mesh.size(mesh.mesh_dim_names.index(name))
+                self.mesh_dimensions[name] = mesh.size(dim)
         fingerprints: list[Any] = [None] * world
         dist.all_gather_object(fingerprints, collect_fingerprint())
         self.hosts = [fp["host"] for fp in fingerprints]

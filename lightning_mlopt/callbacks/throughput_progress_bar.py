@@ -164,6 +164,7 @@ class ThroughputProgressBar(TQDMProgressBar):
         self._lines = False
         self._last_line_step = -1
         self._drawn_at = -math.inf
+        self._data_parallel = 1  # ranks reading different batches (tensor-parallel ranks share one)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -174,8 +175,9 @@ class ThroughputProgressBar(TQDMProgressBar):
             self.disable()  # no bars at all; on_train_batch_end prints the lines
 
     @override
-    def on_train_start(self, *args: Any) -> None:
-        super().on_train_start(*args)
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self._data_parallel = data_parallel_size(trainer.strategy, trainer.world_size)  # once: not per batch
         self._meter.pause()
 
     @override
@@ -189,7 +191,7 @@ class ThroughputProgressBar(TQDMProgressBar):
     ) -> None:
         items, self._unit = count_items(batch)
         # Tensor-parallel ranks share their batch: the job's data is this rank's times the data-parallel ranks.
-        self._meter.batch_done(items * data_parallel_size(trainer.strategy, trainer.world_size))
+        self._meter.batch_done(items * self._data_parallel)
         if self._lines:
             self._print_line_if_due(trainer, pl_module)
         else:

@@ -104,6 +104,7 @@ class TensorParallelStrategy(FSDPStrategy):
             process_group_backend=process_group_backend,
         )
         self._requested_tensor_parallel_size = tensor_parallel_size
+        self._partial_gradient_owners: list[Tensor] | None = None  # see post_backward
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
 
     @property
@@ -169,7 +170,14 @@ class TensorParallelStrategy(FSDPStrategy):
         one all-reduce for all of them, before anything reads it.
         """
         super().post_backward(closure_loss)
-        settle_partial_gradients(self.lightning_module.parameters())
+        if self._partial_gradient_owners is None:  # which they are is fixed by the plan: found once
+            self._partial_gradient_owners = [
+                param
+                for param in self.lightning_module.parameters()
+                if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements)
+            ]
+        if self._partial_gradient_owners:  # none without sequence parallelism: no walk over the model per step
+            settle_partial_gradients(self._partial_gradient_owners)
 
     @override
     def _build_mesh(self) -> DeviceMesh:
