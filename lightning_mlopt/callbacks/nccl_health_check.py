@@ -24,6 +24,7 @@ from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
+from lightning_mlopt.distributed.peer_loss import is_peer_loss
 from lightning_mlopt.exceptions import HealthCheckError
 from lightning_mlopt.hooks import DescribesOutputs
 from lightning_mlopt.process import phase
@@ -51,7 +52,9 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
     Hang watchdog: a thread per rank ends the process with ``watchdog.exit_code`` when no step has finished for
     ``watchdog.timeout`` seconds (or, with ``watchdog.adaptive_multiple``, that multiple of the longest step seen
     on any rank, if larger), after writing every thread's stack and the step and phase (data, forward, backward,
-    optimizer, checkpoint) to ``<watchdog.dump_dir>/hang-rank<R>.txt`` and the log. An elastic launcher
+    optimizer, checkpoint) to ``<watchdog.dump_dir>/hang-rank<R>.txt`` and the log. A rank whose collective
+    fails because the rank that hung exited first ends the same way once its step has run half the limit. An
+    elastic launcher
     (``torchrun --max-restarts``) then restarts the job and FaultTolerantCheckpoint resumes it. On CUDA, the
     NCCL flight recorder is turned on (unless set by the user) so NCCL's own view is dumped on timeout too.
 
@@ -308,6 +311,11 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._watchdog is not None:
+            if is_peer_loss(exception):
+                # The rank that hung exited first (its watchdog fired) and this one's collective failed a moment
+                # before its own watchdog would have: end the same way, as a hang, dump and status, not status 1.
+                first_line = str(exception).strip().splitlines()[0][:200] if str(exception).strip() else ""
+                self._watchdog.exit_if_stuck(f"a collective failed because a peer left ({first_line})")
             self._watchdog.stop()
             self._watchdog = None
 

@@ -18,6 +18,9 @@ from lightning_mlopt.process.startup import StartupGuard, startup_guard
 
 log = logging.getLogger(__name__)
 
+DUMP_WAIT_S = 30.0
+"""How long a thread about to exit waits for another thread's dump in progress (a slow or full disk)."""
+
 
 class HangWatchdog:
     """A daemon thread that ends the process when no step has finished for ``timeout()`` seconds.
@@ -28,7 +31,9 @@ class HangWatchdog:
     Every rank's watchdog fires at about the same moment (the ranks waiting in a collective time out with
     the one that hung). When the launching rank exits first, a launched rank ends as an orphan (see
     :mod:`lightning_mlopt.process.startup`), possibly before its own watchdog looked; so the watchdog also
-    leaves its dump as the orphan's last words when its step has run for half its limit or more.
+    leaves its dump as the orphan's last words when its step has run for half its limit or more. And when the
+    rank that hung exits first, the ranks waiting for it see their collective fail ("connection closed by
+    peer") before their own watchdog looks: :meth:`exit_if_stuck` lets them end as a hang too, dump and status.
 
     Args:
         timeout: returns the current limit in seconds (fixed, or adaptive to the steps seen).
@@ -67,6 +72,7 @@ class HangWatchdog:
         self._exit_process = exit_process
         self._guard = guard
         self._dump_once = threading.Lock()  # the watchdog's own report and the orphan's last words may coincide
+        self._dump_written = threading.Event()
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,14 +105,26 @@ class HangWatchdog:
                 self._report_and_exit(waited, limit)
                 return
 
-    def dump_if_stuck(self, reason: str) -> None:
+    def dump_if_stuck(self, reason: str) -> bool:
         """Write the dump now if the current step has run for half the limit or more (the process is ending).
 
-        ``reason`` says why it ends, e.g. "the process that launched this rank (pid 812) is gone".
+        ``reason`` says why it ends, e.g. "the process that launched this rank (pid 812) is gone". Returns
+        whether the step was stuck (and so the dump written).
         """
         waited, limit = time.monotonic() - self._last_beat, self.timeout()
-        if waited >= limit / 2:
-            self._write_dump(f"HANG on rank {self.rank}: {self._when(waited, limit)}; {reason}, so this rank exits")
+        if waited < limit / 2:
+            return False
+        self._write_dump(f"HANG on rank {self.rank}: {self._when(waited, limit)}; {reason}, so this rank exits")
+        return True
+
+    def exit_if_stuck(self, reason: str) -> None:
+        """End the process as a hang (dump, then ``exit_code``) if the current step has run for half the limit.
+
+        For a rank whose collective failed because the rank that hung has exited already: without this it would
+        end as an ordinary crash (status 1, no dump) a moment before its own watchdog named the hang.
+        """
+        if self.dump_if_stuck(reason):
+            self._exit_process(self.exit_code)
 
     def _report_and_exit(self, waited: float, limit: float) -> None:
         self._write_dump(
@@ -125,17 +143,23 @@ class HangWatchdog:
 
     def _write_dump(self, header: str) -> None:
         if not self._dump_once.acquire(blocking=False):
+            # Another thread is writing it: wait for the file before this one goes on to exit the process,
+            # or the exit would cut the dump short (the orphan's last words and the watchdog firing together).
+            self._dump_written.wait(DUMP_WAIT_S)
             return
-        stacks = _format_stacks()
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
-        path = self.dump_dir / f"hang-rank{self.rank}.txt"
-        with path.open("w") as handle:
-            handle.write(header + "\n\n" + stacks + "\n\nfaulthandler view (includes threads in C):\n")
-            handle.flush()
-            faulthandler.dump_traceback(handle, all_threads=True)
-        log.error("%s\n%s\n(also written to %s)", header, stacks, path)
-        sys.stderr.write(f"{header}\n{stacks}\n(also written to {path})\n")
-        sys.stderr.flush()
+        try:
+            stacks = _format_stacks()
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            path = self.dump_dir / f"hang-rank{self.rank}.txt"
+            with path.open("w") as handle:
+                handle.write(header + "\n\n" + stacks + "\n\nfaulthandler view (includes threads in C):\n")
+                handle.flush()
+                faulthandler.dump_traceback(handle, all_threads=True)
+            log.error("%s\n%s\n(also written to %s)", header, stacks, path)
+            sys.stderr.write(f"{header}\n{stacks}\n(also written to {path})\n")
+            sys.stderr.flush()
+        finally:
+            self._dump_written.set()
 
 
 def _format_stacks() -> str:

@@ -93,3 +93,73 @@ def test_an_orphaned_rank_leaves_its_dump_when_its_step_ran_half_the_limit(tmp_p
     assert "(pid 812) is gone, so this rank exits" in dump.splitlines()[0]
     assert "test_an_orphaned_rank_leaves_its_dump" in dump and exits.codes == []  # the guard, not it, ends the rank
     assert guard._last_words == [], "a stopped watchdog says nothing at a later exit"
+
+
+def test_a_waiting_rank_whose_peer_left_exits_as_a_hang_once_its_step_ran_half_the_limit(tmp_path: Path) -> None:
+    """The rank that hung exits first and the collective of the rank waiting for it fails: that rank ends as a
+    hang too (dump, status 124), not as a crash, unless its step is young (then the failure is something else)."""
+    exits = _Exits()
+    watchdog = HangWatchdog(lambda: 0.4, tmp_path, rank=0, exit_code=124, poll_seconds=60, exit_process=exits)
+    phase.set_phase("backward", step=3)
+    watchdog.start()
+    watchdog.exit_if_stuck("a collective failed because a peer left (Connection closed by peer)")
+    assert exits.codes == [] and not (tmp_path / "hang-rank0.txt").exists()
+    time.sleep(0.25)
+    watchdog.exit_if_stuck("a collective failed because a peer left (Connection closed by peer)")
+    watchdog.stop()
+    phase.set_phase("setup", step=0)
+    assert exits.codes == [124]
+    header = (tmp_path / "hang-rank0.txt").read_text().splitlines()[0]
+    assert "last step 3, phase 'backward'" in header and "because a peer left (Connection closed" in header
+
+
+def test_an_exit_waits_for_the_dump_another_thread_is_writing(tmp_path: Path, monkeypatch) -> None:
+    """The orphan's last words and the watchdog firing at once: whichever thread exits must not cut the other's
+    dump short (CI once saw status 124 and no hang-rank1.txt)."""
+    from lightning_mlopt.process import watchdog as watchdog_module
+
+    slow_stacks = watchdog_module._format_stacks
+
+    def _slowly() -> str:
+        time.sleep(0.3)
+        return slow_stacks()
+
+    monkeypatch.setattr(watchdog_module, "_format_stacks", _slowly)
+    seen_at_exit: list[bool] = []
+    dump = tmp_path / "hang-rank1.txt"
+    watchdog = HangWatchdog(
+        lambda: 0.01,
+        tmp_path,
+        rank=1,
+        exit_code=124,
+        poll_seconds=60,
+        exit_process=lambda _: seen_at_exit.append(dump.exists()),
+    )
+    watchdog.start()
+    time.sleep(0.05)
+    last_words = threading.Thread(target=watchdog.dump_if_stuck, args=("the launcher is gone",))
+    last_words.start()
+    time.sleep(0.05)  # the last words are formatting the stacks now
+    watchdog.exit_if_stuck("a peer left")
+    last_words.join()
+    watchdog.stop()
+    assert seen_at_exit == [True]
+    assert "the launcher is gone" in dump.read_text().splitlines()[0]
+
+
+def test_peer_loss_is_told_from_other_errors() -> None:
+    import torch.distributed as dist
+
+    from lightning_mlopt.distributed.peer_loss import is_peer_loss
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:38309. This is typically caused by a remote worker crashing."
+    )
+    assert is_peer_loss(gloo)
+    assert is_peer_loss(dist.DistBackendError("NCCL error: remote process exited or there was a network error"))
+    wrapped = ValueError("step failed")
+    wrapped.__cause__ = gloo
+    assert is_peer_loss(wrapped)
+    assert not is_peer_loss(RuntimeError("CUDA out of memory"))
+    assert not is_peer_loss(ValueError("connection closed by peer"))  # not a transport's error type
