@@ -135,13 +135,16 @@ def plan_memory(
     activation_bytes: float = 0.0,
     headroom: float = 0.1,
     tensor_parallel: tuple[int, int] | None = None,
+    tensor_parallel_activation_bytes: float | None = None,
 ) -> MemoryPlan:
     """Rows for DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and their CPU-offload variants; the first that fits wins.
 
     A strategy fits when ``total x (1 + headroom) <= gpu_memory``. With ``tensor_parallel`` = (T, S), a plan
     splitting S of the parameters T ways, a last row: tensor parallelism (``tpT``), or FSDP x TP
     (``fsdpDxtpT``) when the world holds D = world / T data-parallel groups; it is a row to compare, never the
-    recommendation (``strategy: auto`` does not choose TP: it needs a plan).
+    recommendation (``strategy: auto`` does not choose TP: it needs a plan). Its activations are
+    ``tensor_parallel_activation_bytes`` (one rank's under the plan, see
+    :func:`~lightning_mlopt.planning.probe.measure_activations`), else ``activation_bytes``.
 
     Raises:
         ValueError: a non-positive count, world size or memory, or a headroom outside [0, 1).
@@ -186,7 +189,10 @@ def plan_memory(
         )
     recommendation = next((row.strategy for row in rows if row.fits), None)
     if tensor_parallel is not None:
-        row = _tensor_parallel_row(tensor_parallel, psi, world_size, (p, g, k), activation_bytes)
+        split_activations = tensor_parallel_activation_bytes
+        if split_activations is None:
+            split_activations = activation_bytes
+        row = _tensor_parallel_row(tensor_parallel, psi, world_size, (p, g, k), split_activations)
         rows.append(replace(row, fits=row.total * (1 + headroom) <= gpu_memory))
     return MemoryPlan(num_params, world_size, gpu_memory, headroom, precision, optimizer, rows, recommendation)
 

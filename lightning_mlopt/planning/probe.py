@@ -10,10 +10,15 @@ Example::
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 
@@ -35,8 +40,12 @@ def optimizer_kind(model: Any) -> str:
     return "sgd_momentum" if momentum else "sgd"
 
 
-def measure_activations(model: Any, data: Any) -> float:
+def measure_activations(model: Any, data: Any, around: AbstractContextManager[Any] | None = None) -> float:
     """Bytes of tensors the forward pass of one micro-batch saves for backward, on the meta device.
+
+    ``around`` is entered for the forward, once the batch is there: e.g. one that splits the model by a
+    tensor-parallel plan on a :func:`fake_world` (``ResolvedPlan.split_on_fake_world``). A saved ``DTensor``
+    counts by its local piece, so the result is then one rank's bytes.
 
     No memory is used: the model is on the meta device and the batch is moved there; saved-tensor hooks
     add up what autograd keeps. Attention through ``F.scaled_dot_product_attention`` is counted as the fused
@@ -58,15 +67,41 @@ def measure_activations(model: Any, data: Any) -> float:
     silenced = model.log
     try:
         model.log = lambda *args, **kwargs: None  # no Trainer here: training_step's logging has nowhere to go
-        with _FusedAttention(saved), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with (
+            around if around is not None else nullcontext(),
+            _FusedAttention(saved),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        ):
             model.training_step(batch, 0)
     finally:
         model.log = silenced
     return float(sum(saved.values()))
 
 
+@contextmanager
+def fake_world(size: int) -> Iterator[DeviceMesh]:
+    """A process group of ``size`` ranks in this process whose collectives return at once (torch's ``fake``).
+
+    Enough for DTensor to give every tensor its local shape on the meta device; no process is started. The
+    group is destroyed on the way out.
+
+    Example::
+
+        with fake_world(2) as mesh:
+            parallelize_module(meta_model, mesh, plan)  # each parameter now holds rank 0's half
+    """
+    if dist.is_initialized():  # a tool's process has none; a training process has its real one
+        raise RuntimeError("measuring a tensor-parallel rank's activations needs a process without a process group")
+    dist.init_process_group("fake", rank=0, world_size=size, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (size,))
+    finally:
+        dist.destroy_process_group()
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # a rank holds its piece only
+    return local.numel() * local.element_size()
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -96,5 +131,6 @@ class _FusedAttention(TorchFunctionMode):
         for tensor in (query, key, value, output):
             self.saved[id(tensor)] = _nbytes(tensor)
             self._alive.append(tensor)
-        self.saved[("logsumexp", id(output))] = query.shape[:-1].numel() * 4
+        rows = query.to_local() if isinstance(query, DTensor) else query
+        self.saved[("logsumexp", id(output))] = rows.shape[:-1].numel() * 4
         return output.requires_grad_()

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt.distributed.sharding import SubMeshSharding, settle_partial_gradients
@@ -16,6 +20,7 @@ from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
 from lightning_mlopt.strategies.spec import StrategySpec
+from lightning_mlopt.strategies.tp_loss import split_logits_loss
 from lightning_mlopt.strategies.tp_plan import ResolvedPlan, resolve
 
 DATA, TENSOR = "data", "tensor"  # the mesh's dimensions: (data-parallel, tensor-parallel)
@@ -105,6 +110,7 @@ class TensorParallelStrategy(FSDPStrategy):
         )
         self._requested_tensor_parallel_size = tensor_parallel_size
         self._partial_gradient_owners: list[Tensor] | None = None  # see post_backward
+        self._splits_logits = False  # the plan leaves the logits split into the loss (set when sharding)
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
 
     @property
@@ -179,6 +185,35 @@ class TensorParallelStrategy(FSDPStrategy):
         if self._partial_gradient_owners:  # none without sequence parallelism: no walk over the model per step
             settle_partial_gradients(self._partial_gradient_owners)
 
+    def _loss_context(self) -> AbstractContextManager[None]:
+        """The ``loss_parallel`` context of torch where the plan leaves the logits split into the loss, else nothing."""
+        return split_logits_loss() if self._splits_logits else nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self._loss_context():  # the backward of a loss on split logits needs torch's context too
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._loss_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        # A prediction made from split logits (e.g. their argmax) comes out split: hand it over whole.
+        return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, DTensor.full_tensor)
+
     @override
     def _build_mesh(self) -> DeviceMesh:
         shape = (self.data_parallel_size, self.tensor_parallel_size)
@@ -194,6 +229,7 @@ class TensorParallelStrategy(FSDPStrategy):
             return
         plan = self.plan_for(module)
         parallelize_module(module, self.device_mesh[TENSOR], plan.parallelize_plan())
+        self._splits_logits = plan.splits_logits
         if self.data_parallel_size > 1:
             super()._shard(module)  # activation checkpointing, then fully_shard on the data mesh
         else:

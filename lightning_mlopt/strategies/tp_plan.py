@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -56,6 +57,8 @@ class Style:
         splits_output: the module's output stays split across ranks (a row-wise module must consume it).
         description: one line for the docs and the error messages.
         consumes_split: the module takes a column-wise module's split output (the row-wise styles).
+        splits_logits: the module's output stays split along its last dimension into the loss, which the
+            strategy then computes inside torch's ``loss_parallel`` (see :mod:`~lightning_mlopt.strategies.tp_loss`).
 
     """
 
@@ -65,6 +68,7 @@ class Style:
     splits_output: bool
     description: str
     consumes_split: bool = False
+    splits_logits: bool = False
 
 
 STYLES: dict[str, Style] = {
@@ -143,6 +147,25 @@ STYLES: dict[str, Style] = {
         splits_output=False,
         description="colwise_replicated on a sequence-split input, all-gathered first (the LM head under SP)",
     ),
+    # The LM head's logits stay split along the vocabulary into the loss (torch's loss_parallel): no rank
+    # holds the whole logits, the largest activation of a language model.
+    "loss_parallel": Style(
+        nn.Linear,
+        "out_features",
+        lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        splits_output=False,
+        description="an LM head whose logits stay split along the vocabulary; the cross-entropy is computed on "
+        "the pieces (never gathered)",
+        splits_logits=True,
+    ),
+    "loss_parallel_from_sequence": Style(
+        nn.Linear,
+        "out_features",
+        lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        splits_output=False,
+        description="loss_parallel on a sequence-split input, all-gathered first (the LM head under SP)",
+        splits_logits=True,
+    ),
 }
 
 
@@ -157,6 +180,28 @@ class ResolvedPlan:
     def parallelize_plan(self) -> dict[str, ParallelStyle]:
         """The plan ``parallelize_module`` takes: each resolved module name and its torch style."""
         return {name: STYLES[style].make() for name, style in self.styles.items()}
+
+    @contextmanager
+    def split_on_fake_world(self, module: nn.Module) -> Iterator[None]:
+        """``module`` split by the plan as rank 0 of a fake world of ``size`` ranks, with the plan's loss context.
+
+        For counting one rank's bytes without starting processes (a meta-device model, see
+        :func:`~lightning_mlopt.planning.probe.measure_activations`); ``module`` stays split afterwards.
+        """
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from lightning_mlopt.planning.probe import fake_world
+        from lightning_mlopt.strategies.tp_loss import split_logits_loss
+
+        with fake_world(self.size) as mesh:
+            parallelize_module(module, mesh, self.parallelize_plan())
+            with split_logits_loss() if self.splits_logits else nullcontext():
+                yield
+
+    @property
+    def splits_logits(self) -> bool:
+        """Whether a module's output reaches the loss split (the loss then runs inside ``loss_parallel``)."""
+        return any(STYLES[style].splits_logits for style in self.styles.values())
 
     def split_elements(self, module: nn.Module) -> int:
         """Elements of ``module``'s parameters that the plan splits (each rank holds ``1 / size`` of them).

@@ -13,6 +13,7 @@ import yaml
 
 from lightning_mlopt.planning.memory import format_table, parse_count, parse_size, plan_memory
 from lightning_mlopt.planning.probe import instantiate, measure_activations, optimizer_kind
+from lightning_mlopt.strategies.tp_plan import ResolvedPlan
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
 
 
@@ -60,6 +61,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
     if not args.config and args.num_params is None:
         raise ValueError("give --config FILE or --num_params N")
     precision, optimizer, activations, tensor_parallel = args.precision, args.optimizer, 0.0, None
+    split_activations: float | None = None  # one tensor-parallel rank's, measured under the plan
     placements: list[str] = []
     world_size = args.world_size
     if args.config:
@@ -78,7 +80,14 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
             world_size = devices * nodes
         if "data" in config and args.activation_memory is None:
             activations = measure_activations(model, instantiate(config["data"]))
-        tensor_parallel, placements = _tensor_parallel(trainer, model, world_size)
+        resolved, placements = _tensor_parallel(trainer, model, world_size)
+        if resolved is not None:
+            tensor_parallel = (resolved.size, resolved.split_elements(model))
+            if "data" in config and args.activation_memory is None:
+                with torch.device("meta"):  # a fresh model: the measurement splits the one it is given
+                    fresh = instantiate(config["model"])
+                data = instantiate(config["data"])
+                split_activations = measure_activations(fresh, data, around=resolved.split_on_fake_world(fresh))
     else:
         num_params = parse_count(args.num_params)
     if world_size is None:
@@ -94,12 +103,13 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
         activation_bytes=activations,
         headroom=args.headroom,
         tensor_parallel=tensor_parallel,
+        tensor_parallel_activation_bytes=split_activations,
     )
     return plan, placements
 
 
-def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[tuple[int, int] | None, list[str]]:
-    """(T, split parameters) when the config's strategy is tensor-parallel, and its plan, a line a module."""
+def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[ResolvedPlan | None, list[str]]:
+    """The resolved plan when the config's strategy is tensor-parallel, and its placements, a line a module."""
     from lightning_mlopt.strategies import STRATEGIES, TensorParallelStrategy
     from lightning_mlopt.strategies.tp_plan import resolve
 
@@ -116,4 +126,4 @@ def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tu
     plan = resolve(model, init_args.get("tp_plan") or getattr(model, "tp_plan", None) or {}, size)
     lines = [f"tensor-parallel plan ({size} ways, data-parallel {world_size // size}):"]
     lines += [f"  {line}" for line in plan.describe()]
-    return (size, plan.split_elements(model)), lines
+    return plan, lines

@@ -176,6 +176,9 @@ def test_tensor_parallel_rows_place_each_module_and_divide_as_the_plan_does(tmp_
     ddp, tp = rows["ddp"], rows["fsdp2xtp2"]
     # The plan splits most parameters 2 ways; FSDP halves everything again: a little over a quarter of DDP's.
     assert 0.25 < tp[0] / ddp[0] < 0.27 and tp[2] / ddp[2] == pytest.approx(tp[0] / ddp[0], rel=0.01)
+    # Activations are one tensor-parallel rank's, measured under the plan (equal to a real run's: see
+    # test_tensor_parallel.py): the heads and the MLP's hidden width split, the rest whole.
+    assert 0.5 < tp[3] / ddp[3] < 0.75
     # A plan that does not fit the model is bad input here too.
     bad = run_cli([*fsdp_tp, "--world_size", "3"], cwd=tmp_path)
     assert bad.returncode == 2 and "must divide the world size (3)" in bad.stderr

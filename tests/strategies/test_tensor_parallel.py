@@ -31,6 +31,7 @@ import yaml
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.planning.memory import plan_memory
+from lightning_mlopt.planning.probe import instantiate, measure_activations
 from lightning_mlopt.strategies.tp_plan import resolve
 from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_STEPS, run_tool_here
 from tests.support.llama_style import LlamaStyleLM
@@ -100,6 +101,28 @@ def test_tp2_ranks_hold_their_split_of_the_planned_matrices(gpt_runs):
     total = sum(p.numel() for p in model.parameters())
     row = plan_memory(total, 2, 10**9, precision="fp32", tensor_parallel=(2, plan_of.split_elements(model))).rows[-1]
     assert (row.strategy, row.parameters) == ("tp2", expected)
+
+
+@pytest.mark.multiprocess
+def test_the_planners_activations_are_what_each_rank_saved_for_backward(gpt_runs):
+    # The planner splits a meta model by the plan on a fake world of 2 ranks and counts what its forward saves
+    # for backward; each rank of the real runs counted the same at its first step (RecordEverything).
+    config = yaml.safe_load((CONFIGS / "gpt.yaml").read_text())
+    for name, overlay in (("one", None), ("tp", "tp.yaml"), ("tp_sp", "tp_sp.yaml")):
+        with torch.device("meta"):
+            model = instantiate(config["model"])
+        split = resolve(model, _overlay_plan(overlay), 2).split_on_fake_world(model) if overlay else None
+        planned = measure_activations(model, instantiate(config["data"]), around=split)
+        assert [record["activation_bytes"] for record in gpt_runs[name].records] == [planned] * len(
+            gpt_runs[name].records
+        ), name
+    one, tp, sp = (gpt_runs[name].records[0]["activation_bytes"] for name in ("one", "tp", "tp_sp"))
+    # The heads and the MLP's hidden width are split; with SP the norms' sequence and the logits too.
+    assert sp < tp < 0.7 * one
+
+
+def _overlay_plan(overlay: str) -> dict[str, str]:
+    return yaml.safe_load((CONFIGS / "strategies" / overlay).read_text())["trainer"]["strategy"]["init_args"]["tp_plan"]
 
 
 @pytest.mark.multiprocess

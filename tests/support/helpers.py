@@ -72,13 +72,37 @@ class RecordEverything(RecordTraining):
     """RecordTraining plus what the strategy tests compare: full parameters and per-rank state bytes.
 
     Writes ``params.pt`` (rank 0, the unsharded parameters after fit) and adds ``state_bytes`` (measured
-    after the first optimizer step) and the rank's CPU thread count to each rank's record.
+    after the first optimizer step), ``activation_bytes`` (the bytes the first step's forward saved for
+    backward, counted as the planner counts them: each tensor once, a DTensor by its local piece) and the
+    rank's CPU thread count to each rank's record.
     """
 
     def __init__(self, out_dir: str) -> None:
         super().__init__(out_dir)
         self.state_bytes: dict[str, int] = {}
         self.bytes_before_step: dict[str, int] = {}
+        self.saved: dict[int, int] = {}
+        self._kept: list[torch.Tensor] = []  # alive until counted: no later tensor may reuse an id
+        self._saving: Any = None
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[override]
+        if trainer.global_step == 0 and self._saving is None and not self.saved:
+
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                self.saved[id(tensor)] = local.numel() * local.element_size()
+                self._kept.append(tensor)
+                return tensor
+
+            self._saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+            self._saving.__enter__()
+
+    @override
+    def on_before_backward(self, trainer, pl_module, loss) -> None:  # type: ignore[override]
+        if self._saving is not None:  # the forward is over: what backward will read is saved
+            self._saving.__exit__(None, None, None)
+            self._saving, self._kept = None, []
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
@@ -119,6 +143,7 @@ class RecordEverything(RecordTraining):
         record = json.loads(path.read_text())
         record["state_bytes"] = self.state_bytes
         record["bytes_before_step"] = self.bytes_before_step
+        record["activation_bytes"] = sum(self.saved.values())
         record["num_params"] = sum(p.numel() for p in params.values())
         record["num_threads"] = torch.get_num_threads()
         path.write_text(json.dumps(record))
