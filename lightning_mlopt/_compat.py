@@ -220,6 +220,46 @@ def epoch_loaders(trainer: Any) -> tuple[Any, Any]:
     return _require(loop, "_data_fetcher", what), _require(loop, "_combined_loader", what)
 
 
+def data_ends_after_this_batch(fetcher_owner: Any) -> bool:
+    """Whether the loop's data has no batch after the one in flight, looking one batch ahead where Lightning does not.
+
+    Lightning's fetcher knows it (``done``) for a loader with a length, and for one without by prefetching a
+    batch. Where a ``limit_*_batches`` gives an unsized loader a length, it counts to the limit and learns of
+    an earlier end only when a fetch fails, too late for the other ranks: then the next batch is fetched here,
+    into the fetcher's own prefetch slot, and the fetcher prefetches from then on, so it knows. Reach:
+    ``_data_fetcher`` (``length``, ``done``, ``batches``; the base fetcher's ``__next__``), Lightning 2.x.
+    """
+    from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
+
+    fetcher = _require(fetcher_owner, "_data_fetcher", "seeing where each rank's data ends")
+    if fetcher.done or fetcher.length is None or fetcher.batches or not isinstance(fetcher, _PrefetchDataFetcher):
+        return bool(fetcher.done)
+    try:
+        fetcher.batches.append(_DataFetcher.__next__(fetcher))
+    except StopIteration:
+        fetcher.done = True
+        return True
+    fetcher.length, fetcher.done = None, False  # prefetching keeps `done` from here on
+    return False
+
+
+def end_loop_after_this_batch(fetcher_owner: Any, loop: Any) -> None:
+    """End a training epoch or an evaluation run once the batch it is in is done, as if the data ended there.
+
+    ``fetcher_owner`` holds the loop's data fetcher (the fit loop for training, the evaluation loop itself),
+    ``loop`` the batch progress (the epoch loop, the evaluation loop). The fetcher is marked exhausted and its
+    prefetched batch dropped, so its next fetch raises StopIteration, which ends either loop; the progress's
+    ``is_last_batch`` is set, so the step in flight is the epoch's last for everything that asks (the optimizer
+    step under gradient accumulation, the epoch-end validation and schedulers). Reach: ``_data_fetcher``, its
+    ``done`` and ``batches`` (Lightning 2.x; the next epoch's ``iter()`` resets both).
+    """
+    fetcher = _require(fetcher_owner, "_data_fetcher", "ending every rank's epoch at the same batch")
+    fetcher.done = True
+    if isinstance(getattr(fetcher, "batches", None), list):
+        fetcher.batches = []
+    loop.batch_progress.is_last_batch = True
+
+
 def mark_dataloader_fetches(trainer: Any, starting: Callable[[], None]) -> bool:
     """Call ``starting`` each time the fit loop asks the training dataloader for a batch; False before it exists.
 

@@ -8,6 +8,7 @@ from lightning_mlopt.callbacks.performance_monitor import PerformanceMonitor
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.replica_consistency_check import ReplicaConsistencyCheck
 from lightning_mlopt.callbacks.throughput_progress_bar import ThroughputProgressBar
+from lightning_mlopt.callbacks.uneven_inputs import UnevenInputs
 from lightning_mlopt.checkpoint.settings import Keep, Preemption, Resume, SaveOn, Tiers  # FaultTolerantCheckpoint's
 from lightning_mlopt.exceptions import (
     CheckpointWriteError,
@@ -34,5 +35,6 @@ __all__ = [
     "Stragglers",
     "ThroughputProgressBar",
     "Tiers",
+    "UnevenInputs",
     "Watchdog",
 ]

@@ -216,6 +216,17 @@ class StepExchange:
             self.flush(trainer)
         return self._results[name]
 
+    def sum_now(self, trainer: Any, values: Tensor) -> Tensor:
+        """Sum ``values`` (host numbers) over every rank at once, outside the per-batch exchange; returns them.
+
+        One all-reduce on the exchange's host group, for what has no training batch to ride in (an evaluation
+        batch, an epoch's start). Every rank must call it at the same point.
+        """
+        if self._several(trainer):
+            dist.all_reduce(values, group=self._host_group())
+            self.collectives += 1
+        return values
+
     def exchanged(self, trainer: Any, name: str) -> bool:
         """Whether this batch's values of ``name`` have been summed already (a read costs no collective)."""
         self._enter(trainer)

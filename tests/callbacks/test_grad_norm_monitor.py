@@ -122,8 +122,9 @@ def test_skip_drops_the_step_and_leaves_finite_weights(tmp_path):
     assert all(torch.isfinite(value).all() for value in params.values())
     record = json.loads((tmp_path / "monitor" / "monitor-rank0.json").read_text())
     assert record["state"]["skipped_steps"] == 1 and record["state"]["nonfinite_events"] == 1
-    # FaultTolerantCheckpoint's per-step vote rode in the monitor's exchange: one collective per batch, not two.
-    assert record["exchanges"] == record["batches"] == 6
+    # FaultTolerantCheckpoint's per-step vote rode in the monitor's exchange: one collective per batch, not two,
+    # and UnevenInputs' comparison of the ranks' batch counts at the epoch's start (equal: nothing per batch).
+    assert record["exchanges"] - 1 == record["batches"] == 6
 
 
 @pytest.mark.multiprocess
