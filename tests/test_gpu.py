@@ -28,9 +28,10 @@ def test_strategy_trains_on_gpus_in_bf16(tmp_path, overlay):
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("overlay", ["tp", "fsdp_tp"])
+@pytest.mark.parametrize("overlay", ["tp", "tp_sp", "fsdp_tp"])
 def test_tensor_parallel_trains_on_gpus_in_bf16(tmp_path, overlay):
-    # TP at the world size there is (1 on a one-GPU machine: a one-rank mesh); fsdp_tp's TP=2 needs 2 GPUs.
+    # TP at the world size there is (1 on a one-GPU machine: a one-rank mesh; tp_sp adds sequence parallelism and
+    # the loss on split logits); fsdp_tp's TP=2 needs 2 GPUs.
     if overlay == "fsdp_tp" and torch.cuda.device_count() < 2:
         pytest.skip("fsdp_tp splits 2 ways: 2 GPUs")
     extra = ["--trainer.strategy.init_args.param_dtype=bfloat16"] if overlay == "fsdp_tp" else []

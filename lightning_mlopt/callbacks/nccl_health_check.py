@@ -310,12 +310,17 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._watchdog is not None:
+        if self._watchdog is None:
+            return
+        try:
             if is_peer_loss(exception):
                 # The rank that hung exited first (its watchdog fired) and this one's collective failed a moment
                 # before its own watchdog would have: end the same way, as a hang, dump and status, not status 1.
                 first_line = str(exception).strip().splitlines()[0][:200] if str(exception).strip() else ""
                 self._watchdog.exit_if_stuck(f"a collective failed because a peer left ({first_line})")
+        except Exception as error:  # an exit path: a dump that cannot be written must not hide the exception
+            rank_zero_warn(f"NCCLHealthCheck: could not write the hang dump: {error!r}")
+        finally:
             self._watchdog.stop()
             self._watchdog = None
 

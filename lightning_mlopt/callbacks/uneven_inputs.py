@@ -12,6 +12,7 @@ from lightning.fabric.utilities.data import has_len
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch.utils.data import IterableDataset
 from typing_extensions import override
 
 from lightning_mlopt._compat import data_ends_after_this_batch, end_loop_after_this_batch
@@ -100,11 +101,26 @@ class UnevenInputs(pl.Callback):
     # ------------------------------------------------------------------ training
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A run resumed in the middle of an epoch does not call on_train_epoch_start for it: watch it from here
+        # (a fresh run compares twice at its start: two small collectives, once).
+        self._watch_training(trainer, pl_module)
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._watch_training(trainer, pl_module)
+
+    def _watch_training(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
             self._counts["train"] = None
             return
-        self._counts["train"] = self._compare(trainer, [trainer.num_training_batches], trainer.train_dataloader)
+        counts = self._compare(trainer, [trainer.num_training_batches], trainer.train_dataloader)
+        self._counts["train"] = counts
+        fraction = isinstance(trainer.val_check_interval, float) and trainer.val_check_batch != float("inf")
+        if counts is not None and UNKNOWN not in counts and fraction:
+            # Lightning works out the batch to validate at from each rank's own count: with counts that differ,
+            # the ranks would validate at different batches (or one not at all). Every rank takes the shortest's.
+            trainer.val_check_batch = max(1, int(min(counts) * trainer.val_check_interval))
 
     @override
     def on_train_batch_start(
@@ -122,11 +138,17 @@ class UnevenInputs(pl.Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if is_param_in_hook_signature(pl_module.validation_step, "dataloader_iter", explicit=True):
+            self._counts["validate"] = None
+            return
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
         self._counts["validate"] = self._compare(trainer, list(counts), trainer.val_dataloaders)
 
     @override
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if is_param_in_hook_signature(pl_module.test_step, "dataloader_iter", explicit=True):
+            self._counts["test"] = None
+            return
         self._counts["test"] = self._compare(trainer, list(trainer.num_test_batches), trainer.test_dataloaders)
 
     @override
@@ -169,14 +191,18 @@ class UnevenInputs(pl.Callback):
                 )
                 self._warned_multiple = True
             return None
-        sized = all(has_len(loader) for loader in _flatten(loaders))
+        # An IterableDataset's length is what it says, not what each rank's shard holds (streaming datasets).
+        sized = all(
+            has_len(loader) and not isinstance(getattr(loader, "dataset", None), IterableDataset)
+            for loader in _flatten(loaders)
+        )
         mine = counts[0] if sized and math.isfinite(counts[0]) else UNKNOWN
         every = torch.zeros(trainer.world_size, dtype=torch.float64)
         every[trainer.global_rank] = mine
-        every = step_exchange(trainer).sum_now(trainer, every)
-        if UNKNOWN not in every.tolist() and len(set(every.tolist())) == 1:
+        lengths = step_exchange(trainer).sum_now(trainer, every).tolist()
+        if UNKNOWN not in lengths and len(set(lengths)) == 1:
             return None  # equal lengths: every rank ends at the same batch by itself
-        return every.tolist()
+        return lengths
 
     @staticmethod
     def _my_state(
@@ -185,10 +211,14 @@ class UnevenInputs(pl.Callback):
         """[1 at my slot if this is my last batch] + [my unused batches after this one, at my slot]."""
         world, rank = trainer.world_size, trainer.global_rank
         state = torch.zeros(2 * world, dtype=torch.float64)
-        if data_ends_after_this_batch(fetcher_owner):
-            loop.batch_progress.is_last_batch = True  # Lightning may not know yet (a limit on an unsized loader)
-            state[rank] = 1.0
         count = counts[rank]
+        if count == UNKNOWN:  # no length: look one batch ahead where Lightning does not (a limit on it)
+            last = data_ends_after_this_batch(fetcher_owner)
+        else:  # a length: this rank's count says it (also after a mid-epoch resume)
+            last = batch_idx + 1 >= count or bool(loop.batch_progress.is_last_batch)
+        if last:
+            loop.batch_progress.is_last_batch = True
+            state[rank] = 1.0
         state[world + rank] = UNKNOWN if count == UNKNOWN else max(0.0, count - batch_idx - 1)
         return state
 

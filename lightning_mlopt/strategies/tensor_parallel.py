@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -111,6 +111,7 @@ class TensorParallelStrategy(FSDPStrategy):
         self._requested_tensor_parallel_size = tensor_parallel_size
         self._partial_gradient_owners: list[Tensor] | None = None  # see post_backward
         self._splits_logits = False  # the plan leaves the logits split into the loss (set when sharding)
+        self._in_loss_context = False
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
 
     @property
@@ -185,9 +186,22 @@ class TensorParallelStrategy(FSDPStrategy):
         if self._partial_gradient_owners:  # none without sequence parallelism: no walk over the model per step
             settle_partial_gradients(self._partial_gradient_owners)
 
-    def _loss_context(self) -> AbstractContextManager[None]:
-        """The ``loss_parallel`` context of torch where the plan leaves the logits split into the loss, else nothing."""
-        return split_logits_loss() if self._splits_logits else nullcontext()
+    @contextmanager
+    def _loss_context(self) -> Iterator[None]:
+        """The ``loss_parallel`` context of torch where the plan leaves the logits split into the loss, else nothing.
+
+        Entered once: ``manual_backward`` calls ``backward`` inside ``training_step``, and torch's context
+        cannot nest (its exit removes the handlers the outer one would remove again).
+        """
+        if not self._splits_logits or self._in_loss_context:
+            yield
+            return
+        self._in_loss_context = True
+        try:
+            with split_logits_loss():
+                yield
+        finally:
+            self._in_loss_context = False
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -226,6 +240,8 @@ class TensorParallelStrategy(FSDPStrategy):
         A module that parallelized itself in ``configure_model`` (Lightning's recipe) is left as it is.
         """
         if any(isinstance(param, DTensor) for param in module.parameters()):
+            declared = self.tp_plan if self.tp_plan is not None else getattr(module, "tp_plan", None)
+            self._splits_logits = declared is not None and self.plan_for(module).splits_logits
             return
         plan = self.plan_for(module)
         parallelize_module(module, self.device_mesh[TENSOR], plan.parallelize_plan())

@@ -92,3 +92,20 @@ def test_a_prediction_made_from_split_logits_is_handed_over_whole(mesh):
     assert type(prediction["logits"]) is torch.Tensor and type(prediction["tokens"]) is torch.Tensor
     torch.testing.assert_close(prediction["logits"], expected)
     assert torch.equal(prediction["tokens"], expected.argmax(dim=-1))
+
+
+def test_the_strategys_loss_context_nests_as_manual_backward_needs(mesh):
+    # manual_backward calls the strategy's backward inside its training_step: torch's own context cannot nest
+    # (its exit removes handlers the outer exit removes again, a KeyError).
+    torch.manual_seed(0)
+    strategy = TensorParallelStrategy(tensor_parallel_size=1)
+    head = nn.Sequential(nn.Linear(8, 32, bias=False))
+    plan = resolve(head, {"0": "loss_parallel"}, 1)
+    parallelize_module(head, mesh, plan.parallelize_plan())
+    strategy._splits_logits = plan.splits_logits  # what sharding sets
+    targets = torch.randint(0, 32, (4,))
+    with strategy._loss_context():  # training_step
+        loss = functional.cross_entropy(head(torch.randn(4, 8)), targets)
+        with strategy._loss_context():  # manual_backward -> backward
+            loss.backward()
+    assert type(loss) is torch.Tensor and head[0].weight.grad is not None

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 
 class _RankBatches(IterableDataset):
@@ -34,6 +34,8 @@ class UnevenTokens(pl.LightningDataModule):
     """Random token batches, ``train_batches[rank]`` for training and ``val_batches[rank]`` for validation.
 
     Neither loader has a length (the dataset is iterable), so nothing tells a rank how many the others have.
+    With ``sized``, each rank's loader is over a map-style dataset of its own length instead (run it with
+    ``trainer.use_distributed_sampler=false``): lengths that Lightning knows, and that differ.
     """
 
     def __init__(
@@ -43,13 +45,18 @@ class UnevenTokens(pl.LightningDataModule):
         batch_size: int = 8,
         block_size: int = 64,
         vocab_size: int = 256,
+        sized: bool = False,
     ) -> None:
         super().__init__()
+        self.sized = sized
         self.train_batches, self.val_batches = list(train_batches), list(val_batches)
         self.batch_size, self.block_size, self.vocab_size = batch_size, block_size, vocab_size
 
     def _loader(self, counts: list[int], seed: int) -> DataLoader:
         dataset = _RankBatches(counts, self.batch_size, self.block_size, self.vocab_size, seed)
+        if self.sized:
+            inputs, targets = zip(*dataset, strict=True)
+            return DataLoader(TensorDataset(torch.stack(inputs), torch.stack(targets)), batch_size=self.batch_size)
         return DataLoader(dataset, batch_size=self.batch_size)
 
     def train_dataloader(self) -> DataLoader:
