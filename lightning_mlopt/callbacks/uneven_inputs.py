@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import has_len
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import IterableDataset
@@ -102,9 +103,11 @@ class UnevenInputs(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A run resumed in the middle of an epoch does not call on_train_epoch_start for it: watch it from here
-        # (a fresh run compares twice at its start: two small collectives, once).
-        self._watch_training(trainer, pl_module)
+        # A run resumed in the middle of an epoch does not call on_train_epoch_start for it: watch it from here.
+        # Batches of the epoch already ran only then (every rank restored the same progress); a fresh run's
+        # epoch start compares, once.
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready > 0:
+            self._watch_training(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -130,9 +133,9 @@ class UnevenInputs(pl.Callback):
         if counts is None:
             return
         exchange = step_exchange(trainer)
-        state = self._my_state(trainer, counts, batch_idx, trainer.fit_loop, trainer.fit_loop.epoch_loop)
-        exchange.put(trainer, _KEY, state)
-        self._end_if_any_rank_ends(trainer, "train", exchange.read(trainer, _KEY), batch_idx)
+        loops = (trainer.fit_loop, trainer.fit_loop.epoch_loop)
+        exchange.put(trainer, _KEY, self._my_state(trainer, counts, batch_idx, *loops))
+        self._end_if_any_rank_ends(trainer, "train", exchange.read(trainer, _KEY), batch_idx, *loops)
 
     # ------------------------------------------------------------------ validation and test
 
@@ -168,8 +171,8 @@ class UnevenInputs(pl.Callback):
         if counts is None:
             return
         loop = self._evaluation_loop(trainer, stage)
-        state = self._my_state(trainer, counts, batch_idx, loop, loop)
-        self._end_if_any_rank_ends(trainer, stage, step_exchange(trainer).sum_now(trainer, state).tolist(), batch_idx)
+        summed = step_exchange(trainer).sum_now(trainer, self._my_state(trainer, counts, batch_idx, loop, loop))
+        self._end_if_any_rank_ends(trainer, stage, summed.tolist(), batch_idx, loop, loop)
 
     @staticmethod
     def _evaluation_loop(trainer: pl.Trainer, stage: str) -> Any:
@@ -184,7 +187,7 @@ class UnevenInputs(pl.Callback):
         if trainer.world_size < 2:
             return None
         if len(counts) != 1:  # several evaluation dataloaders: one count each, compared below only if one
-            if not self._warned_multiple and trainer.world_size > 1:
+            if not self._warned_multiple:
                 rank_zero_warn(
                     "UnevenInputs watches one validation or test dataloader; with several, ranks whose loaders "
                     "differ in length are left to Lightning (give each rank as many batches)."
@@ -194,7 +197,7 @@ class UnevenInputs(pl.Callback):
         # An IterableDataset's length is what it says, not what each rank's shard holds (streaming datasets).
         sized = all(
             has_len(loader) and not isinstance(getattr(loader, "dataset", None), IterableDataset)
-            for loader in _flatten(loaders)
+            for loader in CombinedLoader(loaders).flattened
         )
         mine = counts[0] if sized and math.isfinite(counts[0]) else UNKNOWN
         every = torch.zeros(trainer.world_size, dtype=torch.float64)
@@ -222,17 +225,15 @@ class UnevenInputs(pl.Callback):
         state[world + rank] = UNKNOWN if count == UNKNOWN else max(0.0, count - batch_idx - 1)
         return state
 
-    def _end_if_any_rank_ends(self, trainer: pl.Trainer, stage: str, summed: list[float], batch_idx: int) -> None:
+    def _end_if_any_rank_ends(
+        self, trainer: pl.Trainer, stage: str, summed: list[float], batch_idx: int, fetcher_owner: Any, loop: Any
+    ) -> None:
         world = trainer.world_size
         last, unused = summed[:world], summed[world:]
         short = tuple(rank for rank in range(world) if last[rank] > 0)
         if not short or len(short) == world:
             return
-        if stage == "train":
-            end_loop_after_this_batch(trainer.fit_loop, trainer.fit_loop.epoch_loop)
-        else:
-            loop = self._evaluation_loop(trainer, stage)
-            end_loop_after_this_batch(loop, loop)
+        end_loop_after_this_batch(fetcher_owner, loop)
         left = {rank: None if unused[rank] == UNKNOWN else int(unused[rank]) for rank in range(world)}
         stage_name = "sanity check" if trainer.sanity_checking else stage
         early = EarlyEnd(
@@ -240,12 +241,3 @@ class UnevenInputs(pl.Callback):
         )
         self.early_ends.append(early)
         rank_zero_warn(early.describe())
-
-
-def _flatten(loaders: Any) -> list[Any]:
-    """The loaders in a loader, or a list, tuple or dict of them (Lightning's shapes), as a flat list."""
-    if isinstance(loaders, dict):
-        return [item for value in loaders.values() for item in _flatten(value)]
-    if isinstance(loaders, (list, tuple)):
-        return [item for value in loaders for item in _flatten(value)]
-    return [] if loaders is None else [loaders]

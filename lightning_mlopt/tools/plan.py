@@ -78,15 +78,15 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
             if not isinstance(devices, int):
                 raise ValueError(f"trainer.devices is {devices!r}: give --world_size")
             world_size = devices * nodes
-        if "data" in config and args.activation_memory is None:
-            activations = measure_activations(model, instantiate(config["data"]))
+        data = instantiate(config["data"]) if "data" in config and args.activation_memory is None else None
+        if data is not None:
+            activations = measure_activations(model, data)
         resolved, placements = _tensor_parallel(trainer, model, world_size)
         if resolved is not None:
             tensor_parallel = (resolved.size, resolved.split_elements(model))
-            if "data" in config and args.activation_memory is None:
+            if data is not None:
                 with torch.device("meta"):  # a fresh model: the measurement splits the one it is given
                     fresh = instantiate(config["model"])
-                data = instantiate(config["data"])
                 split_activations = measure_activations(fresh, data, around=resolved.split_on_fake_world(fresh))
     else:
         num_params = parse_count(args.num_params)
