@@ -89,6 +89,13 @@ class ReplicaMismatchError(StoppedTogether):
     unsafe_to_save = True
 
 
+class CollectivesDivergedError(StoppedTogether):
+    """Ranks issued different collectives in a step; the message names the first one and each rank's call site."""
+
+    checkpoint_reason = "collectives_diverged"
+    unsafe_to_save = True  # the step's collectives paired up wrongly: its results are not to be trusted
+
+
 class HealthCheckError(RuntimeError):
     """A pre-flight check failed; the message names the ranks and hosts concerned."""
 

@@ -1,5 +1,6 @@
 """Callbacks for any Lightning Trainer."""
 
+from lightning_mlopt.callbacks.collective_sequence_check import CollectiveSequenceCheck
 from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_mlopt.callbacks.health_settings import Stragglers, Watchdog  # NCCLHealthCheck's
@@ -12,6 +13,7 @@ from lightning_mlopt.callbacks.uneven_inputs import UnevenInputs
 from lightning_mlopt.checkpoint.settings import Keep, Preemption, Resume, SaveOn, Tiers  # FaultTolerantCheckpoint's
 from lightning_mlopt.exceptions import (
     CheckpointWriteError,
+    CollectivesDivergedError,
     HealthCheckError,
     NonFiniteGradientError,
     ReplicaMismatchError,
@@ -19,6 +21,8 @@ from lightning_mlopt.exceptions import (
 
 __all__ = [
     "CheckpointWriteError",
+    "CollectiveSequenceCheck",
+    "CollectivesDivergedError",
     "FaultTolerantCheckpoint",
     "GradNormMonitor",
     "HealthCheckError",

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_mlopt._compat import default_store
 from lightning_mlopt._metrics import log_metrics
+from lightning_mlopt.callbacks.collective_sequence_check import collectives_in_hang
 from lightning_mlopt.callbacks.health_settings import Stragglers, Watchdog, refuse_flat_keys
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
@@ -52,7 +53,10 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
     Hang watchdog: a thread per rank ends the process with ``watchdog.exit_code`` when no step has finished for
     ``watchdog.timeout`` seconds (or, with ``watchdog.adaptive_multiple``, that multiple of the longest step seen
     on any rank, if larger), after writing every thread's stack and the step and phase (data, forward, backward,
-    optimizer, checkpoint) to ``<watchdog.dump_dir>/hang-rank<R>.txt`` and the log. A rank whose collective
+    optimizer, checkpoint) to ``<watchdog.dump_dir>/hang-rank<R>.txt``. With CollectiveSequenceCheck on, the
+    report's first line says which collective each rank waits in and where the ranks' collectives first
+    differ (read through the store, not a collective); the console gets that line and where the stuck thread
+    stands, the file every thread's stack. A rank whose collective
     fails because the rank that hung exited first ends the same way once its step has run half the limit. An
     elastic launcher
     (``torchrun --max-restarts``) then restarts the job and FaultTolerantCheckpoint resumes it. On CUDA, the
@@ -147,7 +151,13 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
             self._preflight(trainer)
         if self.watchdog.timeout is not None:
             folder, exit_code = self.dump_folder(trainer), self.watchdog.exit_code
-            self._watchdog = HangWatchdog(self._current_timeout, folder, trainer.global_rank, exit_code)
+            self._watchdog = HangWatchdog(
+                self._current_timeout,
+                folder,
+                trainer.global_rank,
+                exit_code,
+                describe=lambda: collectives_in_hang(trainer),
+            )
             self._watchdog.start()
 
     def _preflight(self, trainer: pl.Trainer) -> None:

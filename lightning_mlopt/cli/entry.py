@@ -26,7 +26,13 @@ from typing_extensions import override
 
 from lightning_mlopt import strategies
 from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subcommand_parsers
-from lightning_mlopt.callbacks import FaultTolerantCheckpoint, PerformanceMonitor, ThroughputProgressBar, UnevenInputs
+from lightning_mlopt.callbacks import (
+    CollectiveSequenceCheck,
+    FaultTolerantCheckpoint,
+    PerformanceMonitor,
+    ThroughputProgressBar,
+    UnevenInputs,
+)
 from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.cli.quiet import silence_known_noise
@@ -240,6 +246,8 @@ class MLOptCLI(LightningCLI):
         given = [*callbacks, *(config.get("callbacks") or [])]
         if not any(isinstance(c, UnevenInputs) for c in given):
             callbacks.append(UnevenInputs())  # ranks whose data differs in length end each epoch together
+        if not any(isinstance(c, CollectiveSequenceCheck) for c in given):
+            callbacks.append(CollectiveSequenceCheck())  # ranks that issue different collectives are named
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks.append(ThroughputProgressBar())  # Lightning's bar plus samples/s and the run's ETA
         if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in given):

@@ -30,7 +30,7 @@ class Packed:
         self._parts: list[tuple[str, Tensor]] = []
 
     def add(self, name: str, values: Tensor) -> None:
-        """Add a slot: a 0-dim or 1-dim tensor (any float dtype, any device; packed as fp32)."""
+        """Add a slot: a 0-dim or 1-dim tensor (any float dtype, any device)."""
         if name in self:
             raise ValueError(f"slot {name!r} was added twice")
         self._parts.append((name, values.reshape(-1)))
@@ -38,14 +38,14 @@ class Packed:
     def __contains__(self, name: str) -> bool:
         return any(existing == name for existing, _ in self._parts)
 
-    def tensor(self, device: torch.device) -> Tensor:
-        """All slots, in the order added, as one fp32 vector on ``device``.
+    def tensor(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+        """All slots, in the order added, as one vector of ``dtype`` on ``device``.
 
         Slots elsewhere (a rank's GPU) move in one copy, not one per slot: each copy to the host is a wait.
         """
         if not self._parts:
-            return torch.zeros(0, device=device)
-        parts = [values.float() for _, values in self._parts]
+            return torch.zeros(0, device=device, dtype=dtype)
+        parts = [values.to(dtype) for _, values in self._parts]
         away = [index for index, part in enumerate(parts) if part.device != device]
         if away:
             moved = torch.cat([parts[index] for index in away]).to(device)

@@ -45,6 +45,9 @@ from torch import Tensor
 from lightning_mlopt.distributed.host_group import host_sum_group, start_host_sum
 from lightning_mlopt.distributed.packed import Packed
 
+EXCHANGE_DTYPE = torch.float64
+"""Sums on the host in float64: integers (counts, a fingerprint's square) stay exact up to 2**53."""
+
 _EXCHANGES: weakref.WeakKeyDictionary[Any, StepExchange] = weakref.WeakKeyDictionary()
 
 
@@ -79,6 +82,7 @@ class StepExchange:
         self._in_flight: tuple[Any, Tensor, Packed] | None = None  # (work, vector, its slots): read_previous's sum
         self._previous: dict[str, list[float]] | None = None  # that sum, settled, until the next read_previous
         self._sent_in_background: set[str] = set()  # providers this batch's background sum already carries
+        self._previous_in_batch: dict[str, list[float]] = {}  # the sum read_previous took in this batch, kept
         self.collectives = 0
 
     def provide(
@@ -104,6 +108,7 @@ class StepExchange:
         if batch != self._batch:
             self._batch, self._pending, self._results = batch, Packed(), {}
             self._sent_in_background = set()
+            self._previous_in_batch = {}
 
     def put(self, trainer: Any, name: str, values: Tensor) -> None:
         """Add a 0-dim or 1-dim tensor to this batch's exchange, to be summed over every rank."""
@@ -122,14 +127,14 @@ class StepExchange:
         self.settle()  # a background sum first: its riders are delivered in order, its values kept for their reader
         self._ask_providers()
         host = torch.device("cpu")
-        reduced = self._pending.tensor(host)
+        reduced = self._pending.tensor(host, EXCHANGE_DTYPE)
         if reduced.numel():
             if self._several(trainer):
                 # One all-reduce over the world, which every strategy trains in. Not Strategy.reduce: Lightning's
                 # precedes its all-reduce with a barrier, a second collective per call.
                 dist.all_reduce(reduced, group=self._host_group())
             self.collectives += 1
-        riders = local.tensor(host) if local is not None else torch.zeros(0)
+        riders = local.tensor(host, EXCHANGE_DTYPE) if local is not None else torch.zeros(0, dtype=EXCHANGE_DTYPE)
         values = torch.cat([reduced, riders]).tolist()
         exchanged = self._pending.unpack(values[: reduced.numel()])
         self._results.update(exchanged)
@@ -142,8 +147,10 @@ class StepExchange:
     def read_previous(self, trainer: Any, name: str) -> list[float] | None:
         """``name``'s values one batch old, without waiting for a collective; starts this batch's sum.
 
-        If this batch's values of ``name`` were already exchanged (another callback's read), those, fresh.
-        Otherwise the sum started by the previous call (its providers asked at the previous batch end),
+        If this batch's values of ``name`` were already exchanged (another callback's read), those, fresh. If
+        another reader already started this batch's background sum with ``name`` in it, the previous batch's
+        values, as that reader got them: readers of one batch never wait for each other's sum. Otherwise the
+        sum started by the previous call (its providers asked at the previous batch end),
         waiting only if it is not done; ``None`` if there is none (the first call, or after fresh ones). Then
         every provider not yet exchanged in this batch is asked and summed in the background, to be read by the
         next call (under a recording profiler it is summed before this returns: ``start_host_sum``). Every rank
@@ -155,11 +162,16 @@ class StepExchange:
             self.settle()
             self._previous = None  # an older sum, superseded by these
             return values
+        if name in self._sent_in_background:
+            # Another reader started this batch's sum, which carries ``name``: the previous batch's values, kept
+            # from that reader's call, without waiting for the sum in flight (it is read at the next batch).
+            return self._previous_in_batch.get(name)
         self.settle()
         previous, self._previous = self._previous, None
+        self._previous_in_batch = previous or {}
         self._ask_providers()
         slots, self._pending = self._pending, Packed()
-        vector = slots.tensor(torch.device("cpu"))
+        vector = slots.tensor(torch.device("cpu"), EXCHANGE_DTYPE)
         if vector.numel():
             work = start_host_sum(vector, self._host_group()) if self._several(trainer) else None
             self._in_flight = (work, vector, slots)

@@ -43,6 +43,8 @@ class HangWatchdog:
         poll_seconds: how often the thread looks.
         exit_process: ends the process (``os._exit``; tests record the status instead).
         guard: the start-up guard whose orphan exit writes the dump first (the process's own).
+        describe: returns the report's first line (which collective each rank is in, from the collective
+            recorder), or None; called from the watchdog's thread when it fires, and never allowed to fail it.
 
     Example::
 
@@ -63,6 +65,7 @@ class HangWatchdog:
         poll_seconds: float = 0.5,
         exit_process: Callable[[int], None] = os._exit,
         guard: StartupGuard = startup_guard,
+        describe: Callable[[], str | None] | None = None,
     ) -> None:
         self.timeout = timeout
         self.dump_dir = dump_dir
@@ -71,6 +74,7 @@ class HangWatchdog:
         self.poll_seconds = poll_seconds
         self._exit_process = exit_process
         self._guard = guard
+        self._describe = describe
         self._dump_once = threading.Lock()  # the watchdog's own report and the orphan's last words may coincide
         self._dump_written = threading.Event()
         self._last_beat = time.monotonic()
@@ -128,8 +132,7 @@ class HangWatchdog:
 
     def _report_and_exit(self, waited: float, limit: float) -> None:
         self._write_dump(
-            f"HANG on rank {self.rank}: {self._when(waited, limit)}. Stacks of every thread follow; "
-            f"exiting with status {self.exit_code}."
+            f"HANG on rank {self.rank}: {self._when(waited, limit)}; exiting with status {self.exit_code}."
         )
         self._exit_process(self.exit_code)
 
@@ -148,18 +151,43 @@ class HangWatchdog:
             self._dump_written.wait(DUMP_WAIT_S)
             return
         try:
+            lead = self._lead_line()
             stacks = _format_stacks()
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             path = self.dump_dir / f"hang-rank{self.rank}.txt"
             with path.open("w") as handle:
-                handle.write(header + "\n\n" + stacks + "\n\nfaulthandler view (includes threads in C):\n")
+                handle.write(f"{header}\n{lead}\n\n{stacks}\n\nfaulthandler view (includes threads in C):\n")
                 handle.flush()
                 faulthandler.dump_traceback(handle, all_threads=True)
-            log.error("%s\n%s\n(also written to %s)", header, stacks, path)
-            sys.stderr.write(f"{header}\n{stacks}\n(also written to {path})\n")
+            # The console gets the verdict and where this thread stands; every thread's stack is in the file.
+            short = f"{header}\n{lead}\n{_innermost(CONSOLE_FRAMES)}(every thread's stack: {path})\n"
+            log.debug("%s", short)
+            sys.stderr.write(short)
             sys.stderr.flush()
         finally:
             self._dump_written.set()
+
+    def _lead_line(self) -> str:
+        if self._describe is None:
+            return "collectives: not recorded (add CollectiveSequenceCheck to name what each rank waits in)"
+        try:
+            line = self._describe()
+        except Exception as error:  # a report that fails must not stop the dump and the exit
+            return f"collectives: could not be compared ({error!r})"
+        return f"collectives: {line}" if line else "collectives: not recorded in this run"
+
+
+CONSOLE_FRAMES = 4
+"""Frames of the stuck thread printed to the console (innermost last); the file has every thread's whole stack."""
+
+
+def _innermost(frames: int) -> str:
+    """The main thread's innermost ``frames`` frames, formatted (where a hung rank's training thread stands)."""
+    main = threading.main_thread().ident
+    frame = current_frames().get(main) if main is not None else None
+    if frame is None:
+        return ""
+    return "Main thread, innermost frames:\n" + "".join(traceback.format_stack(frame)[-frames:])
 
 
 def _format_stacks() -> str:

@@ -113,6 +113,24 @@ def test_a_lagged_reader_gets_the_previous_batchs_sum_and_its_riders_arrive_a_ba
     sums.close()
 
 
+def test_two_lagged_readers_in_one_batch_share_its_background_sum_and_neither_waits_for_it():
+    trainer = _Trainer()
+    exchange = StepExchange()
+    seen = {"vote": 1.0, "count": 10.0}
+    for name in seen:
+        exchange.provide(name, lambda name=name: torch.tensor([seen[name]]))
+    assert exchange.read_previous(trainer, "count") is None  # starts the batch's sum, carrying both
+    assert exchange.read_previous(trainer, "vote") is None
+    assert exchange.collectives == 1
+    trainer.progress.total.ready += 1
+    seen.update(vote=2.0, count=20.0)
+    assert exchange.read_previous(trainer, "count") == [10.0]  # the previous batch's; this batch's goes out
+    waited: list[bool] = []
+    exchange.settle = lambda: waited.append(True)  # type: ignore[method-assign]
+    assert exchange.read_previous(trainer, "vote") == [1.0], "the previous batch's, as the first reader got them"
+    assert waited == [] and exchange.collectives == 2, "the second reader neither waits nor adds a collective"
+
+
 def _exchange_under_another_backend(rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 

@@ -53,8 +53,34 @@ def test_a_hang_is_named_dumped_and_exits_once_with_its_status(tmp_path: Path, c
     assert "last step 17, phase 'backward'" in header and "exiting with status 124" in header
     assert 'Thread "MainThread"' in dump and "faulthandler view" in dump  # every thread, Python and C views
     assert "test_a_hang_is_named_dumped_and_exits_once" in dump  # the main thread's own frame is in it
+    assert dump.splitlines()[1].startswith("collectives: not recorded (add CollectiveSequenceCheck")
     err = capsys.readouterr().err
-    assert header in err and f"(also written to {dumps / 'hang-rank3.txt'})" in err
+    assert header in err and f"(every thread's stack: {dumps / 'hang-rank3.txt'})" in err
+    assert "faulthandler view" not in err and 'Thread "MainThread"' not in err, "the stacks go to the file only"
+    assert len(err.splitlines()) <= 3 + 2 * 4 + 1, "verdict, collectives line, 4 innermost frames, the path"
+
+
+def test_the_report_leads_with_the_collectives_line_and_a_failing_one_does_not_stop_the_exit(tmp_path: Path) -> None:
+    lines = iter(["ranks diverged at collective #1 of step 2: rank 0 barrier() at model.py:42"])
+
+    def describe() -> str:
+        line = next(lines, None)
+        if line is None:
+            raise RuntimeError("store gone")
+        return line
+
+    for expected in ("collectives: ranks diverged at collective #1", "collectives: could not be compared"):
+        exits = _Exits()
+        watchdog = HangWatchdog(
+            lambda: 0.1, tmp_path, rank=0, exit_code=124, poll_seconds=0.02, exit_process=exits, describe=describe
+        )
+        watchdog.start()
+        deadline = time.monotonic() + 5
+        while not exits.codes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        watchdog.stop()
+        assert exits.codes == [124]
+        assert (tmp_path / "hang-rank0.txt").read_text().splitlines()[1].startswith(expected)
 
 
 def test_an_adaptive_limit_is_read_at_every_poll(tmp_path: Path) -> None:

@@ -639,3 +639,38 @@ class LogLaunch(pl.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
         pl_module.log("launch", float(os.environ.get("TEST_LAUNCH", "0")), on_step=True, on_epoch=False)
+
+
+class StrayCollectiveGPT(pl.LightningModule):
+    """The GPT demo, except that one rank issues a collective the others do not, at one step.
+
+    Args:
+        kind: ``sync_dist`` (``self.log(..., sync_dist=True)`` inside a rank's branch: a barrier and an
+            all-reduce), ``all_gather`` (``self.all_gather`` of a metric on one rank), or ``shape`` (every rank
+            all-reduces a metric, but ``stray_rank``'s has another shape: the collectives pair up and the step
+            ends, wrong).
+        stray_rank: the rank that issues it.
+        stray_step: the global step at which it does.
+    """
+
+    def __init__(self, kind: str = "sync_dist", stray_rank: int = 0, stray_step: int = 2) -> None:
+        super().__init__()
+        from lightning_mlopt.demos import GPTLanguageModel
+
+        self.inner = GPTLanguageModel()
+        self.kind, self.stray_rank, self.stray_step = kind, stray_rank, stray_step
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        loss = self.inner._loss(batch)
+        if self.global_rank == self.stray_rank and self.global_step == self.stray_step:
+            if self.kind == "sync_dist":
+                self.log("train/stray_loss", loss, sync_dist=True)  # the stray collective: rank-0-only sync
+            elif self.kind == "all_gather":
+                self.all_gather(torch.ones(4))  # the stray collective: a metric gathered on one rank
+        if self.kind == "shape" and self.global_step == self.stray_step:
+            shape = (2, 2) if self.global_rank == self.stray_rank else (4,)
+            torch.distributed.all_reduce(torch.ones(shape))  # the same bytes on every rank: they pair up
+        return loss
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.AdamW(self.parameters(), lr=3e-4)
