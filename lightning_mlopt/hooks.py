@@ -50,12 +50,14 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointEvents",
     "CheckpointUploader",
+    "DescribesHang",
     "DescribesOutputs",
     "ResumeListener",
     "RunTracker",
     "SaveVetter",
     "callbacks_with",
     "checkpoint_events",
+    "describe_hang",
     "hand_over_committed",
     "loggers_with",
     "tell_resumed",
@@ -110,6 +112,24 @@ class SaveVetter(Protocol):
     @abstractmethod
     def before_checkpoint(self, trainer: pl.Trainer) -> None:
         """Every rank, at the same step: raise to keep the current state out of the checkpoints."""
+
+
+@runtime_checkable
+class DescribesHang(Protocol):
+    """A callback that can say, in one line, why the ranks stopped moving (the hang watchdog's first line)."""
+
+    @abstractmethod
+    def hang_report(self, trainer: pl.Trainer) -> str | None:
+        """From the watchdog's thread while training is stuck; None when it has nothing to say."""
+
+
+def describe_hang(trainer: pl.Trainer) -> str | None:
+    """The first line any :class:`DescribesHang` callback gives, or None."""
+    for describer in callbacks_with(trainer, DescribesHang):
+        line = describer.hang_report(trainer)
+        if line:
+            return line
+    return None
 
 
 @runtime_checkable

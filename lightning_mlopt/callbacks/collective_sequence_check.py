@@ -18,14 +18,15 @@ from lightning_mlopt.distributed.peer_loss import is_peer_loss
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.distributed.store_gather import gather_through_store
 from lightning_mlopt.exceptions import CollectivesDivergedError
-from lightning_mlopt.hooks import SaveVetter
+from lightning_mlopt.hooks import DescribesHang, SaveVetter
+from lightning_mlopt.strategies.contract import contract_of
 
 _KEY = "collectives"
 GATHER_WAIT_S = 10.0
 """How long a rank waits for the others' records in the store (they are at the same boundary, or hung)."""
 
 
-class CollectiveSequenceCheck(pl.Callback, SaveVetter):
+class CollectiveSequenceCheck(pl.Callback, SaveVetter, DescribesHang):
     """Compares the collectives each rank issued in every step; stops every rank, naming them, when they differ.
 
     A collective behind a rank-dependent branch (``self.log(..., sync_dist=True)`` inside
@@ -33,8 +34,9 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
     the network's. While training runs, a recorder (``distributed/collective_recorder.py``) wraps
     ``torch.distributed``'s Python collectives and keeps, per step, their count and an order-sensitive
     fingerprint of their ops, shapes and dtypes. Both ride in the per-step exchange (four float64 in the sum
-    every callback shares, summed in the background: nothing waits for it on the step's path), and are
-    compared at the next step boundary, and before any checkpoint is saved. When they differ, every rank
+    every callback shares, summed in the background: nothing waits for it on the step's path; in step on CPU
+    for a strategy whose step starts with a collective), and are compared at the next step boundary, and
+    everything up to the moment before any checkpoint is saved. When they differ, every rank
     learns it from the same sum, reads the others' records through the job's store (not a collective: they
     no longer pair up), and raises :class:`~lightning_mlopt.exceptions.CollectivesDivergedError` with one
     line, e.g.::
@@ -61,6 +63,8 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
 
     """
 
+    _fits = 0  # fits started in this process, for store keys of their own
+
     def __init__(self, wait_s: float = GATHER_WAIT_S, enabled: bool = True) -> None:
         if wait_s <= 0:
             raise ValueError(f"wait_s must be > 0, got {wait_s}")
@@ -72,6 +76,8 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
         self._in_exchange: list[SegmentSummary] = []  # segments closed for a sum not yet delivered, oldest first
         self._diverged: SegmentSummary | None = None
         self._hang_line: str | None = None
+        self._in_step = False
+        self._fit = 0
 
     @property
     def recorder(self) -> CollectiveRecorder | None:
@@ -85,6 +91,12 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
         if installed_recorder() is not None:  # another Trainer's, in the same process: theirs records
             return
         self._trainer, self._in_exchange, self._diverged, self._hang_line = trainer, [], None, None
+        CollectiveSequenceCheck._fits += 1
+        self._fit = CollectiveSequenceCheck._fits  # the same on every rank: they run the same fits
+        # On CPU the exchange shares training's gloo group: a sum left in flight across the boundary would
+        # delay a strategy whose step starts with a collective (FSDP's all-gather), so such a one compares in
+        # step there, as FaultTolerantCheckpoint's vote does.
+        self._in_step = dist.get_backend() == "gloo" and contract_of(trainer.strategy).collectives_at_step_start
         self._recorder = CollectiveRecorder().install()
         self._recorder.step = trainer.global_step
         # Asked at the batch's first exchange, whichever callback makes it (the same point on every rank).
@@ -97,8 +109,12 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
         return summary.comparable()
 
     def _compare(self, summed: list[float]) -> None:
+        if self._trainer is None or not self._in_exchange:  # a sum that was in flight when the check stopped
+            return
+        self._judge(self._in_exchange.pop(0), summed)
+
+    def _judge(self, summary: SegmentSummary, summed: list[float]) -> None:
         assert self._trainer is not None
-        summary = self._in_exchange.pop(0)
         self.steps_compared += 1
         if self._diverged is None and not all_agree(summed, self._trainer.world_size):
             self._diverged = summary
@@ -108,32 +124,42 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
         recorder = self._recorder
         if recorder is None or not recorder.installed:
             return
+        exchange = step_exchange(trainer)
         with recorder.paused():  # the comparison's own sum is not part of any step
-            step_exchange(trainer).read_previous(trainer, _KEY)  # starts this step's sum, delivers the last one
+            if self._in_step:
+                exchange.read(trainer, _KEY)  # this step's, now (or already, in another callback's sum)
+            else:
+                exchange.read_previous(trainer, _KEY)  # starts this step's sum, delivers the last one
         self._stop_if_diverged(trainer)
 
     @override
     def before_checkpoint(self, trainer: pl.Trainer) -> None:
-        """Right before a save: this step's comparison arrives first, and a diverged step is never saved."""
-        if self._recorder is None or not self._recorder.installed:
-            return
-        with self._recorder.paused():
-            step_exchange(trainer).settle()
-        self._stop_if_diverged(trainer)
+        """Right before a save, every rank: everything up to here is compared now; a diverged step is never saved."""
+        self._compare_all_now(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._recorder is not None and self._recorder.installed:
-            step_exchange(trainer).settle()  # the last step's comparison
-            self._stop_if_diverged(trainer)
+        self._compare_all_now(trainer)
         self._stop_recording(trainer)
+
+    def _compare_all_now(self, trainer: pl.Trainer) -> None:
+        """The sum in flight, and the segment still open (its collectives since the batch's exchange), now."""
+        recorder = self._recorder
+        if recorder is None or not recorder.installed:
+            return
+        exchange = step_exchange(trainer)
+        with recorder.paused():
+            exchange.settle()
+            summary = recorder.close_segment(next_step=trainer.global_step)
+            self._judge(summary, exchange.sum_now(trainer, summary.comparable()).tolist())
+        self._stop_if_diverged(trainer)
 
     def _stop_if_diverged(self, trainer: pl.Trainer) -> None:
         diverged = self._diverged
         if diverged is None:
             return
         # Every rank is here, at the same boundary: the same sum told each of them.
-        prefix = f"mlopt/collectives/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{diverged.step}"
+        prefix = f"{self._store_prefix()}/diverged"
         reports = gather_through_store(
             default_store(), prefix, trainer.global_rank, trainer.world_size, to_report(diverged, True), self.wait_s
         )
@@ -143,6 +169,10 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
             "issue the same collectives: move a sync_dist log, an all_gather or a barrier out of any branch that "
             "depends on the rank or on the data."
         )
+
+    def _store_prefix(self) -> str:
+        """Keys of this fit in this launch: a relaunch under torchrun shares the store; tests run several fits."""
+        return f"mlopt/collectives/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._fit}"
 
     def hang_report(self, trainer: pl.Trainer) -> str | None:
         """One line: which collective each rank is in and where they first differ; None without a recorder.
@@ -154,7 +184,7 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
         if recorder is None:
             return None
         if self._hang_line is None:  # once: the watchdog and a peer's loss may both ask
-            prefix = f"mlopt/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            prefix = f"{self._store_prefix()}/hang"
             text = recorder.hang_report()
             reports = gather_through_store(
                 default_store(), prefix, trainer.global_rank, trainer.world_size, text, self.wait_s
@@ -187,11 +217,3 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter):
         if self._recorder is not None and self._recorder.installed:  # kept: a hang report may still read it
             self._recorder.uninstall()
             step_exchange(trainer).withdraw(_KEY)
-
-
-def collectives_in_hang(trainer: pl.Trainer) -> str | None:
-    """The trainer's CollectiveSequenceCheck's :meth:`~CollectiveSequenceCheck.hang_report`, or None without one."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, CollectiveSequenceCheck):
-            return callback.hang_report(trainer)
-    return None

@@ -19,7 +19,6 @@ from typing_extensions import override
 
 from lightning_mlopt._compat import default_store
 from lightning_mlopt._metrics import log_metrics
-from lightning_mlopt.callbacks.collective_sequence_check import collectives_in_hang
 from lightning_mlopt.callbacks.health_settings import Stragglers, Watchdog, refuse_flat_keys
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
@@ -27,7 +26,7 @@ from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
 from lightning_mlopt.distributed.peer_loss import is_peer_loss
 from lightning_mlopt.exceptions import HealthCheckError
-from lightning_mlopt.hooks import DescribesOutputs
+from lightning_mlopt.hooks import DescribesOutputs, describe_hang
 from lightning_mlopt.process import phase
 from lightning_mlopt.process.watchdog import HangWatchdog
 from lightning_mlopt.run_dir import HEALTH_DIR
@@ -156,7 +155,7 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
                 folder,
                 trainer.global_rank,
                 exit_code,
-                describe=lambda: collectives_in_hang(trainer),
+                describe=lambda: describe_hang(trainer),
             )
             self._watchdog.start()
 

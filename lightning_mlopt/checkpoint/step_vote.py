@@ -73,7 +73,9 @@ class StepVote:
         self._lagged = False  # agreed at each boundary from the ranks' mean step time (identical on all)
         self._may_lag = True
         self._last_boundary: float | None = None
-        self._step_s = 0.0  # this rank's last step, boundary to boundary
+        # This rank's last step, boundary to boundary; "not short" until one is measured: another callback's
+        # exchange may sample the flags before the first boundary's agree.
+        self._step_s = LAG_BELOW_S
         self._save_step_at_vote = -1  # the last save when the vote now in the background was sampled
 
     def start(self, trainer: Any, collectives_at_step_start: bool) -> None:

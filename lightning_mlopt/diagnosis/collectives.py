@@ -4,7 +4,7 @@
 ``broadcast_``, ``_allgather_base_``, ...), on any backend (gloo, NCCL), with the Python frames that led to it
 (``with_stack=True``). Each is attributed to its innermost caller outside the communication layer
 (``torch.distributed``'s functions, DeepSpeed's ``deepspeed.comm``, Lightning's ``broadcast``/``reduce``/
-``barrier`` wrappers), which names who wanted it:
+``barrier`` wrappers, CollectiveSequenceCheck's recorder), which names who wanted it:
 
 - ``strategy``: the parallelism itself: torch (the DDP reducer, ``fully_shard``, ``clip_grad_norm_``),
   DeepSpeed's engine, and the strategy classes (ours in ``lightning_mlopt/strategies``, Lightning's);
@@ -41,6 +41,7 @@ _COMM_LAYER_FILES = (
     "torch/distributed/_functional_collectives.py",
     "torch/distributed/_functional_collectives_impl.py",
     "lightning/fabric/utilities/distributed.py",
+    "lightning_mlopt/distributed/collective_recorder.py",  # CollectiveSequenceCheck's wrappers around them
 )
 _COMM_LAYER_DIRS = ("deepspeed/comm/",)
 # Decorators between a caller and torch's function (typing_extensions' and warnings' ``deprecated``).
@@ -103,6 +104,11 @@ def attribute(frames: list[str]) -> tuple[str, str]:
         >>> attribute(["lightning_mlopt/distributed/grad_norm.py(84): global_grad_norm",
         ...            "lightning_mlopt/strategies/fsdp.py(200): clip_gradients"])
         ('strategy', 'lightning_mlopt/distributed/grad_norm.py:global_grad_norm')
+        >>> attribute(["torch/distributed/distributed_c10d.py(3155): all_reduce",  # recorded: the same answer
+        ...            "lightning_mlopt/distributed/collective_recorder.py(186): recorded",
+        ...            "lightning_mlopt/distributed/step_exchange.py(111): flush",
+        ...            "lightning_mlopt/callbacks/fault_tolerant_checkpoint.py(420): on_train_batch_end"])
+        ('lightning_mlopt', 'lightning_mlopt/distributed/step_exchange.py:flush')
         >>> attribute([])  # no Python frame: the library's own C++ machinery
         ('strategy', '<c++>')
     """

@@ -68,9 +68,10 @@ RECORDED = (
 )
 """The ``torch.distributed`` functions wrapped while a recorder is installed."""
 
+# Ops whose first tensor may differ by rank (uneven splits and chunks, pickled objects): compared by op alone.
 _UNSHAPED = frozenset(
     {"all_to_all", "all_to_all_single", "all_gather_object", "broadcast_object_list", "gather_object"}
-    | {"scatter_object_list", "barrier"}
+    | {"scatter_object_list", "barrier", "scatter", "reduce_scatter"}
 )
 
 KEPT_PER_SEGMENT = 4096
@@ -114,7 +115,6 @@ class CollectiveRecorder:
         self._originals: dict[str, Callable[..., Any]] = {}
         self._thread = threading.get_ident()
         self._inside = False  # within a recorded call: nested collectives are its own
-        self._at_boundary: SegmentSummary | None = None
         self._calls: dict[Any, tuple[str, bytes]] = {}  # (op, dtype, shape) -> signature, fingerprinted bytes
         self._sites: dict[str, str | None] = {}  # file name -> its short name, None inside a library (cache)
         self._library_folders = _library_folders()
@@ -152,9 +152,17 @@ class CollectiveRecorder:
         return bool(self._originals)
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        group_at = _parameter_index(original, "group")
+
         @functools.wraps(original)
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if self._inside or threading.get_ident() != self._thread:
+            # Not recorded: collectives inside a recorded one, from other threads, through a wrapper kept past
+            # uninstall (``from torch.distributed import all_reduce``), and on a group other than the world's:
+            # a mesh dimension's (TP, HSDP) is issued alike by construction, and its payload may differ by group.
+            if self._inside or threading.get_ident() != self._thread or _INSTALLED is not self:
+                return original(*args, **kwargs)
+            group = kwargs.get("group", args[group_at] if group_at is not None and len(args) > group_at else None)
+            if group is not None and group is not dist.group.WORLD:
                 return original(*args, **kwargs)
             self._record(name, args, kwargs)
             self._inside = True
@@ -222,24 +230,12 @@ class CollectiveRecorder:
         finally:
             self._inside = inside
 
-    @contextmanager
-    def waiting_at_boundary(self, closed: SegmentSummary) -> Iterator[None]:
-        """Inside, ``closed`` is compared with the others' (unrecorded); a hang report shows it at the boundary."""
-        self._at_boundary = closed
-        try:
-            with self.paused():
-                yield
-        finally:
-            self._at_boundary = None
-
     def hang_report(self) -> str:
-        """The rank's report for a hang (:func:`to_report`): the open segment, or the one at the boundary.
+        """The rank's report for a hang (:func:`~lightning_mlopt.distributed.collective_reports.to_report`).
 
-        Read from the watchdog's thread while the training thread is stuck: a snapshot of plain attributes.
+        Its open segment, read from the watchdog's thread while the training thread is stuck: a snapshot of
+        plain attributes.
         """
-        closed = self._at_boundary
-        if closed is not None:
-            return to_report(closed, at_boundary=True)
         open_segment = SegmentSummary(self.step, self.count, self._fingerprint, tuple(self._records))
         return to_report(open_segment, False, phase.current()[0])
 
@@ -284,6 +280,15 @@ def _call_bytes(op: str, signature: str) -> tuple[str, bytes]:
 
 def _tensor(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(str(size) for size in tensor.shape)}]"
+
+
+def _parameter_index(function: Callable[..., Any], name: str) -> int | None:
+    """Where ``name`` sits among ``function``'s positional parameters, or None."""
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+    return parameters.index(name) if name in parameters else None
 
 
 def _package_path(file: str) -> str:

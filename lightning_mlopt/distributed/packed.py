@@ -45,13 +45,13 @@ class Packed:
         """
         if not self._parts:
             return torch.zeros(0, device=device, dtype=dtype)
-        parts = [values.to(dtype) for _, values in self._parts]
+        parts = [values for _, values in self._parts]
         away = [index for index, part in enumerate(parts) if part.device != device]
-        if away:
-            moved = torch.cat([parts[index] for index in away]).to(device)
+        if away:  # fp32 where they are (some devices have no float64), converted once here
+            moved = torch.cat([parts[index].float() for index in away]).to(device)
             for index, part in zip(away, moved.split([parts[index].numel() for index in away]), strict=True):
                 parts[index] = part
-        return torch.cat(parts)
+        return torch.cat([part.to(dtype) for part in parts])
 
     def unpack(self, flat: list[float]) -> dict[str, list[float]]:
         """Split ``flat`` (the vector, reduced and read on the host) back into the named slots."""

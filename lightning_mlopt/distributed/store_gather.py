@@ -28,6 +28,8 @@ def gather_through_store(store: Any, prefix: str, rank: int, world: int, text: s
     Never raises for a store that stops answering (its host exited): what was read by then is returned.
     """
     texts = {rank: text}
+    if store is None:  # no process group (any more): this rank's own is all there is
+        return texts
     try:
         store.set(f"{prefix}/{rank}", text.encode())
         _wait_for(store, [f"{prefix}/{other}" for other in range(world)], wait_s)

@@ -18,15 +18,19 @@ from lightning_mlopt.process.startup import StartupGuard, startup_guard
 
 log = logging.getLogger(__name__)
 
-DUMP_WAIT_S = 30.0
-"""How long a thread about to exit waits for another thread's dump in progress (a slow or full disk)."""
+DUMP_WAIT_S = 45.0
+"""How long a thread about to exit waits for another thread's dump in progress (a slow disk, the ranks' line)."""
+
+DESCRIBE_WAIT_S = 15.0
+"""The most the report's first line (which collective each rank is in, read through the store) may take."""
 
 
 class HangWatchdog:
     """A daemon thread that ends the process when no step has finished for ``timeout()`` seconds.
 
-    Before exiting it writes every thread's Python stack to ``dump_dir/hang-rank<R>.txt`` and the log,
-    naming the step and the phase last entered, so the culprit is on disk even when the job is killed.
+    Before exiting it writes every thread's Python stack to ``dump_dir/hang-rank<R>.txt``, naming the step and
+    the phase last entered, so the culprit is on disk even when the job is killed; then the line ``describe``
+    gives (which collective each rank is in), and a short form to the console.
 
     Every rank's watchdog fires at about the same moment (the ranks waiting in a collective time out with
     the one that hung). When the launching rank exits first, a launched rank ends as an orphan (see
@@ -151,14 +155,18 @@ class HangWatchdog:
             self._dump_written.wait(DUMP_WAIT_S)
             return
         try:
-            lead = self._lead_line()
+            # The stacks first, on disk at once: the line that names the collectives waits for the other ranks
+            # (through the store), and the launcher may end this process meanwhile.
             stacks = _format_stacks()
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             path = self.dump_dir / f"hang-rank{self.rank}.txt"
             with path.open("w") as handle:
-                handle.write(f"{header}\n{lead}\n\n{stacks}\n\nfaulthandler view (includes threads in C):\n")
+                handle.write(f"{header}\n\n{stacks}\n\nfaulthandler view (includes threads in C):\n")
                 handle.flush()
                 faulthandler.dump_traceback(handle, all_threads=True)
+            lead = self._lead_line()
+            body = path.read_text()
+            path.write_text(body.replace(f"{header}\n", f"{header}\n{lead}\n", 1))
             # The console gets the verdict and where this thread stands; every thread's stack is in the file.
             short = f"{header}\n{lead}\n{_innermost(CONSOLE_FRAMES)}(every thread's stack: {path})\n"
             log.debug("%s", short)
@@ -168,13 +176,22 @@ class HangWatchdog:
             self._dump_written.set()
 
     def _lead_line(self) -> str:
+        """The collectives line, waited for at most ``DESCRIBE_WAIT_S`` (a store that stopped answering)."""
         if self._describe is None:
             return "collectives: not recorded (add CollectiveSequenceCheck to name what each rank waits in)"
-        try:
-            line = self._describe()
-        except Exception as error:  # a report that fails must not stop the dump and the exit
-            return f"collectives: could not be compared ({error!r})"
-        return f"collectives: {line}" if line else "collectives: not recorded in this run"
+        answer: list[str] = []
+
+        def ask() -> None:
+            try:
+                line = self._describe() if self._describe is not None else None
+                answer.append(f"collectives: {line}" if line else "collectives: not recorded in this run")
+            except Exception as error:  # a report that fails must not stop the dump and the exit
+                answer.append(f"collectives: could not be compared ({error!r})")
+
+        asking = threading.Thread(target=ask, name=f"hang-describe-rank{self.rank}", daemon=True)
+        asking.start()
+        asking.join(DESCRIBE_WAIT_S)
+        return answer[0] if answer else f"collectives: no answer from the other ranks in {DESCRIBE_WAIT_S:g} s"
 
 
 CONSOLE_FRAMES = 4

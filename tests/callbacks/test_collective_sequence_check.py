@@ -78,10 +78,14 @@ def test_a_stray_collective_that_hangs_is_named_in_the_watchdogs_first_line(tmp_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("data", ["sized", "iterable"])
 def test_collectives_that_pair_up_but_differ_stop_every_rank_at_the_boundary_and_nothing_of_the_step_is_saved(
-    tmp_path,
+    tmp_path, data
 ):
-    result = _stray(tmp_path, "shape", 1, "--checkpoint.every_n_steps=1", "--checkpoint.keep.last=10")
+    """``iterable``: loaders without a length, so UnevenInputs exchanges at each batch's start and the step's
+    segment is still open when the save comes: the save compares it first."""
+    iterable = ["--data=tests.support.uneven.UnevenTokens", "--data.train_batches=[8, 8]"] if data == "iterable" else []
+    result = _stray(tmp_path, "shape", 1, "--checkpoint.every_n_steps=1", "--checkpoint.keep.last=10", *iterable)
     assert result.returncode == 1, failure_report(result)
     line = _line_of("torch.distributed.all_reduce(torch.ones(shape))")
     printed = result.stdout + result.stderr
@@ -90,9 +94,8 @@ def test_collectives_that_pair_up_but_differ_stop_every_rank_at_the_boundary_and
         r"error: CollectivesDivergedError: ranks diverged at collective #\d+ of step 2: (.*?)\. No", printed
     )
     assert verdict is not None, failure_report(result)
-    assert (
-        verdict[1]
-        == f"rank 0 all_reduce(float32[4]) at helpers.py:{line}; rank 1 all_reduce(float32[2, 2]) at helpers.py:{line}"
+    assert verdict[1] == (
+        f"rank 0 all_reduce(float32[4]) at helpers.py:{line}; rank 1 all_reduce(float32[2, 2]) at helpers.py:{line}"
     )
     saved = CheckpointStore(tmp_path / "run" / "checkpoints").newest_valid()
     assert saved is not None and saved.step == 2, "step 2 diverged: its checkpoint (global step 3) was refused"

@@ -76,6 +76,18 @@ def test_other_threads_and_paused_stretches_are_not_recorded(recorder):
     assert recorder.count == 0
 
 
+def test_a_sub_groups_collectives_and_a_wrapper_kept_past_uninstall_are_not_recorded(recorder):
+    mesh_dimension = dist.new_group([0])  # a TP or HSDP group: issued alike by construction, payloads per group
+    dist.all_reduce(torch.ones(3), group=mesh_dimension)
+    dist.all_reduce(torch.ones(3), group=dist.group.WORLD)
+    assert [r.call for r in recorder.close_segment(1).records] == ["all_reduce(float32[3])"]
+    kept = dist.all_reduce  # ``from torch.distributed import all_reduce`` while it was installed
+    recorder.uninstall()
+    kept(torch.ones(1))
+    assert recorder.count == 0
+    recorder.install()
+
+
 def test_the_fingerprint_depends_on_the_order_and_the_signatures(recorder):
     def fingerprint(*shapes: tuple[int, ...]) -> int:
         for shape in shapes:
