@@ -153,8 +153,7 @@ def main() -> None:
         + "; ".join(details)
         + ".\n\n"
         "On: each Python collective on the world's group recorded (wrapper, call site, fingerprint) and the "
-        "step's count and fingerprint summed in the per-step exchange: in the background under DDP, in step "
-        "under FSDP on gloo (a sum left in flight would delay its first all-gather). The plain Trainer has no "
+        "step's count and fingerprint summed in the per-step exchange, in the background. The plain Trainer has no "
         "other exchange, so the check's is one more small all-reduce per step here; under the CLI it rides in "
         "FaultTolerantCheckpoint's. DDP's gradient all-reduce is C++ and not recorded.\n"
     )

@@ -19,7 +19,6 @@ from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.distributed.store_gather import gather_through_store
 from lightning_mlopt.exceptions import CollectivesDivergedError
 from lightning_mlopt.hooks import DescribesHang, SaveVetter
-from lightning_mlopt.strategies.contract import contract_of
 
 _KEY = "collectives"
 GATHER_WAIT_S = 10.0
@@ -34,12 +33,11 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter, DescribesHang):
     the network's. While training runs, a recorder (``distributed/collective_recorder.py``) wraps
     ``torch.distributed``'s Python collectives and keeps, per step, their count and an order-sensitive
     fingerprint of their ops, shapes and dtypes. Both ride in the per-step exchange (four float64 in the sum
-    every callback shares, summed in the background: nothing waits for it on the step's path; in step on CPU
-    for a strategy whose step starts with a collective), and are compared at the next step boundary, and
-    everything up to the moment before any checkpoint is saved. When they differ, every rank
-    learns it from the same sum, reads the others' records through the job's store (not a collective: they
-    no longer pair up), and raises :class:`~lightning_mlopt.exceptions.CollectivesDivergedError` with one
-    line, e.g.::
+    every callback shares, summed in the background: nothing waits for it on the step's path), and are
+    compared at the next step boundary; before any checkpoint is saved, everything up to that moment is.
+    When they differ, every rank learns it from the same sum, reads the others' records through the job's
+    store (not a collective: they no longer pair up), and raises
+    :class:`~lightning_mlopt.exceptions.CollectivesDivergedError` with one line, e.g.::
 
         ranks diverged at collective #1 of step 2: rank 0 all_reduce(float32[4]) at model.py:42;
         rank 1 all_reduce(float32[2, 2]) at model.py:42
@@ -76,7 +74,6 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter, DescribesHang):
         self._in_exchange: list[SegmentSummary] = []  # segments closed for a sum not yet delivered, oldest first
         self._diverged: SegmentSummary | None = None
         self._hang_line: str | None = None
-        self._in_step = False
         self._fit = 0
 
     @property
@@ -93,10 +90,6 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter, DescribesHang):
         self._trainer, self._in_exchange, self._diverged, self._hang_line = trainer, [], None, None
         CollectiveSequenceCheck._fits += 1
         self._fit = CollectiveSequenceCheck._fits  # the same on every rank: they run the same fits
-        # On CPU the exchange shares training's gloo group: a sum left in flight across the boundary would
-        # delay a strategy whose step starts with a collective (FSDP's all-gather), so such a one compares in
-        # step there, as FaultTolerantCheckpoint's vote does.
-        self._in_step = dist.get_backend() == "gloo" and contract_of(trainer.strategy).collectives_at_step_start
         self._recorder = CollectiveRecorder().install()
         self._recorder.step = trainer.global_step
         # Asked at the batch's first exchange, whichever callback makes it (the same point on every rank).
@@ -124,12 +117,11 @@ class CollectiveSequenceCheck(pl.Callback, SaveVetter, DescribesHang):
         recorder = self._recorder
         if recorder is None or not recorder.installed:
             return
-        exchange = step_exchange(trainer)
+        # In the background: a sum made in step here would be a wait for the slowest rank every step (measured
+        # +5-8% under FSDP on 2 CPU processes, against about 1% for one left in flight). Where another callback
+        # reads in step (FaultTolerantCheckpoint's vote under FSDP on CPU), it reads this same sum.
         with recorder.paused():  # the comparison's own sum is not part of any step
-            if self._in_step:
-                exchange.read(trainer, _KEY)  # this step's, now (or already, in another callback's sum)
-            else:
-                exchange.read_previous(trainer, _KEY)  # starts this step's sum, delivers the last one
+            step_exchange(trainer).read_previous(trainer, _KEY)  # starts this step's sum, delivers the last one
         self._stop_if_diverged(trainer)
 
     @override
