@@ -17,13 +17,15 @@ The reaches:
   strategies' ``_timeout``, ``_setup_distributed``/``_init_deepspeed_distributed`` and ``_device_mesh`` (process
   group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
   ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory).
-- DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU; ZeRO-3's start-of-step hook
+- DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU; the ZeRO optimizers' groups, fp32
+  partitions and the lazy link of their per-parameter optimizer state (a full state loaded); ZeRO-3's start-of-step hook
   (``parameter_offload.fwd_pre_hook``: a step starts at the outermost call of the root module).
 - torch: torchrun's ``_terminate_process_handler`` (``launch`` learns which signal stopped the agent) and
   ``SubprocessHandler.close``/``_stdout``/``_stderr`` (a signal to each worker, not its DataLoader workers),
   ``nn.modules.batchnorm._NormBase`` (per-rank running statistics), the fused ``torch._foreach_*``
   kernels (norms of many tensors in one call), ``torch.autograd._profiler_enabled`` (no collective left in
-  flight under a profiler), the default store of
+  flight under a profiler), DCP's whole-folder reader (a checkpoint converted without a temporary file), the
+  default store of
   ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint.
 - argparse: a parser's ``_actions`` and subcommand parsers (every known key, for "did you mean").
 - the interpreter: ``sys._current_frames`` (the hang dump's stacks), ``atexit._run_exitfuncs`` (exit
@@ -140,6 +142,16 @@ def preload_checkpoint(trainer: Any, path: Any, checkpoint: dict[str, Any]) -> N
     _require(connector, "_ckpt_path", "preloading a checkpoint")
     connector._ckpt_path = path
     connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, path)
+
+
+def loaded_checkpoint(trainer: Any) -> dict[str, Any] | None:
+    """The checkpoint Lightning loaded and is about to restore from (None when none), to adjust before it does.
+
+    Reach: ``trainer._checkpoint_connector._loaded_checkpoint``.
+    """
+    connector = _require(trainer, "_checkpoint_connector", "reading the loaded checkpoint")
+    loaded: dict[str, Any] | None = _require(connector, "_loaded_checkpoint", "reading the loaded checkpoint")
+    return loaded or None
 
 
 def dump_checkpoint(trainer: Any, weights_only: bool = False) -> dict[str, Any]:
@@ -502,6 +514,54 @@ def set_device_mesh(strategy: Any, mesh: Any) -> None:
     for owner in (strategy, module):
         _require(owner, "_device_mesh", "giving the model its device mesh")
         owner._device_mesh = mesh
+
+
+def read_dcp_whole(path: Any) -> dict[str, Any]:
+    """A DCP folder's whole state dict in memory, as ``dcp_to_torch_save`` reads it, without its temporary file.
+
+    Reach: ``torch.distributed.checkpoint.format_utils._EmptyStateDictLoadPlanner`` and
+    ``state_dict_loader._load_state_dict`` (torch 2.2+), what ``dcp_to_torch_save`` does before it writes.
+    """
+    from torch.distributed.checkpoint import FileSystemReader, format_utils, state_dict_loader
+
+    what = "reading a DCP checkpoint whole"
+    planner = _require(format_utils, "_EmptyStateDictLoadPlanner", what)()
+    state: dict[str, Any] = {}
+    _require(state_dict_loader, "_load_state_dict", what)(
+        state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True
+    )
+    return state
+
+
+def zero_optimizer_parts(engine: Any) -> tuple[list[list[Any]], list[Any], Any]:
+    """A ZeRO engine's parameter groups (the user's order), the fp32 flat partitions, and the optimizer stepping them.
+
+    Reach: ``DeepSpeedZeroOptimizer.bit16_groups``/``single_partition_of_fp32_groups`` (stages 1, 2) and
+    ``DeepSpeedZeroOptimizer_Stage3.fp16_groups``/``fp32_partitioned_groups_flat`` (stage 3), DeepSpeed 0.10+.
+    """
+    what = "loading a full checkpoint into ZeRO"
+    optimizer = _require(engine, "optimizer", what)
+    if int(engine.zero_optimization_stage()) == 3:
+        groups, flats = (
+            _require(optimizer, "fp16_groups", what),
+            _require(optimizer, "fp32_partitioned_groups_flat", what),
+        )
+    else:
+        groups = _require(optimizer, "bit16_groups", what)
+        flats = _require(optimizer, "single_partition_of_fp32_groups", what)
+    return [list(group) for group in groups], list(flats), _require(optimizer, "optimizer", what)
+
+
+def link_zero_optimizer_state(engine: Any) -> None:
+    """After the base optimizer's state was created by hand: let ZeRO-1/2's per-parameter views point into it.
+
+    Reach: ``DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state`` and its ``_hp_optimizer_states_linked``
+    flag (ZeRO-3 reads the state directly).
+    """
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def restore_zero_state(strategy: Any, checkpoint: Any, strict: bool) -> None:

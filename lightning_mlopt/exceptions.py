@@ -17,7 +17,13 @@ from __future__ import annotations
 
 
 class BadInputError(ValueError):
-    """The user's configuration is wrong; the message says what and how to fix it (the CLI exits with 2)."""
+    """The user's configuration is wrong; the message says what and how to fix it (the CLI exits with 2).
+
+    ``said_elsewhere``: every rank raised it from one agreed decision, and rank zero says it; this rank exits
+    with the same status without printing it again.
+    """
+
+    said_elsewhere = False
 
 
 class UntrustedCheckpointError(BadInputError):

@@ -54,27 +54,41 @@ def test_wrong_type_names_key_and_value(tmp_path, monkeypatch, capsys):
     assert "expected" in message and "many" in message
 
 
-def test_a_sharded_checkpoint_given_to_a_strategy_that_cannot_load_it(tmp_path, tmp_path_factory, monkeypatch, capsys):
-    # DDP would otherwise fail deep in Lightning's restore: IsADirectoryError on DCP's folder.
+def _commit_stand_in(tmp_path_factory, layout: str, strategy: str, name: str = ".metadata", content: bytes = b"x"):
+    """A committed step folder of ``layout`` whose state is no real checkpoint (it verifies; it does not load)."""
     from lightning_mlopt.checkpoint import CheckpointStore
     from lightning_mlopt.checkpoint.manifest import Manifest, describe_files
 
     store = CheckpointStore(tmp_path_factory.mktemp("saved"))
     staging = store.stage(4)
-    (staging / "state.ckpt").mkdir()  # DCP's folder of shards
-    (staging / "state.ckpt" / ".metadata").write_bytes(b"shards")
-    manifest = Manifest(step=4, epoch=0, world_size=2, strategy="FSDPStrategy", reason="test", layout="DCP shards")
+    (staging / "state.ckpt").mkdir()  # a folder of shards
+    (staging / "state.ckpt" / name).write_bytes(content)
+    manifest = Manifest(step=4, epoch=0, world_size=2, strategy=strategy, reason="test", layout=layout)
     manifest.files = describe_files(staging)
     store.commit(staging, manifest)
-    step = store.root / "step-000000004"
+    return store.root / "step-000000004"
+
+
+def test_a_checkpoint_in_a_layout_no_strategy_of_ours_reads(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    # DDP would otherwise fail deep in Lightning's restore: IsADirectoryError on the folder.
+    step = _commit_stand_in(tmp_path_factory, "the format of OwnFormat", "OwnFormat")
     for given in (step, step / "state.ckpt"):
         message = _fails(tmp_path, monkeypatch, capsys, "--trainer.strategy=ddp", f"--ckpt_path={given}")
         assert (
-            f"ckpt_path: {step} was written by FSDPStrategy as DCP shards, which the configured trainer.strategy"
-            in message
+            f"ckpt_path: {step} was written by OwnFormat as the format of OwnFormat, which the configured "
+            "trainer.strategy cannot load" in message
         )
-        assert "(fsdp or tp, at any world size, one device included)" in message
         assert f"checkpoint consolidate {step} <out.ckpt>" in message
+
+
+def test_a_sharded_checkpoint_that_cannot_be_converted_is_refused_in_one_line(
+    tmp_path, tmp_path_factory, monkeypatch, capsys
+):
+    # DeepSpeed's pointer to a tag folder that is not there.
+    step = _commit_stand_in(tmp_path_factory, "ZeRO partitions", "DeepSpeedStrategy", "latest", b"checkpoint")
+    message = _fails(tmp_path, monkeypatch, capsys, "--trainer.strategy=ddp", f"--ckpt_path={step}")
+    assert message.startswith(f"error: ckpt_path: {step} (ZeRO partitions) cannot be converted: "), message
+    assert "\n" not in message.strip()
 
 
 @pytest.mark.slow

@@ -11,10 +11,11 @@ from typing_extensions import override
 
 from lightning_mlopt._compat import callback_state_key
 from lightning_mlopt.checkpoint import CheckpointStore
+from lightning_mlopt.checkpoint.data_position import DATA_POSITION_KEY, data_position
 from lightning_mlopt.checkpoint.preempted_exit import PreemptedExit
 from lightning_mlopt.checkpoint.remote.object_store import store_url
 from lightning_mlopt.checkpoint.remote.tiers import attach_tiers, checkpoint_folder
-from lightning_mlopt.checkpoint.resume import DATA_POSITION_KEY, ResumingStrategy, data_position, order_this_epoch
+from lightning_mlopt.checkpoint.resume import ResumingStrategy, order_this_epoch
 from lightning_mlopt.checkpoint.resumption import Resumption
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.checkpoint.settings import Keep, Preemption, Resume, SaveOn, Tiers, refuse_flat_keys
@@ -158,7 +159,9 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         # Finding, verifying and loading the checkpoint is the run's restore time (the goodput ledger's figure).
         with phase("restore"):
             layout = layout_named(contract.checkpoint_layout)
-            current = ResumingStrategy(type(trainer.strategy).__name__, layout, tuple(LAYOUTS.values()))
+            current = ResumingStrategy(
+                type(trainer.strategy).__name__, layout, tuple(LAYOUTS.values()), trainer.world_size
+            )
             self._resumption.choose(trainer, store, current, remote, self.saver)
             self._resumption.preload(trainer, after_setup=False)
 
@@ -268,6 +271,11 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         checkpoint[DATA_POSITION_KEY] = data_position(trainer)  # where the epoch is, in samples of the whole job
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # Every way in (auto-resume, ckpt_path) under every strategy: the position, read before Lightning drops it.
+        self._resumption.saved_position = checkpoint.get(DATA_POSITION_KEY)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -13,15 +13,15 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import Sampler
 
-from lightning_mlopt._compat import epoch_loaders, preload_checkpoint, resume_start
+from lightning_mlopt._compat import epoch_loaders, loaded_checkpoint, preload_checkpoint, resume_start
+from lightning_mlopt.checkpoint.conversion import converted_copy
 from lightning_mlopt.checkpoint.data_order import (
     data_seed,
     exactness_notes,
@@ -30,8 +30,22 @@ from lightning_mlopt.checkpoint.data_order import (
     seed_epoch,
     seed_evaluation,
 )
-from lightning_mlopt.checkpoint.layout import CheckpointLayout, can_resume, layout_of_manifest
+from lightning_mlopt.checkpoint.data_position import (
+    SkipFirstOnce,
+    samples_to_skip,
+    saved_world_size,
+    set_batches_done,
+    skip_first_samples,
+)
+from lightning_mlopt.checkpoint.layout import (
+    ONE_FILE,
+    ZERO_PARTITIONS,
+    CheckpointLayout,
+    can_resume,
+    layout_of_manifest,
+)
 from lightning_mlopt.checkpoint.manifest import Manifest
+from lightning_mlopt.checkpoint.optimizer_keys import group_names, keyed_by_index
 from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
@@ -64,12 +78,14 @@ class ResumingStrategy:
         name: its class name (what manifests record).
         layout: the layout it writes (what it can resume from).
         known: every layout the package knows (a manifest older than the recorded layout names its strategy).
+        world_size: the run's processes (DeepSpeed loads its partitions only at the size that wrote them).
 
     """
 
     name: str
     layout: CheckpointLayout
     known: tuple[CheckpointLayout, ...] = ()
+    world_size: int = 0  # 0: not judged
 
 
 def choose_checkpoint(
@@ -106,11 +122,22 @@ def choose_checkpoint(
         return None
     assert entry.manifest is not None
     refusal = strategy_switch_refusal(entry.manifest, strategy, entry.path)
-    if refusal is None:
+    readable = conversion_source(entry.manifest, strategy)
+    if refusal is None or readable is not None:
         try:
             check_trusted(entry.path, trust_pickles)  # before anything in it is unpickled
         except UntrustedCheckpointError as error:
             refusal = str(error)
+        else:
+            if readable is not None:
+                try:  # rank zero alone: whatever happens is handed to every rank in the choice
+                    entry = _converted(entry, readable, store.root, trust_pickles)
+                    refusal = None
+                except OSError as error:  # a disk that cannot take the copy: a write failure, not bad input
+                    return ResumeChoice(None, failure=f"converting {entry.path} failed: {error}")
+                except Exception as error:  # whatever the reader raised, on rank zero alone: a refusal for all
+                    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+                    refusal = f"cannot convert {entry.path} ({readable.name}) for {strategy.name}: {first_line}"
     if refusal is not None:
         return ResumeChoice(None, refusal=refusal, manifest=entry.manifest)
     if entry.manifest.final and not resume_final:
@@ -124,17 +151,44 @@ def choose_checkpoint(
     return ResumeChoice(entry.path, manifest=entry.manifest)
 
 
-def strategy_switch_refusal(saved: Manifest, strategy: ResumingStrategy, path: Path) -> str | None:
-    """A one-line refusal when the checkpoint's layout cannot be resumed by this run's strategy, else None."""
+def loads_as_it_is(saved: Manifest, strategy: ResumingStrategy) -> bool:
+    """Whether the strategy loads the checkpoint without conversion (DeepSpeed: only at the size that wrote it)."""
     saved_layout = layout_of_manifest(saved.layout, saved.strategy, strategy.known)
-    if can_resume(saved_layout, strategy.layout):
+    other_size = saved_layout == strategy.layout.name == ZERO_PARTITIONS and strategy.world_size not in (
+        0,
+        saved.world_size,
+    )
+    return can_resume(saved_layout, strategy.layout) and not other_size
+
+
+def conversion_source(saved: Manifest, strategy: ResumingStrategy) -> CheckpointLayout | None:
+    """The layout of a checkpoint this strategy cannot load as it is but can once converted to one file; else None."""
+    if loads_as_it_is(saved, strategy) or not can_resume(ONE_FILE, strategy.layout):
         return None
-    current, current_layout = strategy.name, strategy.layout.name
+    saved_layout = layout_of_manifest(saved.layout, saved.strategy, strategy.known)
+    return next((each for each in strategy.known if each.name == saved_layout and each.consolidate), None)
+
+
+def _converted(entry: Any, layout: CheckpointLayout, root: Path, trust_pickles: bool) -> Any:
+    """``entry`` converted to one file under ``root/converted`` (reused when done before), said in one line."""
+    path, described = converted_copy(entry.path, root, layout, trust_pickles)
+    how = f"converted: {described}" if described else "converted by an earlier launch"
+    rank_zero_info(f"{entry.path} is in {layout.name}; resuming from its one-file copy {path} ({how}).")
+    return replace(entry, path=path)
+
+
+def strategy_switch_refusal(saved: Manifest, strategy: ResumingStrategy, path: Path) -> str | None:
+    """A one-line refusal when the checkpoint can be neither loaded by this run's strategy nor converted, else None."""
+    if loads_as_it_is(saved, strategy) or conversion_source(saved, strategy) is not None:
+        return None
+    saved_layout = layout_of_manifest(saved.layout, saved.strategy, strategy.known)
     return (
-        f"cannot resume {path} (written by {saved.strategy}: {saved_layout}) with {current} ({current_layout}). "
-        "Resuming works with the same strategy family at any world size (DDP, FSDP; ZeRO at the same world size), "
-        "and from DDP to FSDP. Go back to the strategy that wrote it, or start a new run (another run_dir); "
-        "`python -m lightning_mlopt checkpoint consolidate` turns any checkpoint into one Lightning file of weights."
+        f"cannot resume {path} (written by {saved.strategy} on {saved.world_size} processes: {saved_layout}) with "
+        f"{strategy.name} ({strategy.layout.name}, {strategy.world_size or 'any number of'} processes). Our "
+        "strategies resume any checkpoint of ours at any world size, converting it where needed; this strategy "
+        "or layout is not one of them. Go back to the strategy that wrote it, or start a new run (another "
+        "run_dir); `python -m lightning_mlopt checkpoint consolidate` turns any checkpoint into one Lightning file "
+        "of weights."
     )
 
 
@@ -145,16 +199,34 @@ def preload(trainer: Any, folder: Path, trust_pickles: bool) -> str:
     wins. Returns the path Lightning will report as its ``ckpt_path``.
     """
     state = folder / STATE_NAME
-    if state.is_file():
+    if state.is_file() and not trainer.strategy.restore_checkpoint_after_setup:
         # One file: memory-mapped (verification just read it, so its pages are cached: no second copy;
         # ranks on one machine share them), under the allowlist.
         preload_checkpoint(trainer, state, load_file(state, trust_pickles, mmap=True))
     else:
+        # Sharded strategies load through their own reader (a full file too: they shard it as they load it).
         # Every pickle in it was checked against the allowlist when it was chosen; torch's own loader checks
         # again where Lightning calls it (DCP's meta.pt).
         with allowlisted_loading():
             resume_start(trainer, state, weights_only=not trust_pickles)
     return str(state)
+
+
+def number_optimizer_states(trainer: Any) -> None:
+    """Before Lightning restores the optimizers: a named optimizer state (a conversion's) numbered for them.
+
+    ``optimizer.load_state_dict`` takes parameters by number; a checkpoint converted from a sharded layout
+    names them. Strategies that load optimizers themselves (FSDP, DeepSpeed) have already done so.
+    """
+    checkpoint = loaded_checkpoint(trainer)
+    states = (checkpoint or {}).get("optimizer_states")
+    if not states or trainer.strategy.restore_checkpoint_after_setup:
+        return
+    module = trainer.lightning_module
+    checkpoint["optimizer_states"] = [  # type: ignore[index]
+        keyed_by_index(state, group_names(optimizer, module))
+        for state, optimizer in zip(states, trainer.optimizers, strict=False)
+    ]
 
 
 def load_rng(folder: Path, rank: int, world_size: int, trust_pickles: bool) -> dict[str, Any] | None:
@@ -171,14 +243,18 @@ def load_rng(folder: Path, rank: int, world_size: int, trust_pickles: bool) -> d
     return load_file(path, trust_pickles=trust_pickles)
 
 
-def position_in_epoch(trainer: Any, rng_state: dict[str, Any] | None, resumed: bool) -> dict[str, Any] | None:
+def position_in_epoch(
+    trainer: Any, rng_state: dict[str, Any] | None, resumed: bool, saved: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """At train start: this epoch's data in the order (seed, epoch) gives; resumed, the position and the RNGs too.
 
     Lightning created this epoch's iterator before this hook, drawing its order from the global RNG
     (``checkpoint/data_order.py``): it is created again, from (seed, epoch). Resumed mid-epoch, the batches the
     epoch used are skipped at the sampler, and the RNG states to restore right before the next step are
     returned; resumed at an epoch's end, the RNGs are restored now. Reads Lightning's loop progress and its data
-    fetcher and combined loader (the loop's own record of the position).
+    fetcher and combined loader (the loop's own record of the position). ``saved``: the checkpoint's data
+    position; written at another world size, each rank starts where its share of the rest of the epoch begins
+    (``data_position.py``).
     """
     fetcher, combined = epoch_loaders(trainer)
     loaders = combined.flattened if combined is not None else []
@@ -190,7 +266,9 @@ def position_in_epoch(trainer: Any, rng_state: dict[str, Any] | None, resumed: b
     # which Lightning itself counts again on restart.
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if resumed else 0
     pending = None
-    if 0 < done < trainer.num_training_batches:
+    if done and saved and saved_world_size(saved, loaders) not in (None, trainer.world_size):
+        done = _continue_at_another_size(trainer, loaders, saved)
+    elif 0 < done < trainer.num_training_batches:
         skip_first_batches(loaders, done)
         samples = samples_in_epoch(done, loaders, trainer.world_size)
         counted = f" ({samples} samples in all)" if samples is not None else ""
@@ -205,33 +283,28 @@ def position_in_epoch(trainer: Any, rng_state: dict[str, Any] | None, resumed: b
     return pending
 
 
-DATA_POSITION_KEY = "data_position"  # in every checkpoint's state: see data_position()
-
-
-def data_position(trainer: Any) -> dict[str, Any]:
-    """Where the training data stands, world-size free: epoch, order seed and samples the job consumed in it.
-
-    ``samples`` is None where a loader's batch size is unknown.
-
-    Example::
-
-        {"epoch": 1, "seed": 1234, "batches_per_rank": 8, "samples": 512}
-    """
-    _, combined = epoch_loaders(trainer)
-    batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    loaders = combined.flattened if combined is not None else []
-    return {
-        "epoch": trainer.current_epoch,
-        "seed": data_seed(),
-        "batches_per_rank": batches,
-        "samples": samples_in_epoch(batches, loaders, trainer.world_size),
-    }
-
-
 def order_this_epoch(trainer: Any) -> None:
     """At an epoch's start, before Lightning creates its iterator: its order from (seed, epoch)."""
     _, combined = epoch_loaders(trainer)
     seed_epoch(combined.flattened if combined is not None else [], data_seed(), trainer.current_epoch)
+
+
+def _continue_at_another_size(trainer: Any, loaders: list[Any], saved: dict[str, Any]) -> int:
+    """Resumed at another world size mid-epoch: each rank skips its share of the samples the epoch used."""
+    per_rank, why_not = samples_to_skip(saved, loaders, trainer.world_size)
+    before = saved_world_size(saved, loaders)
+    if per_rank is None:
+        rank_zero_warn(f"Resuming at world size {trainer.world_size} from {before} processes: not exact: {why_not}.")
+        return 0
+    loader = resumable_loaders(loaders)[0]
+    skip_first_samples(loader, per_rank)
+    batches = per_rank // loader.batch_size
+    set_batches_done(trainer, batches)
+    rank_zero_info(
+        f"Resuming mid-epoch at world size {trainer.world_size} (saved by {before} processes): the epoch used "
+        f"{saved['samples']} samples; each rank starts after its {per_rank} ({batches} batches of this size)"
+    )
+    return batches
 
 
 def say_what_is_not_exact(loaders: Iterable[Any], when: str) -> None:
@@ -249,29 +322,6 @@ def _flat(loaders: Any) -> list[Any]:
     return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
 
 
-class _SkipOnce(Sampler[list[int]]):
-    """A batch sampler that drops its first ``skip`` batches once, then passes everything through."""
-
-    def __init__(self, batch_sampler: Iterable[list[int]], skip: int) -> None:
-        self.batch_sampler = batch_sampler
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[list[int]]:
-        iterator = iter(self.batch_sampler)
-        skip, self.skip = self.skip, 0
-        for _ in range(skip):  # indices only: no sample is loaded
-            next(iterator, None)
-        yield from iterator
-
-    def __len__(self) -> int:
-        # The full length: Lightning counts batches from the restored position itself.
-        return len(self.batch_sampler)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> Any:
-        # batch_size, drop_last, sampler... are read through by DataLoader and Lightning.
-        return getattr(self.batch_sampler, name)
-
-
 def skip_first_batches(loaders: Iterable[Any], count: int) -> None:
     """Make each map-style DataLoader's next iteration start at batch ``count``.
 
@@ -281,4 +331,4 @@ def skip_first_batches(loaders: Iterable[Any], count: int) -> None:
     for loader in resumable_loaders(loaders):
         # DataLoader forbids reassigning batch_sampler after construction; this is the one sanctioned use.
         assert loader.batch_sampler is not None  # map-style: DataLoader always has one
-        object.__setattr__(loader, "batch_sampler", _SkipOnce(loader.batch_sampler, count))
+        object.__setattr__(loader, "batch_sampler", SkipFirstOnce(loader.batch_sampler, count))

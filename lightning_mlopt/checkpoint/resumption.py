@@ -25,6 +25,7 @@ from lightning_mlopt.checkpoint.resume import (
     ResumingStrategy,
     choose_checkpoint,
     load_rng,
+    number_optimizer_states,
     position_in_epoch,
     preload,
 )
@@ -58,6 +59,8 @@ class Resumption:
         self.stays_final = False  # resumed from a finished run that stays finished
         self._preloaded_path: str | None = None
         self._pending_rng: dict[str, Any] | None = None
+        # The loaded checkpoint's data position (FaultTolerantCheckpoint.on_load_checkpoint sets it).
+        self.saved_position: dict[str, Any] | None = None
 
     @property
     def resumed_from(self) -> Path | None:
@@ -88,14 +91,22 @@ class Resumption:
         choice = trainer.strategy.broadcast(choice) or ResumeChoice(None)
         self.events.resumed_from, self.stays_final = choice.path, choice.stays_final
         if choice.refusal is not None:
-            raise BadInputError(choice.refusal)
+            refused = BadInputError(choice.refusal)
+            refused.said_elsewhere = not trainer.is_global_zero  # one decision, said once
+            raise refused
         if choice.failure is not None:
             raise CheckpointWriteError(choice.failure)
 
     def preload(self, trainer: Any, after_setup: bool) -> None:
-        """Load the chosen checkpoint now, if this is when the strategy can (sharded ones: once wrapped)."""
+        """Load the chosen checkpoint now, if this is when the strategy can (sharded ones: once wrapped).
+
+        After setup (the optimizers exist), a named optimizer state, auto-resumed or from ``ckpt_path``, is
+        numbered for strategies that leave the optimizers to Lightning.
+        """
         if self.resumed_from is not None and trainer.strategy.restore_checkpoint_after_setup == after_setup:
             self._preloaded_path = preload(trainer, self.resumed_from, self.settings.trust_pickles)
+        if after_setup:
+            number_optimizer_states(trainer)
 
     def start_training(self, trainer: Any) -> bool:
         """Training starts: an explicit ``ckpt_path`` wins; the exact position is set. False: the run is finished."""
@@ -111,7 +122,8 @@ class Resumption:
                 self.resumed_from, trainer.global_rank, trainer.world_size, self.settings.trust_pickles
             )
         # Fresh or resumed, this epoch's data comes in the order (seed, epoch) gives: a later resume finds it.
-        self._pending_rng = position_in_epoch(trainer, rng_state, resumed=self.resumed_from is not None)
+        resumed = self.resumed_from is not None or bool(explicit)
+        self._pending_rng = position_in_epoch(trainer, rng_state, resumed, self.saved_position)
         return True
 
     def restore_rng_once(self) -> None:

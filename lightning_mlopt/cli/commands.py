@@ -19,7 +19,10 @@ TRAINER_RUNS = ("fit", "validate", "test", "predict")
 # Subcommands that are tools, not Trainer runs: name -> (module with a ``main(argv) -> int``, summary).
 TOOLS = {
     "plan": ("lightning_mlopt.tools.plan", "memory per rank for each strategy, from numbers or a config"),
-    "checkpoint": ("lightning_mlopt.tools.checkpoint", "list, verify, consolidate or export (safetensors) checkpoints"),
+    "checkpoint": (
+        "lightning_mlopt.tools.checkpoint",
+        "list, verify, consolidate, export (safetensors) or convert checkpoints",
+    ),
     "sweep": ("lightning_mlopt.tools.sweep", "hyperparameter sweeps: local, on W&B, or as a SLURM job array"),
     "slurm": ("lightning_mlopt.tools.slurm", "write an sbatch script that requeues and resumes the run"),
     "launch": ("lightning_mlopt.tools.launch", "torchrun with preemption done right: exit 75, within the grace"),

@@ -381,7 +381,7 @@ def main(args: Sequence[str] | None = None) -> None:
     except RunFinished as finished:  # every rank reads the same files: each ends here, with nothing to do
         finished.say()
     except BadInputError as error:
-        sys.stderr.write(f"error: {error}\n")
+        sys.stderr.write("" if error.said_elsewhere else f"error: {error}\n")
         exit_after_launcher(exit_codes.BAD_INPUT)
     except CheckpointWriteError as error:
         sys.stderr.write(f"error: {error}\n")

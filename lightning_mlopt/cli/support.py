@@ -159,36 +159,73 @@ def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
     own = checkpoint_folder(configured(checkpoint, "dirpath"), local_tier, run_dir)
     path, described = resolve_checkpoint_path(str(value), own, mode=configured(checkpoint, "keep.mode", "min"))
     target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
-    _refuse_an_unreadable_layout(config, target.parent if target.name == STATE_NAME else target)
+    trust = bool(configured(checkpoint, "resume.trust_pickles"))
+    readable = _unreadable_layout(config, target.parent if target.name == STATE_NAME else target)
     if target.exists():
-        check_trusted(target, bool(configured(checkpoint, "resume.trust_pickles")))
+        check_trusted(target, trust)
+    if readable is not None and own is not None:
+        return _convert_for_this_strategy(config, target, readable, own, trust)
     if described is not None:
         config["ckpt_path"] = path
     return described
 
 
-def _refuse_an_unreadable_layout(config: Namespace, step_folder: Path) -> None:
-    """Bad input when ``step_folder`` (one of ours, by its manifest) is in a layout the strategy cannot load.
+def _convert_for_this_strategy(config: Namespace, step_folder: Path, layout: Any, into: Path, trust: bool) -> str:
+    """``ckpt_path`` in a layout the strategy cannot load: its one-file copy in this run's ``converted/``."""
+    import os
 
-    Lightning would fail deep in its restore (DDP opening DCP's folder: ``IsADirectoryError``).
-    """
-    from lightning_mlopt.checkpoint.layout import DCP_SHARDS, layout_of_manifest
+    from lightning_mlopt.checkpoint.conversion import converted_copy
+    from lightning_mlopt.checkpoint.store import STATE_NAME
     from lightning_mlopt.exceptions import BadInputError
-    from lightning_mlopt.strategies import LAYOUTS
+
+    rank_zero = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+    try:
+        copy, described = converted_copy(step_folder, into, layout, trust, is_rank_zero=rank_zero)
+    except BadInputError:
+        raise
+    except Exception as error:  # whatever the reader raised: one line, nothing written
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        raise BadInputError(
+            f"ckpt_path: {step_folder} ({layout.name}) cannot be converted: {type(error).__name__}: {first_line}"
+        ) from None
+    config["ckpt_path"] = str(copy / STATE_NAME)
+    how = f"converted: {described}" if described else "converted before"
+    return f"{step_folder} is in {layout.name}; loading its one-file copy {copy} ({how})"
+
+
+def _unreadable_layout(config: Namespace, step_folder: Path) -> Any:
+    """The layout of ``step_folder`` (one of ours) when the strategy loads it only once converted; else None.
+
+    Raises:
+        BadInputError: a layout the strategy cannot load even converted (Lightning would fail deep in its
+            restore: DDP opening DCP's folder, ``IsADirectoryError``; DeepSpeed another world size).
+
+    """
+    from lightning_mlopt.checkpoint.layout import ONE_FILE, ZERO_PARTITIONS, can_resume, layout_of_manifest
+    from lightning_mlopt.exceptions import BadInputError
+    from lightning_mlopt.planning.auto import world_size_of
+    from lightning_mlopt.strategies import LAYOUTS, layout_named
 
     try:
         manifest = Manifest.from_json((step_folder / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
-        return  # not one of our step folders: Lightning reads it as it is
-    if _strategy_resumes(config.as_dict().get("trainer") or {}, manifest):
-        return
+        return None  # not one of our step folders: Lightning reads it as it is
+    current = _configured_layout(config.as_dict().get("trainer") or {})
     layout = layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values())
-    readers = " (fsdp or tp, at any world size, one device included)" if layout == DCP_SHARDS else ""
+    if current is None:
+        return None
+    world_size = world_size_of(config.as_dict().get("trainer") or {})
+    other_size = layout == current.name == ZERO_PARTITIONS and manifest.world_size != world_size
+    if can_resume(layout, current) and not other_size:  # DeepSpeed reads its partitions at their own size only
+        return None
+    source = layout_named(layout)
+    if can_resume(ONE_FILE, current) and source.consolidate is not None:
+        return source
     raise BadInputError(
         f"ckpt_path: {step_folder} was written by {manifest.strategy} as {layout}, which the configured "
-        f"trainer.strategy cannot load. Resume it with a strategy that reads that layout{readers}, or turn it "
-        f"into one Lightning file of weights with `python -m lightning_mlopt checkpoint consolidate {step_folder} "
-        "<out.ckpt>`."
+        "trainer.strategy cannot load: DeepSpeed resumes only its own partitions at the same world size. Resume it "
+        "with ddp, fsdp or tp (any world size; converted as it loads), or turn it into one Lightning file of "
+        f"weights with `python -m lightning_mlopt checkpoint consolidate {step_folder} <out.ckpt>`."
     )
 
 
@@ -233,19 +270,33 @@ def _strategy_resumes(trainer: dict[str, Any], manifest: Manifest) -> bool:
     True when the strategy's class cannot be told here (Lightning's own names): FaultTolerantCheckpoint judges.
     """
     from lightning_mlopt.checkpoint.layout import can_resume, layout_of_manifest
-    from lightning_mlopt.strategies import LAYOUTS, STRATEGIES, layout_named
+    from lightning_mlopt.strategies import LAYOUTS
+
+    layout = _configured_layout(trainer)
+    if layout is None:
+        return True
+    return can_resume(layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values()), layout)
+
+
+# Lightning's own strategy names whose checkpoints are one file (a single device, DDP and its variants).
+_ONE_FILE_NAMES = ("auto", "single_device", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
+
+
+def _configured_layout(trainer: dict[str, Any]) -> Any:
+    """The checkpoint layout of the configured strategy (ours, or Lightning's one-file ones); None if unknown."""
+    from lightning_mlopt.checkpoint.layout import ONE_FILE
+    from lightning_mlopt.strategies import STRATEGIES, layout_named
     from lightning_mlopt.strategies.spec import REGISTRY_PREFIX
 
-    strategy = trainer.get("strategy")
+    strategy = trainer.get("strategy", "auto")
     if isinstance(strategy, str) and strategy.startswith(REGISTRY_PREFIX):
         strategy_class: Any = STRATEGIES.get(strategy.removeprefix(REGISTRY_PREFIX), (None,))[0]
+    elif isinstance(strategy, str):
+        return layout_named(ONE_FILE) if strategy in _ONE_FILE_NAMES else None
     else:
         strategy_class = _imported_class(strategy.get("class_path")) if isinstance(strategy, dict) else None
     layout = getattr(strategy_class, "checkpoint_layout", None)
-    if not isinstance(layout, str):
-        return True
-    saved = layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values())
-    return can_resume(saved, layout_named(layout))
+    return layout_named(layout) if isinstance(layout, str) else None
 
 
 def default_optimizer_replaced(section: Namespace) -> type[LightningModule] | None:

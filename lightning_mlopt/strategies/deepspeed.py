@@ -27,7 +27,7 @@ from lightning_mlopt._compat import (
     restore_zero_state,
     zero3_step_starts_at_the_outermost_forward,
 )
-from lightning_mlopt.checkpoint.layout import ZERO_PARTITIONS, CheckpointLayout
+from lightning_mlopt.checkpoint.layout import ONE_FILE, ZERO_PARTITIONS, CheckpointLayout
 from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
@@ -227,20 +227,18 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
 
     @staticmethod
     def consolidate_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
-        """A ZeRO checkpoint folder as one full Lightning dict on CPU, partitions gathered in fp32."""
-        import tempfile
+        """A ZeRO checkpoint folder as one full Lightning dict on CPU: weights and optimizer state gathered in fp32.
 
-        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+        Its pickles must have passed the allowlist (``check_trusted``) first: DeepSpeed's files hold its own types.
+        """
+        from lightning_mlopt.strategies.zero_checkpoint import read_zero_checkpoint
 
-        from lightning_mlopt.checkpoint.serialization import load_file
-
-        with tempfile.TemporaryDirectory() as scratch:
-            flat = Path(scratch) / "flat.ckpt"
-            convert_zero_checkpoint_to_fp32_state_dict(str(state), str(flat), tag="checkpoint")
-            return load_file(flat, trust_pickles)
+        return read_zero_checkpoint(state)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if Path(self.broadcast(str(checkpoint_path))).is_file():
+            return self._load_full_file(Path(checkpoint_path), trust_pickles=weights_only is False)
         if self._evaluating() and self.zero_stage_3 and Path(checkpoint_path).is_dir():
             # DeepSpeed cannot load a ZeRO-3 checkpoint into the engine validate/test/predict build (it calls
             # the optimizer's _restore_from_bit16_weights, which that engine's ZeRO-3 offload object lacks).
@@ -251,6 +249,24 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
             check_trusted(Path(checkpoint_path), trust_pickles=False)
             return self.consolidate_checkpoint(Path(checkpoint_path))
         return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_full_file(self, path: Path, trust_pickles: bool) -> dict[str, Any]:
+        """One full file (DDP's, a conversion's) loaded into the partitions: weights, and when fitting, optimizer.
+
+        What lets any checkpoint resume under ZeRO at any world size (``checkpoint/conversion.py``).
+        """
+        from lightning_mlopt.checkpoint.serialization import load_file
+        from lightning_mlopt.strategies.zero_checkpoint import load_full_into_zero
+
+        assert self.lightning_module is not None
+        checkpoint = load_file(path, trust_pickles, mmap=True)
+        strict = self.lightning_module.strict_loading
+        if self.zero_stage_3:
+            restore_zero_state(self, checkpoint, strict=strict)  # gathers each partition, loads, re-shards
+        else:
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        load_full_into_zero(self.deepspeed_engine, checkpoint, with_optimizer=not self._evaluating())
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -366,6 +382,7 @@ SPEC = StrategySpec(
         ZERO_PARTITIONS,
         DeepSpeedStrategy.consolidate_checkpoint,
         recognise=_is_deepspeed_folder,
+        resumes_from=(ONE_FILE,),  # loaded into the partitions at any world size (zero_checkpoint.py)
         written_by=("DeepSpeedStrategy",),
     ),
     overlays=("zero1.yaml", "zero2.yaml", "zero3.yaml", "zero3_offload.yaml"),

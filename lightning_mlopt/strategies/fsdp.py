@@ -29,12 +29,13 @@ from lightning_mlopt._compat import (
 from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME, DCP_SHARDS, ONE_FILE, CheckpointLayout, PendingWrite
 from lightning_mlopt.checkpoint.manifest import FileEntry
-from lightning_mlopt.checkpoint.serialization import dcp_stager, load_file, save_file
+from lightning_mlopt.checkpoint.serialization import dcp_stager, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
+from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_full_file
 from lightning_mlopt.strategies.spec import StrategySpec
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -292,19 +293,18 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
 
     @staticmethod
     def consolidate_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
-        """A DCP folder as one full Lightning dict on CPU: the shards gathered, the non-tensor state beside."""
-        import tempfile
+        """A DCP folder as one full Lightning dict on CPU: weights and optimizer state gathered, the rest beside."""
+        return consolidate_dcp(state, trust_pickles)
 
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as scratch:
-            flat = Path(scratch) / "flat.pt"
-            dcp_to_torch_save(state, flat)
-            loaded = load_file(flat, trust_pickles)
-        meta = state / DCP_META_NAME
-        result = load_file(meta, trust_pickles) if meta.is_file() else {}
-        result["state_dict"] = loaded["state_dict"]
-        return result
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A DCP folder through Lightning; one full file (DDP's, a conversion's) sharded here, optimizer included."""
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            return super().load_checkpoint(path, weights_only)
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        return load_full_file(self.model, self.optimizers, path, strict, trust_pickles=weights_only is False)
 
     @override
     def setup_precision_plugin(self) -> None:

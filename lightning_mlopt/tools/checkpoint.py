@@ -1,4 +1,4 @@
-"""``python -m lightning_mlopt checkpoint list|verify|consolidate|export``: inspect and convert checkpoints.
+"""``python -m lightning_mlopt checkpoint list|verify|consolidate|export|convert``: inspect and convert checkpoints.
 
 ``list`` and ``verify`` read manifests and checksums only: they never unpickle anything. ``consolidate``
 and ``export`` check every pickle of the checkpoint against the allowlist before loading it
@@ -127,6 +127,40 @@ def export(checkpoint: Path, out_dir: Path, max_shard_bytes: int, trust_pickles:
     return 0
 
 
+def convert(checkpoint: Path, output: Path, to: str, world_size: int | None, trust_pickles: bool = False) -> int:
+    """Write any checkpoint as a step folder that strategy ``to`` resumes at any world size (verified)."""
+    from lightning_mlopt.checkpoint.conversion import convert_to_one_file
+    from lightning_mlopt.checkpoint.layout import ONE_FILE, can_resume
+    from lightning_mlopt.strategies import LAYOUTS, STRATEGIES, layout_named
+
+    if to not in STRATEGIES:
+        return bad_input(ValueError(f"--to {to!r}: not one of our strategies ({', '.join(STRATEGIES)})"))
+    target = layout_named(STRATEGIES[to][0].checkpoint_layout)  # type: ignore[attr-defined]
+    if not can_resume(ONE_FILE, target):
+        return bad_input(
+            ValueError(
+                f"--to {to}: DeepSpeed resumes only its own partitions at the world size that wrote them; converting "
+                "into them is not supported. Convert --to ddp, fsdp or tp (any world size), or resume with DeepSpeed "
+                "at the same world size"
+            )
+        )
+    if output.exists():
+        return bad_input(FileExistsError(f"{output} exists; choose a new path (nothing is overwritten)"))
+    state = _state_to_read(checkpoint, "converting")
+    if state.name != STATE_NAME:
+        return bad_input(ValueError(f"{checkpoint}: not a step folder of ours (no manifest); nothing written"))
+    check_trusted(state.parent, trust_pickles)
+    manifest = Manifest.from_json((state.parent / MANIFEST_NAME).read_text())
+    layout = layout_named(manifest.layout) if manifest.layout else layout_of_folder(state, LAYOUTS.values())
+    output.parent.mkdir(parents=True, exist_ok=True)
+    described = convert_to_one_file(state.parent, output, layout, trust_pickles)
+    verified = verify(output)
+    size = f" for {world_size} process(es)" if world_size else ""
+    print(f"wrote {output} ({described}); verified ({len(verified.files)} files)")
+    print(f"resume it with --trainer.strategy={to}{size}: --ckpt_path={output}")
+    return 0
+
+
 def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
     """Any strategy's ``state.ckpt`` (a file, a DCP folder, a DeepSpeed folder) as one full Lightning dict, on CPU.
 
@@ -155,6 +189,13 @@ def _byte_size(text: str) -> int:
         return parse_size(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _positive(text: str) -> int:
+    """A count of processes (argparse type)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a number of processes >= 1, got {text!r}")
+    return int(text)
 
 
 def _folder(text: str) -> Path:
@@ -194,7 +235,12 @@ def main(argv: Sequence[str]) -> int:
     out.add_argument("out_dir", type=_folder)
     out.add_argument("--format", choices=["safetensors"], default="safetensors")
     out.add_argument("--max-shard-size", type=_byte_size, default="5GB", help="shard above this (e.g. 5GB, 500MB)")
-    for loader in (merge, out):
+    change = commands.add_parser("convert", help="any checkpoint into a step folder another strategy resumes")
+    change.add_argument("checkpoint", type=_location)
+    change.add_argument("output", type=_folder)
+    change.add_argument("--to", required=True, help="the strategy that will resume it (ddp, fsdp, tp, ...)")
+    change.add_argument("--world_size", type=_positive, default=None, help="processes that will resume it (any)")
+    for loader in (merge, out, change):
         loader.add_argument(
             "--trust-pickles",
             action="store_true",
@@ -224,6 +270,8 @@ def _run(args: argparse.Namespace, stack: ExitStack) -> int:
     checkpoint = local_copy(args.checkpoint, stack) if isinstance(args.checkpoint, str) else args.checkpoint
     if args.command == "export":
         return export(checkpoint, args.out_dir, args.max_shard_size, args.trust_pickles)
+    if args.command == "convert":
+        return convert(checkpoint, args.output, args.to, args.world_size, args.trust_pickles)
     return consolidate(checkpoint, args.output, args.trust_pickles)
 
 

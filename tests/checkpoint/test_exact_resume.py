@@ -75,7 +75,13 @@ def test_the_quickstart_killed_at_a_random_instant_mid_epoch_resumes_bitwise(tmp
     assert "not exact" not in said, "the quickstart's own loader can be resumed exactly"
     # Each checkpoint records the epoch's position as samples of the whole job, whatever the world size.
     saved = torch.load(run_dir / "checkpoints" / "step-000000040" / "state.ckpt", weights_only=False)
-    assert saved["data_position"] == {"epoch": 1, "seed": 1234, "batches_per_rank": 18, "samples": 18 * 64}
+    assert saved["data_position"] == {
+        "epoch": 1,
+        "seed": 1234,
+        "batches_per_rank": 18,
+        "samples": 18 * 64,
+        "world_size": 1,
+    }
     actual = torch.load(run_dir / "record" / "params.pt")
     differ = [name for name in expected if not torch.equal(actual[name], expected[name])]
     assert not differ, f"killed after step {kill_after} (seed {seed}): {differ[:3]} differ from the uninterrupted run"

@@ -72,8 +72,8 @@ def test_a_final_checkpoint_stays_finished_unless_resume_final(tmp_path: Path) -
     [
         (ONE_FILE, "DDPStrategy", ResumingStrategy("FSDPStrategy", LAYOUTS[DCP_SHARDS], KNOWN), False),
         (DCP_SHARDS, "FSDPStrategy", ResumingStrategy("FSDPStrategy", LAYOUTS[DCP_SHARDS], KNOWN), False),
-        (ONE_FILE, "DDPStrategy", ResumingStrategy("ZeROStrategy", LAYOUTS[ZERO_PARTITIONS], KNOWN), True),
-        (ZERO_PARTITIONS, "ZeROStrategy", DDP, True),
+        (ONE_FILE, "DDPStrategy", ResumingStrategy("ZeROStrategy", LAYOUTS[ZERO_PARTITIONS], KNOWN), False),
+        ("the format of OwnFormat", "OwnFormat", DDP, True),  # no strategy of ours reads it: nothing converts it
     ],
 )
 def test_a_layout_the_strategy_cannot_read_is_refused_in_one_line(
@@ -88,9 +88,30 @@ def test_a_layout_the_strategy_cannot_read_is_refused_in_one_line(
         return
     assert choice.path is None and choice.refusal is not None and "\n" not in choice.refusal
     assert choice.refusal.startswith(
-        f"cannot resume {path} (written by {saved_by}: {saved_layout}) with {current.name}"
+        f"cannot resume {path} (written by {saved_by} on 2 processes: {saved_layout}) with {current.name}"
     )
     assert path.exists()  # refused, never touched
+
+
+def test_zero_partitions_load_as_they_are_at_their_own_world_size_only(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints")
+    path = _commit(store, 10, layout=ZERO_PARTITIONS, strategy="DeepSpeedStrategy")  # world size 2
+    zero_on_two = ResumingStrategy("DeepSpeedStrategy", LAYOUTS[ZERO_PARTITIONS], KNOWN, world_size=2)
+    assert choose_checkpoint(store, zero_on_two, False, False).path == path  # type: ignore[union-attr]
+    # At another size DeepSpeed cannot load them: a conversion is tried (this stand-in is no real ZeRO folder).
+    zero_on_one = ResumingStrategy("DeepSpeedStrategy", LAYOUTS[ZERO_PARTITIONS], KNOWN, world_size=1)
+    choice = choose_checkpoint(store, zero_on_one, False, False)
+    assert choice is not None and choice.path is None
+    assert (choice.refusal or "").startswith(f"cannot convert {path} (ZeRO partitions) for DeepSpeedStrategy: ")
+
+
+def test_a_checkpoint_that_cannot_be_converted_is_refused_in_one_line_and_left_alone(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints")
+    path = _commit(store, 10, layout=ZERO_PARTITIONS, strategy="DeepSpeedStrategy")  # a file, not ZeRO's folder
+    choice = choose_checkpoint(store, DDP, False, False)
+    assert choice is not None and choice.path is None and choice.refusal is not None
+    assert choice.refusal.startswith(f"cannot convert {path} (ZeRO partitions) for DDPStrategy: ")
+    assert "\n" not in choice.refusal and path.exists() and not (store.root / "converted" / path.name).exists()
 
 
 def test_a_checkpoint_naming_an_unknown_type_is_refused_unless_trusted(tmp_path: Path) -> None:

@@ -53,7 +53,8 @@ def test_which_layouts_resume_which():
     assert resumes(ONE_FILE, ONE_FILE) and resumes(DCP_SHARDS, DCP_SHARDS)
     assert resumes(ONE_FILE, DCP_SHARDS)  # DCP reads a full state dict and shards it
     assert not resumes(DCP_SHARDS, ONE_FILE)
-    assert not resumes(ONE_FILE, ZERO_PARTITIONS) and not resumes(ZERO_PARTITIONS, DCP_SHARDS)
+    assert resumes(ONE_FILE, ZERO_PARTITIONS)  # loaded into the partitions at any world size
+    assert not resumes(ZERO_PARTITIONS, DCP_SHARDS)  # converted to one file first (checkpoint/conversion.py)
     assert not resumes("the format of OwnFormat", ONE_FILE)
     assert resumes("the format of OwnFormat", "the format of OwnFormat")  # a foreign format resumes itself
     # Manifests written before the layout was recorded: by the strategy's class name.

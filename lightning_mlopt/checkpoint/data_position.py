@@ -1,0 +1,124 @@
+"""Where the training data stands, in samples of the whole job, and where each rank starts at another world size.
+
+Every epoch's global order is ``randperm(n)`` from (seed, epoch) at any world size (``data_order.py``): one
+process reads it in order; N processes read it through DistributedSampler, rank r taking positions r, r+N,
+r+2N... After k batches of b samples per rank, an N-process job has consumed exactly the first ``k*b*N``
+positions of that order, whatever N. So the checkpoint records samples, not batches
+(:func:`data_position`), and a resume at another world size M skips ``S/M`` samples of each rank's own share:
+rank r then starts at position ``S + r`` and takes every M-th, which is where the uninterrupted run at size M
+stands when ``S`` is a multiple of ``M*b``, and otherwise the nearest thing that exists: every sample of the
+epoch is seen exactly once across the ranks, none twice, none skipped (DistributedSampler's padding aside, as
+in any epoch). Lightning's count of the epoch's batches is set to the batches the new size has consumed, so
+the epoch ends where its data does.
+
+Example::
+
+    checkpoint["data_position"] = data_position(trainer)     # {"epoch": 1, ..., "samples": 512, "world_size": 2}
+    per_rank = samples_to_skip(saved_position, loaders, world_size=1)   # 512: skip the first 512 of the order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch.utils.data import BatchSampler, Sampler
+
+from lightning_mlopt._compat import epoch_loaders
+from lightning_mlopt.checkpoint.data_order import data_seed, resumable_loaders, samples_in_epoch
+
+DATA_POSITION_KEY = "data_position"  # in every checkpoint's state
+
+
+def data_position(trainer: Any) -> dict[str, Any]:
+    """Where the training data stands, world-size free: epoch, order seed and samples the job consumed in it.
+
+    ``samples`` is None where a loader's batch size is unknown.
+
+    Example::
+
+        {"epoch": 1, "seed": 1234, "batches_per_rank": 8, "samples": 512, "world_size": 4}
+    """
+    _, combined = epoch_loaders(trainer)
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    loaders = combined.flattened if combined is not None else []
+    return {
+        "epoch": trainer.current_epoch,
+        "seed": data_seed(),
+        "batches_per_rank": batches,
+        "samples": samples_in_epoch(batches, loaders, trainer.world_size),
+        "world_size": trainer.world_size,
+    }
+
+
+def saved_world_size(position: dict[str, Any], loaders: Iterable[Any]) -> int | None:
+    """The world size that wrote ``position`` (recorded, or for older checkpoints, from samples and batches)."""
+    if position.get("world_size"):
+        return int(position["world_size"])
+    per_rank = samples_in_epoch(int(position.get("batches_per_rank") or 0), loaders, 1)
+    if not per_rank or position.get("samples") is None:
+        return None
+    return int(position["samples"]) // per_rank
+
+
+def samples_to_skip(position: dict[str, Any], loaders: list[Any], world_size: int) -> tuple[int | None, str]:
+    """Samples each rank of a ``world_size`` job skips to continue ``position``'s epoch; or None and why not."""
+    samples = position.get("samples")
+    if samples is None:
+        return None, "the checkpoint does not record the samples the epoch used (a loader's batch size is unknown)"
+    usable = resumable_loaders(loaders)
+    if len(usable) != 1 or len(loaders) != 1:
+        return None, "the position is placed exactly for one training DataLoader over a map-style dataset"
+    if not isinstance(usable[0].batch_sampler, BatchSampler) or type(usable[0].batch_sampler) is not BatchSampler:
+        return None, "the DataLoader has a batch sampler of its own, which cannot be entered mid-batch"
+    if samples % world_size:
+        return None, f"{samples} samples consumed do not split evenly over {world_size} ranks"
+    return samples // world_size, ""
+
+
+def skip_first_samples(loader: Any, count: int) -> None:
+    """Make the DataLoader's next iteration start after the first ``count`` indices of its sampler (once)."""
+    batch_sampler = loader.batch_sampler
+    skipping = SkipFirstOnce(batch_sampler.sampler, count)
+    # DataLoader forbids reassigning batch_sampler after construction; this is the one sanctioned use.
+    object.__setattr__(
+        loader, "batch_sampler", BatchSampler(skipping, batch_sampler.batch_size, batch_sampler.drop_last)
+    )
+
+
+def set_batches_done(trainer: Any, batches: int) -> None:
+    """Lightning's count of this epoch's batches, as the job at this world size would have it.
+
+    A save inside ``on_train_batch_end`` counts its batch processed, not yet completed; Lightning completes it
+    when the loop restarts. That one-batch difference is kept.
+    """
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    pending = current.processed - current.completed
+    current.ready = current.started = current.processed = batches
+    current.completed = batches - pending
+
+
+class SkipFirstOnce(Sampler[Any]):
+    """A sampler or batch sampler whose next iteration drops its first ``skip`` items, then passes all through.
+
+    Only indices are drawn: no sample is loaded. Its length stays the full one (Lightning counts the epoch's
+    batches from the restored position itself), and every other attribute (``set_epoch``, ``batch_size``,
+    ``drop_last``, ``generator``...) is read through.
+    """
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler = sampler
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.sampler)
+        skip, self.skip = self.skip, 0
+        for _ in range(skip):
+            next(iterator, None)
+        yield from iterator
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["sampler"], name)

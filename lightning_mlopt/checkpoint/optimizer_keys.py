@@ -1,0 +1,106 @@
+"""Optimizer state keyed by parameter name, or by index: the two forms strategies write, and the bridge between them.
+
+``torch.optim.Optimizer.state_dict()`` numbers parameters in the order of its groups (``{"state": {0: ...},
+"param_groups": [{"params": [0, 1], ...}]}``); DCP and DeepSpeed's partitions, gathered, name them
+(``"model.layers.0.attn.qkv.weight"``). A number means nothing without the optimizer that wrote it, and its
+groups need not follow ``module.parameters()`` (a model that puts decayed weights in one group and biases in
+another does not): so a numbered state is matched against the *live* optimizer, group by group, never
+against the module's parameter order. A state that does not fit the live optimizer (other groups, other
+parameters) is refused with the first difference named, never loaded into the wrong tensors.
+
+Example::
+
+    by_name = keyed_by_name(saved, group_names(optimizer, module))   # {"state": {"model.w": {...}}, ...}
+    optimizer.load_state_dict(keyed_by_index(by_name, group_names(optimizer, module)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mlopt.exceptions import BadInputError
+
+
+def is_keyed_by_name(state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state dict names its parameters (DCP, a gathered ZeRO state) instead of numbering them."""
+    groups = state.get("param_groups") or []
+    return any(isinstance(name, str) for group in groups for name in group.get("params", []))
+
+
+def group_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
+    """The parameter names of each of ``optimizer``'s groups, in its order, as ``module`` names them.
+
+    Raises:
+        BadInputError: the optimizer holds a parameter that is not in ``module``.
+
+    """
+    names = {id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)}
+    grouped = []
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in names]
+        if missing:
+            raise BadInputError(f"the optimizer holds {len(missing)} parameter(s) that are not in the model")
+        grouped.append([names[id(p)] for p in group["params"]])
+    return grouped
+
+
+def keyed_by_name(state: Mapping[str, Any], live: list[list[str]]) -> dict[str, Any]:
+    """``state`` with its parameters named; a numbered state is read in the order of the live groups' names.
+
+    ``live``: the names of the live optimizer's parameters, group by group (:func:`group_names`).
+
+    Raises:
+        BadInputError: the numbered state's groups do not have the sizes of the live optimizer's.
+
+    """
+    if is_keyed_by_name(state):
+        return dict(state)
+    saved_groups = state.get("param_groups") or []
+    sizes = [len(group["params"]) for group in saved_groups]
+    if sizes != [len(names) for names in live]:
+        raise BadInputError(
+            f"the checkpoint's optimizer has parameter groups of sizes {sizes}; this run's has "
+            f"{[len(names) for names in live]}: configure_optimizers must build the same groups to resume"
+        )
+    name_of = {}
+    groups = []
+    for saved, names in zip(saved_groups, live, strict=True):
+        name_of.update(zip(saved["params"], names, strict=True))
+        groups.append({**saved, "params": list(names)})
+    per_parameter = {name_of[index]: value for index, value in state.get("state", {}).items()}
+    return {"state": per_parameter, "param_groups": groups}
+
+
+def keyed_by_index(state: Mapping[str, Any], live: list[list[str]]) -> dict[str, Any]:
+    """``state`` numbered for ``optimizer.load_state_dict``: a named state mapped through the live groups' names.
+
+    Raises:
+        BadInputError: the named state's groups hold other parameters than the live optimizer's.
+
+    """
+    if not is_keyed_by_name(state):
+        return dict(state)
+    saved_groups = state.get("param_groups") or []
+    if len(saved_groups) != len(live):
+        raise BadInputError(
+            f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s), this run's {len(live)}: "
+            "configure_optimizers must build the same groups to resume"
+        )
+    index_of: dict[str, int] = {}
+    groups = []
+    for number, (saved, names) in enumerate(zip(saved_groups, live, strict=True)):
+        if set(saved["params"]) != set(names):
+            differ = sorted(set(saved["params"]) ^ set(names))
+            raise BadInputError(
+                f"parameter group {number} of the checkpoint's optimizer holds other parameters than this run's "
+                f"(first difference: {differ[0]}): configure_optimizers must build the same groups to resume"
+            )
+        start = len(index_of)
+        index_of.update((name, start + position) for position, name in enumerate(names))
+        groups.append({**saved, "params": [index_of[name] for name in names]})
+    per_index = {index_of[name]: value for name, value in state.get("state", {}).items()}
+    return {"state": per_index, "param_groups": groups}

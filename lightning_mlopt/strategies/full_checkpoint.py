@@ -1,0 +1,74 @@
+"""Full checkpoints and DTensor strategies: a DCP folder read whole, and one full file loaded into sharded modules.
+
+Both directions of a conversion between a sharded layout and one file (``checkpoint/conversion.py``):
+``consolidate_dcp`` gathers a DCP folder (FSDP, TP, 2D) into one Lightning dict, weights and optimizer state
+named per parameter; ``load_full_file`` loads such a dict, or a DDP file whose optimizer state is numbered,
+into modules whose parameters are DTensors, each rank keeping its own shards.
+
+Lightning's ModelParallelStrategy loads a full file too, but matches a numbered optimizer state to the
+*module's* parameter order; an optimizer whose groups follow another order (decayed weights first, then
+biases) gets each moment on the wrong parameter, or a shape error. Here the order is the optimizer's own.
+
+Example::
+
+    full = consolidate_dcp(Path("runs/x/checkpoints/step-000000500/state.ckpt"))
+    rest = load_full_file(model, optimizers, Path("converted/state.ckpt"), strict=True, trust_pickles=False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mlopt._compat import read_dcp_whole
+from lightning_mlopt.checkpoint.layout import DCP_META_NAME
+from lightning_mlopt.checkpoint.optimizer_keys import group_names, keyed_by_name
+from lightning_mlopt.checkpoint.serialization import load_file
+
+_OPTIMIZER_PREFIX = "optimizer_"  # DCP keys of the optimizers' states next to "state_dict"
+
+
+def consolidate_dcp(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
+    """A DCP folder as one full Lightning dict on CPU: weights, optimizer states named per parameter, the rest.
+
+    The non-tensor state (loops, schedulers, callbacks) comes from ``meta.pt`` beside the shards.
+    """
+    loaded = read_dcp_whole(state)  # its pickles passed the allowlist first (check_trusted), as for any load
+    meta = state / DCP_META_NAME
+    result = load_file(meta, trust_pickles) if meta.is_file() else {}
+    result["state_dict"] = loaded["state_dict"]
+    optimizers = sorted(
+        (int(key[len(_OPTIMIZER_PREFIX) :]), value)
+        for key, value in loaded.items()
+        if key.startswith(_OPTIMIZER_PREFIX) and key[len(_OPTIMIZER_PREFIX) :].isdigit()
+    )
+    if optimizers:
+        result["optimizer_states"] = [value for _, value in optimizers]
+    return result
+
+
+def load_full_file(
+    module: nn.Module, optimizers: Sequence[Optimizer], path: Path, strict: bool, trust_pickles: bool
+) -> dict[str, Any]:
+    """Load a full checkpoint file into a module of DTensors and its optimizers; returns the rest of the dict.
+
+    Every rank maps the file (memory-mapped: ranks on one machine share its pages) and keeps its own shards.
+    The optimizer states may be numbered (DDP's) or named (a conversion's).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    checkpoint = load_file(path, trust_pickles, mmap=True)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+    for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states") or [], strict=False):
+        named = keyed_by_name(saved, group_names(optimizer, module))
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=named, options=options)
+    return checkpoint
