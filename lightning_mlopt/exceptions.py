@@ -15,6 +15,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class BadInputError(ValueError):
     """The user's configuration is wrong; the message says what and how to fix it (the CLI exits with 2).
@@ -24,6 +27,22 @@ class BadInputError(ValueError):
     """
 
     said_elsewhere = False
+
+
+@contextlib.contextmanager
+def said_by_rank_zero(rank: int) -> Iterator[None]:
+    """Within it, a :class:`BadInputError` every rank raises alike (the same file, the same check) is said once.
+
+    Example::
+
+        with said_by_rank_zero(trainer.global_rank):
+            optimizer.load_state_dict(keyed_by_index(saved, live))
+    """
+    try:
+        yield
+    except BadInputError as error:
+        error.said_elsewhere = error.said_elsewhere or rank != 0
+        raise
 
 
 class UntrustedCheckpointError(BadInputError):

@@ -51,7 +51,7 @@ from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.checkpoint.trust import check_trusted
-from lightning_mlopt.exceptions import ObjectStoreError, UntrustedCheckpointError
+from lightning_mlopt.exceptions import ObjectStoreError, UntrustedCheckpointError, said_by_rank_zero
 
 RNG_DIR = "rng"  # rng/rank-<r>.pt in every checkpoint folder
 
@@ -223,10 +223,11 @@ def number_optimizer_states(trainer: Any) -> None:
     if not states or trainer.strategy.restore_checkpoint_after_setup:
         return
     module = trainer.lightning_module
-    checkpoint["optimizer_states"] = [  # type: ignore[index]
-        keyed_by_index(state, group_names(optimizer, module))
-        for state, optimizer in zip(states, trainer.optimizers, strict=False)
-    ]
+    with said_by_rank_zero(trainer.global_rank):  # every rank reads the same file: one says why it does not fit
+        checkpoint["optimizer_states"] = [  # type: ignore[index]
+            keyed_by_index(state, group_names(optimizer, module))
+            for state, optimizer in zip(states, trainer.optimizers, strict=False)
+        ]
 
 
 def load_rng(folder: Path, rank: int, world_size: int, trust_pickles: bool) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ from lightning_mlopt._compat import (
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE, ZERO_PARTITIONS, CheckpointLayout
 from lightning_mlopt.checkpoint.manifest import FileEntry
+from lightning_mlopt.exceptions import said_by_rank_zero
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
@@ -265,7 +266,8 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
             restore_zero_state(self, checkpoint, strict=strict)  # gathers each partition, loads, re-shards
         else:
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        load_full_into_zero(self.deepspeed_engine, checkpoint, with_optimizer=not self._evaluating())
+        with said_by_rank_zero(self.global_rank):
+            load_full_into_zero(self.deepspeed_engine, checkpoint, with_optimizer=not self._evaluating())
         return checkpoint
 
     @override

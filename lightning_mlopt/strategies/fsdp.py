@@ -32,7 +32,7 @@ from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import dcp_stager, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
-from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_full_file
@@ -181,10 +181,9 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
 
     @override
     def setup_environment(self) -> None:
-        # Lightning's ModelParallelStrategy gives a rank that was started for it (rank 1 under Lightning's own
-        # launcher) no launcher, so nothing set its thread count: rank 0 ran cpus // processes threads and rank 1
-        # torch's default, oversubscribing the cores (most of a 1.37x gap to a hand-written loop on 2 CPUs,
-        # issue 27). DDP and DeepSpeed always have a launcher; here every rank sets it.
+        # Lightning's ModelParallelStrategy gives a rank started for it (rank 1 under its launcher) no launcher to
+        # set its thread count: rank 1 ran torch's default, oversubscribing the cores (most of a 1.37x gap to a
+        # hand-written loop on 2 CPUs, issue 27). DDP and DeepSpeed always have a launcher; here every rank sets it.
         set_num_threads_for_processes(self.num_processes)
         # Skip ModelParallelStrategy's 2-D (data, tensor) mesh: ours is (shard,) or (replicate, shard).
         super(ModelParallelStrategy, self).setup_environment()
@@ -303,8 +302,9 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         if not path.is_file():
             return super().load_checkpoint(path, weights_only)
         assert self.model is not None and self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
-        return load_full_file(self.model, self.optimizers, path, strict, trust_pickles=weights_only is False)
+        with said_by_rank_zero(self.global_rank):
+            strict, trust = self.lightning_module.strict_loading, weights_only is False
+            return load_full_file(self.model, self.optimizers, path, strict, trust_pickles=trust)
 
     @override
     def setup_precision_plugin(self) -> None:

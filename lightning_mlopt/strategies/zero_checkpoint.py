@@ -231,6 +231,15 @@ def load_full_into_zero(engine: Any, checkpoint: Mapping[str, Any], with_optimiz
     if not (with_optimizer and saved):
         return
     named = keyed_by_name(saved[0], live)
+    for name, state in named["state"].items():
+        for key, value in state.items():
+            size = getattr(parameters[name], "ds_numel", parameters[name].numel())
+            if _per_element(value) and value.numel() != size:
+                raise BadInputError(
+                    f"the optimizer's {key!r} of {name} holds {value.numel()} values for a parameter of {size}: ZeRO "
+                    "keeps optimizer state element by element beside each partition and cannot shard it. Resume "
+                    "under ddp, fsdp or tp, which keep it as the optimizer made it"
+                )
     if not len(named["param_groups"]) == len(flats) == len(base.param_groups):
         raise BadInputError(
             f"the checkpoint's optimizer has {len(named['param_groups'])} parameter groups; this ZeRO optimizer steps "

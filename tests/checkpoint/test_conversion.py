@@ -100,10 +100,15 @@ def test_zero3_on_two_resumes_as_ddp_on_one_and_ddp_under_zero3_and_fsdp(tmp_pat
     said = _fit(tmp_path, "zero3_again", "zero3", 2, 5, f"--ckpt_path={_step(tmp_path, 'ddp', 4)}", dump=(4,))
     assert "one-file copy" not in said
     _assert_same_moments(tmp_path / "zero3_again" / "optimizer-step4.pt", tmp_path / "ddp" / "optimizer-step4.pt")
-    # And under FSDP: DDP numbers its optimizer state, and the demo's groups (decayed weights, then the rest) are
-    # not in the module's order; Lightning's own loader would pair the numbers with the module's order.
-    _fit(tmp_path, "fsdp_from_ddp", "fsdp", 2, 5, f"--ckpt_path={_step(tmp_path, 'ddp', 4)}", dump=(4,))
+    # And the DDP run relaunched under FSDP on two processes (auto-resume): the one file was once handed to
+    # Lightning unloaded (fresh weights, zero moments). DDP numbers its optimizer state, and the demo's groups
+    # (decayed weights, then the rest) are not in the module's order: matched through the live groups.
+    shutil.copytree(_step(tmp_path, "ddp", 4), tmp_path / "runs" / "fsdp_from_ddp" / "checkpoints" / "step-000000004")
+    _fit(tmp_path, "fsdp_from_ddp", "fsdp", 2, 5, dump=(4,))
     _assert_same_moments(tmp_path / "fsdp_from_ddp" / "optimizer-step4.pt", tmp_path / "ddp" / "optimizer-step4.pt")
+    resumed = torch.load(tmp_path / "fsdp_from_ddp" / "start_params.pt")
+    saved = torch.load(_step(tmp_path, "ddp", 4) / "state.ckpt", weights_only=False)["state_dict"]
+    assert resumed["step"] == 4 and all(torch.equal(resumed["params"][k], saved[k]) for k in resumed["params"])
 
 
 def test_checkpoint_convert_writes_a_verified_step_folder_and_refuses_a_corrupted_source(
