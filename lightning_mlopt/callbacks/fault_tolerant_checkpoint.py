@@ -159,9 +159,8 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         # Finding, verifying and loading the checkpoint is the run's restore time (the goodput ledger's figure).
         with phase("restore"):
             layout = layout_named(contract.checkpoint_layout)
-            current = ResumingStrategy(
-                type(trainer.strategy).__name__, layout, tuple(LAYOUTS.values()), trainer.world_size
-            )
+            loads_own = getattr(trainer.strategy, "loads_own_checkpoint", None)
+            current = ResumingStrategy(type(trainer.strategy).__name__, layout, tuple(LAYOUTS.values()), loads_own)
             self._resumption.choose(trainer, store, current, remote, self.saver)
             self._resumption.preload(trainer, after_setup=False)
 

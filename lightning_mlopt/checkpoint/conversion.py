@@ -16,8 +16,10 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from lightning_mlopt.exceptions import BadInputError, CheckpointInvalidError
 CONVERTED_DIR = "converted"  # <checkpoints>/converted/step-N: what a resume converted, kept for the next relaunch
 _CONVERTED_FROM = "converted from "  # how a converted manifest's reason starts
 RNG_DIR = "rng"
-WAIT_FOR_RANK_ZERO_S = 1800.0  # other ranks wait this long for rank zero's conversion of a large checkpoint
+WAIT_FOR_RANK_ZERO_S = 6 * 3600.0  # the others wait this long for one process's conversion of a large checkpoint
 
 
 def convert_to_one_file(source: Path, destination: Path, layout: CheckpointLayout, trust_pickles: bool = False) -> str:
@@ -67,7 +69,7 @@ def convert_to_one_file(source: Path, destination: Path, layout: CheckpointLayou
             world_size=manifest.world_size,
             strategy=manifest.strategy,
             layout=ONE_FILE,
-            reason=f"{_CONVERTED_FROM}{source.resolve()} ({layout.name})",
+            reason=f"{_CONVERTED_FROM}{_identity(source)}",
             final=manifest.final,
             metric=manifest.metric,
             run_ids=manifest.run_ids,
@@ -102,37 +104,119 @@ def what_it_carries(full: dict[str, Any]) -> str:
 
 
 def converted_copy(
-    source: Path, into: Path, layout: CheckpointLayout, trust_pickles: bool, is_rank_zero: bool = True
+    source: Path, into: Path, layout: CheckpointLayout, trust_pickles: bool, may_convert: bool = True
 ) -> tuple[Path, str | None]:
-    """The one-file copy of ``source`` under ``into/converted/``: made by rank zero, reused when it exists.
+    """The one-file copy of ``source`` under ``into/converted/``: made by one process, reused when it exists.
 
-    Returns the copy and what was converted (None when an earlier conversion of the same checkpoint was
-    reused). Other ranks wait for rank zero's copy to be committed.
+    Every process of the job may call it at once (Lightning's launcher, torchrun, srun): the first to create the
+    lock file converts, the others wait on the file system, no collective, so a long conversion meets no
+    process-group timeout. A converter that fails leaves its reason beside the copy and every waiter raises it;
+    one that was killed leaves a lock whose process is gone, which the next caller takes over. Returns the copy
+    and what was converted (None when an earlier conversion of the same checkpoint was reused).
+    ``may_convert``: False for a process that only waits (a job's ranks but the first, whose failure is said by it).
 
     Raises:
-        BadInputError: the copy did not appear within :data:`WAIT_FOR_RANK_ZERO_S` (another rank's view).
-        CheckpointInvalidError: ``source`` cannot be read whole.
+        BadInputError: another process's conversion failed (its reason), or none appeared within
+            :data:`WAIT_FOR_RANK_ZERO_S`.
 
     """
     destination = into / CONVERTED_DIR / source.name
-    if _is_copy_of(destination, source):
-        return destination, None
-    if is_rank_zero:
-        return destination, convert_to_one_file(source, destination, layout, trust_pickles)
-    deadline = time.monotonic() + WAIT_FOR_RANK_ZERO_S
-    while not _is_copy_of(destination, source):
+    identity = _identity(source)
+    started, deadline = time.time(), time.monotonic() + WAIT_FOR_RANK_ZERO_S
+    while True:
+        if _is_copy_of(destination, identity):
+            return destination, None
+        failure = _failure(destination, identity, since=started)
+        if failure is not None:
+            refused = BadInputError(failure)
+            refused.said_elsewhere = True  # the converting process said it
+            raise refused
+        if may_convert and _take_lock(destination):
+            try:
+                if _is_copy_of(destination, identity):
+                    return destination, None
+                return destination, convert_to_one_file(source, destination, layout, trust_pickles)
+            except Exception as error:
+                first_line = (str(error).strip().splitlines() or [""])[0][:300]
+                _mark_failed(destination, identity, f"cannot convert {source} ({layout.name}): {first_line}")
+                raise
+            finally:
+                _lock_path(destination).unlink(missing_ok=True)
         if time.monotonic() > deadline:
-            raise BadInputError(f"rank zero's conversion of {source} into {destination} did not appear")
+            raise BadInputError(f"the conversion of {source} into {destination} did not appear in time")
         time.sleep(0.5)
-    return destination, None
 
 
-def _is_copy_of(destination: Path, source: Path) -> bool:
-    """Whether ``destination`` is a committed conversion of ``source`` that verifies."""
-    if not (destination / MANIFEST_NAME).is_file():
-        return False
+def _identity(source: Path) -> str:
+    """What names one checkpoint: its path and its manifest's commit time (a step saved again is another)."""
+    try:
+        created = Manifest.from_json((source / MANIFEST_NAME).read_text()).created
+    except (OSError, CheckpointInvalidError):
+        created = 0.0
+    return f"{source.resolve()} (committed {created})"
+
+
+def _is_copy_of(destination: Path, identity: str) -> bool:
+    """Whether ``destination`` is a committed conversion of the checkpoint ``identity`` names, and verifies."""
     try:
         manifest = verify(destination)
-    except CheckpointInvalidError:
+    except (CheckpointInvalidError, OSError):  # absent, half-removed by a converter, or damaged
         return False
-    return manifest.reason.startswith(f"{_CONVERTED_FROM}{source.resolve()} ")
+    return manifest.reason == f"{_CONVERTED_FROM}{identity}"
+
+
+def _lock_path(destination: Path) -> Path:
+    return destination.with_name(f".{destination.name}.lock")
+
+
+def _take_lock(destination: Path) -> bool:
+    """Create the lock file (this process converts), or take over one whose process is gone; False if held."""
+    lock = _lock_path(destination)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if not _holder_is_gone(lock):
+                return False
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(f"{socket.gethostname()} {os.getpid()}\n")
+        return True
+    return False
+
+
+def _holder_is_gone(lock: Path) -> bool:
+    """A lock written by a process of this host that no longer runs (another host's is trusted to be alive)."""
+    try:
+        host, pid = lock.read_text().split()
+    except (OSError, ValueError):
+        return False  # being written, or removed just now
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError):
+        return False
+    return False
+
+
+def _failure_path(destination: Path) -> Path:
+    return destination.with_name(f".{destination.name}.failed")
+
+
+def _mark_failed(destination: Path, identity: str, message: str) -> None:
+    _failure_path(destination).write_text(json.dumps({"identity": identity, "message": message, "at": time.time()}))
+
+
+def _failure(destination: Path, identity: str, since: float) -> str | None:
+    """The reason a conversion of this checkpoint failed since this call began (an older failure is retried)."""
+    try:
+        failed = json.loads(_failure_path(destination).read_text())
+    except (OSError, ValueError):
+        return None
+    fresh = failed.get("identity") == identity and float(failed.get("at", 0)) >= since - 1.0
+    return str(failed.get("message")) if fresh else None

@@ -4,7 +4,8 @@ Every epoch's global order is ``randperm(n)`` from (seed, epoch) at any world si
 process reads it in order; N processes read it through DistributedSampler, rank r taking positions r, r+N,
 r+2N... After k batches of b samples per rank, an N-process job has consumed exactly the first ``k*b*N``
 positions of that order, whatever N. So the checkpoint records samples, not batches
-(:func:`data_position`), and a resume at another world size M skips ``S/M`` samples of each rank's own share:
+(:func:`data_position`), and a resume with M data-parallel ranks skips ``S/M`` samples of each rank's own share
+(under TP or 2D, the data-parallel size counts, not the world size):
 rank r then starts at position ``S + r`` and takes every M-th, which is where the uninterrupted run at size M
 stands when ``S`` is a multiple of ``M*b``, and otherwise the nearest thing that exists: every sample of the
 epoch is seen exactly once across the ranks, none twice, none skipped (DistributedSampler's padding aside, as
@@ -13,8 +14,8 @@ the epoch ends where its data does.
 
 Example::
 
-    checkpoint["data_position"] = data_position(trainer)     # {"epoch": 1, ..., "samples": 512, "world_size": 2}
-    per_rank = samples_to_skip(saved_position, loaders, world_size=1)   # 512: skip the first 512 of the order
+    checkpoint["data_position"] = data_position(trainer)     # {"epoch": 1, ..., "samples": 512, "replicas": 2}
+    per_rank, _ = samples_to_skip(saved_position, loaders, replicas=1)   # 512: skip the first 512 of the order
 """
 
 from __future__ import annotations
@@ -30,50 +31,66 @@ from lightning_mlopt.checkpoint.data_order import data_seed, resumable_loaders, 
 DATA_POSITION_KEY = "data_position"  # in every checkpoint's state
 
 
+def data_replicas(trainer: Any) -> int:
+    """The processes that share each epoch's data: the world size, or under TP/2D the data-parallel size only.
+
+    What the strategy's DistributedSampler is given (``distributed_sampler_kwargs``); one device has none.
+    """
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", trainer.world_size))
+
+
 def data_position(trainer: Any) -> dict[str, Any]:
     """Where the training data stands, world-size free: epoch, order seed and samples the job consumed in it.
 
-    ``samples`` is None where a loader's batch size is unknown.
+    ``samples`` is None where a loader's batch size is unknown; ``replicas``: the processes that shared the epoch
+    (:func:`data_replicas`).
 
     Example::
 
-        {"epoch": 1, "seed": 1234, "batches_per_rank": 8, "samples": 512, "world_size": 4}
+        {"epoch": 1, "seed": 1234, "batches_per_rank": 8, "samples": 512, "replicas": 4}
     """
     _, combined = epoch_loaders(trainer)
     batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
     loaders = combined.flattened if combined is not None else []
+    replicas = data_replicas(trainer)
     return {
         "epoch": trainer.current_epoch,
         "seed": data_seed(),
         "batches_per_rank": batches,
-        "samples": samples_in_epoch(batches, loaders, trainer.world_size),
-        "world_size": trainer.world_size,
+        "samples": samples_in_epoch(batches, loaders, replicas),
+        "replicas": replicas,
     }
 
 
-def saved_world_size(position: dict[str, Any], loaders: Iterable[Any]) -> int | None:
-    """The world size that wrote ``position`` (recorded, or for older checkpoints, from samples and batches)."""
-    if position.get("world_size"):
-        return int(position["world_size"])
+def saved_replicas(position: dict[str, Any], loaders: Iterable[Any]) -> int | None:
+    """The data replicas that wrote ``position`` (recorded, or for older checkpoints, from samples and batches)."""
+    if position.get("replicas"):
+        return int(position["replicas"])
     per_rank = samples_in_epoch(int(position.get("batches_per_rank") or 0), loaders, 1)
     if not per_rank or position.get("samples") is None:
         return None
     return int(position["samples"]) // per_rank
 
 
-def samples_to_skip(position: dict[str, Any], loaders: list[Any], world_size: int) -> tuple[int | None, str]:
-    """Samples each rank of a ``world_size`` job skips to continue ``position``'s epoch; or None and why not."""
+def samples_to_skip(position: dict[str, Any], loaders: list[Any], replicas: int) -> tuple[int | None, str]:
+    """Samples each of ``replicas`` data-parallel ranks skips to continue ``position``'s epoch; or None and why not.
+
+    0 when the epoch was used up (saved at its end): the next epoch starts as it would have.
+    """
     samples = position.get("samples")
     if samples is None:
         return None, "the checkpoint does not record the samples the epoch used (a loader's batch size is unknown)"
     usable = resumable_loaders(loaders)
     if len(usable) != 1 or len(loaders) != 1:
         return None, "the position is placed exactly for one training DataLoader over a map-style dataset"
-    if not isinstance(usable[0].batch_sampler, BatchSampler) or type(usable[0].batch_sampler) is not BatchSampler:
+    if type(usable[0].batch_sampler) is not BatchSampler:
         return None, "the DataLoader has a batch sampler of its own, which cannot be entered mid-batch"
-    if samples % world_size:
-        return None, f"{samples} samples consumed do not split evenly over {world_size} ranks"
-    return samples // world_size, ""
+    if samples >= len(usable[0].dataset):  # a partial last batch counts as a whole one: >=
+        return 0, ""
+    if samples % replicas:
+        return None, f"{samples} samples consumed do not split evenly over {replicas} ranks"
+    return samples // replicas, ""
 
 
 def skip_first_samples(loader: Any, count: int) -> None:

@@ -38,7 +38,9 @@ def group_names(optimizer: Optimizer, module: nn.Module) -> list[list[str]]:
         BadInputError: the optimizer holds a parameter that is not in ``module``.
 
     """
-    names = {id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)}
+    names: dict[int, str] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), name)  # a tied parameter goes by its first name, as state dicts name it
     grouped = []
     for group in optimizer.param_groups:
         missing = [p for p in group["params"] if id(p) not in names]

@@ -13,8 +13,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +32,14 @@ from lightning_mlopt.checkpoint.data_order import (
 )
 from lightning_mlopt.checkpoint.data_position import (
     SkipFirstOnce,
+    data_replicas,
     samples_to_skip,
-    saved_world_size,
+    saved_replicas,
     set_batches_done,
     skip_first_samples,
 )
 from lightning_mlopt.checkpoint.layout import (
     ONE_FILE,
-    ZERO_PARTITIONS,
     CheckpointLayout,
     can_resume,
     layout_of_manifest,
@@ -51,7 +51,13 @@ from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.checkpoint.trust import check_trusted
-from lightning_mlopt.exceptions import ObjectStoreError, UntrustedCheckpointError, said_by_rank_zero
+from lightning_mlopt.exceptions import (
+    BadInputError,
+    CheckpointWriteError,
+    ObjectStoreError,
+    UntrustedCheckpointError,
+    said_by_rank_zero,
+)
 
 RNG_DIR = "rng"  # rng/rank-<r>.pt in every checkpoint folder
 
@@ -61,6 +67,8 @@ class ResumeChoice:
     """What rank zero chose: a checkpoint and whether it stays finished, or why not (then ``path`` is None).
 
     ``refusal``: bad input (the checkpoint does not fit this run); ``failure``: the remote tier could not be read.
+    ``convert_from``: the layout ``path`` is in when the strategy loads it only once converted
+    (:func:`converted_for`, on every rank, after the choice is shared).
     """
 
     path: Path | None
@@ -68,6 +76,7 @@ class ResumeChoice:
     refusal: str | None = None
     manifest: Manifest | None = None
     failure: str | None = None
+    convert_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,14 +87,16 @@ class ResumingStrategy:
         name: its class name (what manifests record).
         layout: the layout it writes (what it can resume from).
         known: every layout the package knows (a manifest older than the recorded layout names its strategy).
-        world_size: the run's processes (DeepSpeed loads its partitions only at the size that wrote them).
+        loads_own: for a checkpoint of its own layout, whether the strategy loads it as it is, called as
+            ``loads_own(state_path, saved_world_size)`` (DeepSpeed: only at the world size and with the stage
+            family that wrote it); None: always.
 
     """
 
     name: str
     layout: CheckpointLayout
     known: tuple[CheckpointLayout, ...] = ()
-    world_size: int = 0  # 0: not judged
+    loads_own: Callable[[Path, int], bool] | None = None
 
 
 def choose_checkpoint(
@@ -122,22 +133,14 @@ def choose_checkpoint(
         return None
     assert entry.manifest is not None
     refusal = strategy_switch_refusal(entry.manifest, strategy, entry.path)
-    readable = conversion_source(entry.manifest, strategy)
+    readable = conversion_source(entry.manifest, strategy, entry.path)
     if refusal is None or readable is not None:
         try:
             check_trusted(entry.path, trust_pickles)  # before anything in it is unpickled
         except UntrustedCheckpointError as error:
             refusal = str(error)
         else:
-            if readable is not None:
-                try:  # rank zero alone: whatever happens is handed to every rank in the choice
-                    entry = _converted(entry, readable, store.root, trust_pickles)
-                    refusal = None
-                except OSError as error:  # a disk that cannot take the copy: a write failure, not bad input
-                    return ResumeChoice(None, failure=f"converting {entry.path} failed: {error}")
-                except Exception as error:  # whatever the reader raised, on rank zero alone: a refusal for all
-                    first_line = (str(error).strip().splitlines() or [""])[0][:300]
-                    refusal = f"cannot convert {entry.path} ({readable.name}) for {strategy.name}: {first_line}"
+            refusal = None
     if refusal is not None:
         return ResumeChoice(None, refusal=refusal, manifest=entry.manifest)
     if entry.manifest.final and not resume_final:
@@ -148,43 +151,60 @@ def choose_checkpoint(
         return ResumeChoice(entry.path, stays_final=True, manifest=entry.manifest)
     how = "a finished run, resume.final is set" if entry.manifest.final else f"saved by {entry.manifest.reason}"
     rank_zero_info(f"Auto-resuming from {entry.path} (step {entry.step}, {how}).")
-    return ResumeChoice(entry.path, manifest=entry.manifest)
+    convert_from = readable.name if readable is not None else None
+    return ResumeChoice(entry.path, manifest=entry.manifest, convert_from=convert_from)
 
 
-def loads_as_it_is(saved: Manifest, strategy: ResumingStrategy) -> bool:
-    """Whether the strategy loads the checkpoint without conversion (DeepSpeed: only at the size that wrote it)."""
+def loads_as_it_is(saved: Manifest, strategy: ResumingStrategy, path: Path) -> bool:
+    """Whether the strategy loads the checkpoint at ``path`` without conversion."""
     saved_layout = layout_of_manifest(saved.layout, saved.strategy, strategy.known)
-    other_size = saved_layout == strategy.layout.name == ZERO_PARTITIONS and strategy.world_size not in (
-        0,
-        saved.world_size,
-    )
-    return can_resume(saved_layout, strategy.layout) and not other_size
+    if saved_layout == strategy.layout.name and strategy.loads_own is not None:
+        return strategy.loads_own(path / STATE_NAME, saved.world_size)
+    return can_resume(saved_layout, strategy.layout)
 
 
-def conversion_source(saved: Manifest, strategy: ResumingStrategy) -> CheckpointLayout | None:
+def conversion_source(saved: Manifest, strategy: ResumingStrategy, path: Path) -> CheckpointLayout | None:
     """The layout of a checkpoint this strategy cannot load as it is but can once converted to one file; else None."""
-    if loads_as_it_is(saved, strategy) or not can_resume(ONE_FILE, strategy.layout):
+    if loads_as_it_is(saved, strategy, path) or not can_resume(ONE_FILE, strategy.layout):
         return None
     saved_layout = layout_of_manifest(saved.layout, saved.strategy, strategy.known)
     return next((each for each in strategy.known if each.name == saved_layout and each.consolidate), None)
 
 
-def _converted(entry: Any, layout: CheckpointLayout, root: Path, trust_pickles: bool) -> Any:
-    """``entry`` converted to one file under ``root/converted`` (reused when done before), said in one line."""
-    path, described = converted_copy(entry.path, root, layout, trust_pickles)
-    how = f"converted: {described}" if described else "converted by an earlier launch"
-    rank_zero_info(f"{entry.path} is in {layout.name}; resuming from its one-file copy {path} ({how}).")
-    return replace(entry, path=path)
+def converted_for(
+    choice: ResumeChoice, strategy: ResumingStrategy, root: Path, trust_pickles: bool, rank: int = 0
+) -> Path:
+    """Every rank: the chosen checkpoint's one-file copy under ``root/converted`` (rank zero converts it).
+
+    Raises:
+        BadInputError: it cannot be converted (one line; said by the process that tried).
+        CheckpointWriteError: the copy could not be written (a full disk).
+
+    """
+    assert choice.path is not None and choice.convert_from is not None
+    layout = next(each for each in strategy.known if each.name == choice.convert_from)
+    try:
+        path, described = converted_copy(choice.path, root, layout, trust_pickles, may_convert=rank == 0)
+    except BadInputError:
+        raise
+    except OSError as error:  # a disk that cannot take the copy: a write failure, not bad input
+        raise CheckpointWriteError(f"converting {choice.path} failed: {error}") from None
+    except Exception as error:  # whatever the reader raised: one line
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        raise BadInputError(f"cannot convert {choice.path} ({layout.name}) for {strategy.name}: {first_line}") from None
+    how = f"converted: {described}" if described else "converted before"
+    rank_zero_info(f"{choice.path} is in {layout.name}; resuming from its one-file copy {path} ({how}).")
+    return path
 
 
 def strategy_switch_refusal(saved: Manifest, strategy: ResumingStrategy, path: Path) -> str | None:
     """A one-line refusal when the checkpoint can be neither loaded by this run's strategy nor converted, else None."""
-    if loads_as_it_is(saved, strategy) or conversion_source(saved, strategy) is not None:
+    if loads_as_it_is(saved, strategy, path) or conversion_source(saved, strategy, path) is not None:
         return None
     saved_layout = layout_of_manifest(saved.layout, saved.strategy, strategy.known)
     return (
         f"cannot resume {path} (written by {saved.strategy} on {saved.world_size} processes: {saved_layout}) with "
-        f"{strategy.name} ({strategy.layout.name}, {strategy.world_size or 'any number of'} processes). Our "
+        f"{strategy.name} ({strategy.layout.name}). Our "
         "strategies resume any checkpoint of ours at any world size, converting it where needed; this strategy "
         "or layout is not one of them. Go back to the strategy that wrote it, or start a new run (another "
         "run_dir); `python -m lightning_mlopt checkpoint consolidate` turns any checkpoint into one Lightning file "
@@ -267,11 +287,11 @@ def position_in_epoch(
     # which Lightning itself counts again on restart.
     done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if resumed else 0
     pending = None
-    if done and saved and saved_world_size(saved, loaders) not in (None, trainer.world_size):
+    if done and saved and saved_replicas(saved, loaders) not in (None, data_replicas(trainer)):
         done = _continue_at_another_size(trainer, loaders, saved)
     elif 0 < done < trainer.num_training_batches:
         skip_first_batches(loaders, done)
-        samples = samples_in_epoch(done, loaders, trainer.world_size)
+        samples = samples_in_epoch(done, loaders, data_replicas(trainer))
         counted = f" ({samples} samples in all)" if samples is not None else ""
         rank_zero_info(f"Resuming mid-epoch: skipping the {done} batches{counted} epoch {trainer.current_epoch} used")
         # The uninterrupted run's next step drew from the RNGs as they were at the save: restored right before it.
@@ -291,20 +311,26 @@ def order_this_epoch(trainer: Any) -> None:
 
 
 def _continue_at_another_size(trainer: Any, loaders: list[Any], saved: dict[str, Any]) -> int:
-    """Resumed at another world size mid-epoch: each rank skips its share of the samples the epoch used."""
-    per_rank, why_not = samples_to_skip(saved, loaders, trainer.world_size)
-    before = saved_world_size(saved, loaders)
+    """Resumed with another number of data replicas mid-epoch: each rank skips its share of the samples used."""
+    replicas, before = data_replicas(trainer), saved_replicas(saved, loaders)
+    per_rank, why_not = samples_to_skip(saved, loaders, replicas)
     if per_rank is None:
-        rank_zero_warn(f"Resuming at world size {trainer.world_size} from {before} processes: not exact: {why_not}.")
+        rank_zero_warn(
+            f"Resuming with {replicas} data-parallel processes from {before}: not exact: {why_not}; the epoch's "
+            "share of each rank starts again."
+        )
+        set_batches_done(trainer, 0)
         return 0
     loader = resumable_loaders(loaders)[0]
-    skip_first_samples(loader, per_rank)
-    batches = per_rank // loader.batch_size
+    # Saved at the epoch's end (nothing left to skip): the epoch is as done at this size as it was at the other.
+    batches = per_rank // loader.batch_size if per_rank else int(trainer.num_training_batches)
     set_batches_done(trainer, batches)
-    rank_zero_info(
-        f"Resuming mid-epoch at world size {trainer.world_size} (saved by {before} processes): the epoch used "
-        f"{saved['samples']} samples; each rank starts after its {per_rank} ({batches} batches of this size)"
-    )
+    if per_rank:
+        skip_first_samples(loader, per_rank)
+        rank_zero_info(
+            f"Resuming mid-epoch with {replicas} data-parallel processes (saved by {before}): the epoch used "
+            f"{saved['samples']} samples; each rank starts after its {per_rank} ({batches} batches of this size)"
+        )
     return batches
 
 

@@ -24,6 +24,7 @@ from lightning_mlopt.checkpoint.resume import (
     ResumeChoice,
     ResumingStrategy,
     choose_checkpoint,
+    converted_for,
     load_rng,
     number_optimizer_states,
     position_in_epoch,
@@ -33,7 +34,7 @@ from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.checkpoint.settings import Resume
 from lightning_mlopt.checkpoint.store import CheckpointStore
-from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError
+from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, said_by_rank_zero
 
 
 class RemembersResume(Protocol):
@@ -89,13 +90,17 @@ class Resumption:
             if choice is not None and choice.manifest is not None:
                 saver.note_resumed(choice.manifest)
         choice = trainer.strategy.broadcast(choice) or ResumeChoice(None)
-        self.events.resumed_from, self.stays_final = choice.path, choice.stays_final
         if choice.refusal is not None:
             refused = BadInputError(choice.refusal)
             refused.said_elsewhere = not trainer.is_global_zero  # one decision, said once
             raise refused
         if choice.failure is not None:
             raise CheckpointWriteError(choice.failure)
+        path = choice.path
+        if choice.convert_from is not None:  # after the collective: a long conversion meets no timeout
+            with said_by_rank_zero(trainer.global_rank):
+                path = converted_for(choice, strategy, store.root, self.settings.trust_pickles, trainer.global_rank)
+        self.events.resumed_from, self.stays_final = path, choice.stays_final
 
     def preload(self, trainer: Any, after_setup: bool) -> None:
         """Load the chosen checkpoint now, if this is when the strategy can (sharded ones: once wrapped).

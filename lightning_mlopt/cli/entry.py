@@ -34,6 +34,7 @@ from lightning_mlopt.callbacks import (
     UnevenInputs,
 )
 from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error
+from lightning_mlopt.cli.ckpt_path import resolve_ckpt_path
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.cli.quiet import silence_known_noise
 from lightning_mlopt.cli.renamed_keys import RENAMED
@@ -46,7 +47,6 @@ from lightning_mlopt.cli.support import (
     describe_outputs,
     finished_run,
     poll_preemption_notices,
-    resolve_ckpt_path,
     unused_model_arguments,
     write_final_metrics,
 )

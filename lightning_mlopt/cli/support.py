@@ -10,7 +10,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import os
@@ -30,6 +29,7 @@ from lightning_mlopt.checkpoint.remote.object_store import store_url
 from lightning_mlopt.checkpoint.remote.tiers import checkpoint_folder
 from lightning_mlopt.checkpoint.settings import configured
 from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.cli.ckpt_path import imported_class, strategy_resumes
 from lightning_mlopt.demos import OPTIMIZER_DEFAULTS
 from lightning_mlopt.hooks import DescribesOutputs, RunTracker, callbacks_with, loggers_with
 from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, PreemptionNotices, start_polling
@@ -141,94 +141,6 @@ class RunFinished(Exception):
         rank_zero_info(str(self))
 
 
-def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
-    """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best: resolved and verified.
-
-    Sets ``config["ckpt_path"]`` to the file Lightning loads and returns how it was found (None: left as given).
-    Every pickle in it (our step folder whole, RNG files included) is checked before Lightning loads it.
-    """
-    from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
-    from lightning_mlopt.checkpoint.store import STATE_NAME
-    from lightning_mlopt.checkpoint.trust import check_trusted
-
-    value = config.get("ckpt_path")
-    if not value:
-        return None
-    checkpoint = config.get("checkpoint")
-    local_tier = configured(checkpoint, "tiers.local_dirpath")
-    own = checkpoint_folder(configured(checkpoint, "dirpath"), local_tier, run_dir)
-    path, described = resolve_checkpoint_path(str(value), own, mode=configured(checkpoint, "keep.mode", "min"))
-    target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
-    trust = bool(configured(checkpoint, "resume.trust_pickles"))
-    readable = _unreadable_layout(config, target.parent if target.name == STATE_NAME else target)
-    if target.exists():
-        check_trusted(target, trust)
-    if readable is not None and own is not None:
-        return _convert_for_this_strategy(config, target, readable, own, trust)
-    if described is not None:
-        config["ckpt_path"] = path
-    return described
-
-
-def _convert_for_this_strategy(config: Namespace, step_folder: Path, layout: Any, into: Path, trust: bool) -> str:
-    """``ckpt_path`` in a layout the strategy cannot load: its one-file copy in this run's ``converted/``."""
-    import os
-
-    from lightning_mlopt.checkpoint.conversion import converted_copy
-    from lightning_mlopt.checkpoint.store import STATE_NAME
-    from lightning_mlopt.exceptions import BadInputError
-
-    rank_zero = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
-    try:
-        copy, described = converted_copy(step_folder, into, layout, trust, is_rank_zero=rank_zero)
-    except BadInputError:
-        raise
-    except Exception as error:  # whatever the reader raised: one line, nothing written
-        first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        raise BadInputError(
-            f"ckpt_path: {step_folder} ({layout.name}) cannot be converted: {type(error).__name__}: {first_line}"
-        ) from None
-    config["ckpt_path"] = str(copy / STATE_NAME)
-    how = f"converted: {described}" if described else "converted before"
-    return f"{step_folder} is in {layout.name}; loading its one-file copy {copy} ({how})"
-
-
-def _unreadable_layout(config: Namespace, step_folder: Path) -> Any:
-    """The layout of ``step_folder`` (one of ours) when the strategy loads it only once converted; else None.
-
-    Raises:
-        BadInputError: a layout the strategy cannot load even converted (Lightning would fail deep in its
-            restore: DDP opening DCP's folder, ``IsADirectoryError``; DeepSpeed another world size).
-
-    """
-    from lightning_mlopt.checkpoint.layout import ONE_FILE, ZERO_PARTITIONS, can_resume, layout_of_manifest
-    from lightning_mlopt.exceptions import BadInputError
-    from lightning_mlopt.planning.auto import world_size_of
-    from lightning_mlopt.strategies import LAYOUTS, layout_named
-
-    try:
-        manifest = Manifest.from_json((step_folder / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None  # not one of our step folders: Lightning reads it as it is
-    current = _configured_layout(config.as_dict().get("trainer") or {})
-    layout = layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values())
-    if current is None:
-        return None
-    world_size = world_size_of(config.as_dict().get("trainer") or {})
-    other_size = layout == current.name == ZERO_PARTITIONS and manifest.world_size != world_size
-    if can_resume(layout, current) and not other_size:  # DeepSpeed reads its partitions at their own size only
-        return None
-    source = layout_named(layout)
-    if can_resume(ONE_FILE, current) and source.consolidate is not None:
-        return source
-    raise BadInputError(
-        f"ckpt_path: {step_folder} was written by {manifest.strategy} as {layout}, which the configured "
-        "trainer.strategy cannot load: DeepSpeed resumes only its own partitions at the same world size. Resume it "
-        "with ddp, fsdp or tp (any world size; converted as it loads), or turn it into one Lightning file of "
-        f"weights with `python -m lightning_mlopt checkpoint consolidate {step_folder} <out.ckpt>`."
-    )
-
-
 def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
     """Why a ``fit`` of this config would not train, before any Trainer, logger or log folder exists; or None.
 
@@ -253,7 +165,7 @@ def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
         manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
-    if not manifest.final or not _strategy_resumes(config.get("trainer") or {}, manifest):
+    if not manifest.final or not strategy_resumes(config.get("trainer") or {}, manifest):
         return None  # a strategy that cannot resume it is refused by FaultTolerantCheckpoint, in one line
     if not store.inspect(step, path).valid:
         return None  # FaultTolerantCheckpoint falls back to an older checkpoint, and trains on from it
@@ -262,41 +174,6 @@ def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
         "logged, no log folder is made). To train on (e.g. with a larger max_steps), set checkpoint.resume.final: "
         "true."
     )
-
-
-def _strategy_resumes(trainer: dict[str, Any], manifest: Manifest) -> bool:
-    """Whether the configured strategy (a registered name or a class_path) can resume ``manifest``'s layout.
-
-    True when the strategy's class cannot be told here (Lightning's own names): FaultTolerantCheckpoint judges.
-    """
-    from lightning_mlopt.checkpoint.layout import can_resume, layout_of_manifest
-    from lightning_mlopt.strategies import LAYOUTS
-
-    layout = _configured_layout(trainer)
-    if layout is None:
-        return True
-    return can_resume(layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values()), layout)
-
-
-# Lightning's own strategy names whose checkpoints are one file (a single device, DDP and its variants).
-_ONE_FILE_NAMES = ("auto", "single_device", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
-
-
-def _configured_layout(trainer: dict[str, Any]) -> Any:
-    """The checkpoint layout of the configured strategy (ours, or Lightning's one-file ones); None if unknown."""
-    from lightning_mlopt.checkpoint.layout import ONE_FILE
-    from lightning_mlopt.strategies import STRATEGIES, layout_named
-    from lightning_mlopt.strategies.spec import REGISTRY_PREFIX
-
-    strategy = trainer.get("strategy", "auto")
-    if isinstance(strategy, str) and strategy.startswith(REGISTRY_PREFIX):
-        strategy_class: Any = STRATEGIES.get(strategy.removeprefix(REGISTRY_PREFIX), (None,))[0]
-    elif isinstance(strategy, str):
-        return layout_named(ONE_FILE) if strategy in _ONE_FILE_NAMES else None
-    else:
-        strategy_class = _imported_class(strategy.get("class_path")) if isinstance(strategy, dict) else None
-    layout = getattr(strategy_class, "checkpoint_layout", None)
-    return layout_named(layout) if isinstance(layout, str) else None
 
 
 def default_optimizer_replaced(section: Namespace) -> type[LightningModule] | None:
@@ -337,20 +214,8 @@ def unused_model_arguments(section: Namespace, model_class: type[LightningModule
 
 def _class_of(value: Any) -> type[LightningModule] | None:
     class_path = value.get("class_path") if isinstance(value, (Namespace, dict)) else None
-    found = _imported_class(class_path)
+    found = imported_class(class_path)
     return found if found is not None and issubclass(found, LightningModule) else None
-
-
-def _imported_class(class_path: Any) -> type | None:
-    """The class a ``class_path`` names, or None when it does not import (the parser reports that)."""
-    if not isinstance(class_path, str) or "." not in class_path:
-        return None
-    module, _, name = class_path.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-    return found if isinstance(found, type) else None
 
 
 class MeasuredModelSummary(ModelSummary):

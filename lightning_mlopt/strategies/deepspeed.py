@@ -29,7 +29,6 @@ from lightning_mlopt._compat import (
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE, ZERO_PARTITIONS, CheckpointLayout
 from lightning_mlopt.checkpoint.manifest import FileEntry
-from lightning_mlopt.exceptions import said_by_rank_zero
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
@@ -199,6 +198,12 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
         zero3_step_starts_at_the_outermost_forward(engine)  # ZeRO-3: self(x) in training_step keeps the trace
         return engine, ds_optimizer
 
+    def loads_own_checkpoint(self, state: Path, saved_world_size: int) -> bool:
+        """Whether DeepSpeed loads this ZeRO checkpoint as it is (same world size and stage family); else converted."""
+        from lightning_mlopt.strategies.zero_checkpoint import loads_as_it_is_under_zero
+
+        return loads_as_it_is_under_zero(state, saved_world_size, self.world_size, self.zero_stage)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """DeepSpeed's save, with every file fsynced before this returns (the commit that follows relies on it)."""
@@ -238,8 +243,10 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if Path(self.broadcast(str(checkpoint_path))).is_file():
-            return self._load_full_file(Path(checkpoint_path), trust_pickles=weights_only is False)
+        if Path(self.broadcast(str(checkpoint_path))).is_file():  # one file (DDP's, a conversion's): any world size
+            from lightning_mlopt.strategies.zero_checkpoint import load_full_file
+
+            return load_full_file(self, Path(checkpoint_path), trust_pickles=weights_only is False)
         if self._evaluating() and self.zero_stage_3 and Path(checkpoint_path).is_dir():
             # DeepSpeed cannot load a ZeRO-3 checkpoint into the engine validate/test/predict build (it calls
             # the optimizer's _restore_from_bit16_weights, which that engine's ZeRO-3 offload object lacks).
@@ -250,25 +257,6 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
             check_trusted(Path(checkpoint_path), trust_pickles=False)
             return self.consolidate_checkpoint(Path(checkpoint_path))
         return super().load_checkpoint(checkpoint_path, weights_only)
-
-    def _load_full_file(self, path: Path, trust_pickles: bool) -> dict[str, Any]:
-        """One full file (DDP's, a conversion's) loaded into the partitions: weights, and when fitting, optimizer.
-
-        What lets any checkpoint resume under ZeRO at any world size (``checkpoint/conversion.py``).
-        """
-        from lightning_mlopt.checkpoint.serialization import load_file
-        from lightning_mlopt.strategies.zero_checkpoint import load_full_into_zero
-
-        assert self.lightning_module is not None
-        checkpoint = load_file(path, trust_pickles, mmap=True)
-        strict = self.lightning_module.strict_loading
-        if self.zero_stage_3:
-            restore_zero_state(self, checkpoint, strict=strict)  # gathers each partition, loads, re-shards
-        else:
-            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        with said_by_rank_zero(self.global_rank):
-            load_full_into_zero(self.deepspeed_engine, checkpoint, with_optimizer=not self._evaluating())
-        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -347,6 +335,12 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
                 block["enabled"] = enabled
             elif isinstance(block, dict) and not enabled:
                 block["enabled"] = False
+
+
+def zero_stage_of(preset: str, config: Mapping[str, Any] | None = None) -> int:
+    """The ZeRO stage a preset with ``config`` merged over it runs (what the CLI knows before building anything)."""
+    block = merge_config(PRESETS.get(preset, PRESETS["zero2"]), config or {})
+    return int(block.get("zero_optimization", {}).get("stage", 0))
 
 
 def _clear_stale_build_locks() -> None:

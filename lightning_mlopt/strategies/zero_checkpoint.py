@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_mlopt._compat import link_zero_optimizer_state, zero_optimizer_parts
+from lightning_mlopt._compat import link_zero_optimizer_state, restore_zero_state, zero_optimizer_parts
 from lightning_mlopt.checkpoint.optimizer_keys import keyed_by_name
-from lightning_mlopt.exceptions import BadInputError, CheckpointInvalidError
+from lightning_mlopt.checkpoint.serialization import load_file
+from lightning_mlopt.exceptions import BadInputError, CheckpointInvalidError, said_by_rank_zero
 
 # What DeepSpeed itself keeps in the model-states file (Lightning's own state is everything else).
 _DEEPSPEED_KEYS = frozenset(
@@ -70,16 +72,14 @@ def read_zero_checkpoint(state: Path) -> dict[str, Any]:
     models = [_load(path) for path in (model_files if stage == 3 else model_files[:1])]
     shapes: list[Mapping[str, torch.Size]] = models[0]["param_shapes"]
     base = [shard["optimizer_state_dict" if stage == 3 else "base_optimizer_state"] for shard in shards]
-    if len(base[0]["param_groups"]) != len(shapes):
-        raise CheckpointInvalidError(
-            f"{folder}: {len(base[0]['param_groups'])} optimizer sub-groups for {len(shapes)} parameter groups "
-            "(ZeRO-3 sub_group_size smaller than a group is not converted; consolidate gives the weights)"
-        )
     merge = _merge_stage3 if stage == 3 else _merge_stage12
     fp32 = [shard["fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"] for shard in shards]
     paddings = shards[0].get("param_alignment_paddings")
     weights = merge(fp32, shapes, world, paddings)
-    state_dict = _buffers(models[0]) | _frozen(models, stage) | weights
+    # Stages 1 and 2 keep every weight whole in the model file too (16-bit under mixed precision): the frozen
+    # ones come from there (ZeRO-1 saves no fragments of them); the trained ones from the fp32 partitions.
+    whole = {} if stage == 3 else {k: v for k, v in models[0]["module"].items() if k not in weights}
+    state_dict = whole | _buffers(models[0]) | _frozen(models, stage) | weights
     for alias, source in models[0].get("shared_params", {}).items():
         state_dict[alias] = state_dict[source]
     full = {key: value for key, value in models[0].items() if key not in _DEEPSPEED_KEYS}
@@ -88,31 +88,52 @@ def read_zero_checkpoint(state: Path) -> dict[str, Any]:
     return full
 
 
+def loads_as_it_is_under_zero(state: Path, saved_world_size: int, world_size: int, stage: int) -> bool:
+    """Whether DeepSpeed loads the ZeRO folder ``state`` as it is: the same world size, and the same file family.
+
+    Stage 3 names its files per rank (``zero_pp_rank_<r>_mp_rank_00_model_states.pt``), stages 1 and 2 keep one
+    ``mp_rank_00_model_states.pt`` (and read each other's); across that line, or at another world size, the
+    checkpoint is converted.
+    """
+    try:
+        folder = _tag_folder(state)
+    except CheckpointInvalidError:
+        return True  # not a ZeRO folder DeepSpeed could read either: its own load says why
+    saved_stage3 = any(folder.glob("zero_pp_rank_*_model_states.pt"))
+    return saved_world_size == world_size and saved_stage3 == (stage == 3)
+
+
 def _optimizer_by_name(
     base: Sequence[Mapping[str, Any]], shapes: Sequence[Mapping[str, torch.Size]], world: int, paddings: Any, merge: Any
 ) -> dict[str, Any]:
-    """The base optimizer's state, gathered per parameter and keyed by name; its groups' settings kept."""
-    groups_state = base[0]["state"]
-    per_element = sorted(
-        key
-        for key, value in (groups_state.get(0) or {}).items()
-        if isinstance(value, torch.Tensor) and value.dim() == 1 and key != "step"
-    )
+    """The base optimizer's state, gathered per parameter and keyed by name; its groups' settings kept.
+
+    The base optimizer steps one flat partition per sub-group (``shapes`` holds each one's parameters, in
+    order); each of its groups lists its sub-groups (one per group in stages 1 and 2, several in stage 3 when
+    ``sub_group_size`` splits a group).
+    """
+    per_partition = base[0]["state"]
+    if per_partition and sorted(per_partition) != list(range(len(shapes))):
+        raise CheckpointInvalidError(f"optimizer state for partitions {sorted(per_partition)} of {len(shapes)}")
+    first = per_partition.get(0) or {}
+    per_element = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() == 1 and k != "step")
     gathered = {
-        key: merge([[rank["state"][group][key] for group in sorted(rank["state"])] for rank in base], shapes, world,
-                   paddings)
+        key: merge([[rank["state"][i][key] for i in range(len(shapes))] for rank in base], shapes, world, paddings)
         for key in per_element
-    }  # fmt: skip
+    }
     state: dict[str, dict[str, Any]] = {}
     groups = []
-    for number, (settings, names) in enumerate(zip(base[0]["param_groups"], shapes, strict=True)):
-        scalars = {k: v for k, v in (groups_state.get(number) or {}).items() if k not in per_element}
-        for name in names:
-            state[_without_prefix(name)] = {
-                **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()},
-                **{key: gathered[key][name] for key in per_element},
-            }
-        groups.append({**settings, "params": [_without_prefix(name) for name in names]})
+    for settings in base[0]["param_groups"]:
+        names = []
+        for partition in settings["params"]:
+            scalars = {k: v for k, v in (per_partition.get(partition) or {}).items() if k not in per_element}
+            for name in shapes[partition]:
+                names.append(_without_prefix(name))
+                if per_partition:
+                    state[names[-1]] = {k: _copy(v) for k, v in scalars.items()} | {
+                        key: gathered[key][name] for key in per_element
+                    }
+        groups.append({**settings, "params": names})
     return {"state": state, "param_groups": groups}
 
 
@@ -206,7 +227,25 @@ def _without_prefix(name: str) -> str:
     return name[len(prefix) :] if name.startswith(prefix) else name
 
 
-def load_full_into_zero(engine: Any, checkpoint: Mapping[str, Any], with_optimizer: bool) -> None:
+def load_full_file(strategy: Any, path: Path, trust_pickles: bool) -> dict[str, Any]:
+    """One full file (DDP's, a conversion's) loaded into a DeepSpeed strategy: weights, optimizer when fitting.
+
+    Returns the dict, for Lightning's restore of the rest. What lets any checkpoint resume under ZeRO at any
+    world size (``checkpoint/conversion.py``).
+    """
+    module = strategy.lightning_module
+    checkpoint = load_file(path, trust_pickles, mmap=True)
+    if strategy.zero_stage_3:
+        restore_zero_state(strategy, checkpoint, strict=module.strict_loading)  # gathered, loaded, re-sharded
+    else:
+        module.load_state_dict(checkpoint["state_dict"], strict=module.strict_loading)
+    if module.trainer.state.fn == TrainerFn.FITTING:  # evaluation builds an engine without a ZeRO optimizer
+        with said_by_rank_zero(strategy.global_rank):
+            load_full_into_zero(strategy.deepspeed_engine, checkpoint)
+    return checkpoint
+
+
+def load_full_into_zero(engine: Any, checkpoint: Mapping[str, Any]) -> None:
     """Load a full checkpoint's fp32 weights and optimizer state into a ZeRO engine's partitions (any stage, size).
 
     Each rank keeps its own slice, through DeepSpeed's public ``safe_set_full_fp32_param`` and
@@ -228,7 +267,7 @@ def load_full_into_zero(engine: Any, checkpoint: Mapping[str, Any], with_optimiz
     for name in (name for group in live for name in group):
         safe_set_full_fp32_param(parameters[name], weights[name].detach().float())
     saved = list(checkpoint.get("optimizer_states") or [])
-    if not (with_optimizer and saved):
+    if not saved:
         return
     named = keyed_by_name(saved[0], live)
     for name, state in named["state"].items():
@@ -250,7 +289,7 @@ def load_full_into_zero(engine: Any, checkpoint: Mapping[str, Any], with_optimiz
         flats, named["param_groups"], base.param_groups, live, strict=True
     ):
         group.update({key: value for key, value in settings.items() if key != "params"})
-        first = named["state"].get(names_in_group[0]) if names_in_group else None
+        first = next((named["state"][name] for name in names_in_group if name in named["state"]), None)
         if first is not None:  # else a group that had not stepped when saved
             base.state[flat] = {
                 key: torch.zeros_like(flat) if _per_element(value) else _copy(value) for key, value in first.items()

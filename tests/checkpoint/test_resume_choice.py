@@ -13,7 +13,8 @@ import torch
 from lightning_mlopt.checkpoint import CheckpointStore, Manifest
 from lightning_mlopt.checkpoint.layout import DCP_SHARDS, ONE_FILE, ZERO_PARTITIONS
 from lightning_mlopt.checkpoint.manifest import describe_files
-from lightning_mlopt.checkpoint.resume import ResumingStrategy, choose_checkpoint
+from lightning_mlopt.checkpoint.resume import ResumingStrategy, choose_checkpoint, converted_for
+from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies import LAYOUTS
 
 KNOWN = tuple(LAYOUTS.values())
@@ -93,25 +94,28 @@ def test_a_layout_the_strategy_cannot_read_is_refused_in_one_line(
     assert path.exists()  # refused, never touched
 
 
-def test_zero_partitions_load_as_they_are_at_their_own_world_size_only(tmp_path: Path) -> None:
+def test_zero_partitions_load_as_they_are_only_where_deepspeed_reads_them(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "checkpoints")
     path = _commit(store, 10, layout=ZERO_PARTITIONS, strategy="DeepSpeedStrategy")  # world size 2
-    zero_on_two = ResumingStrategy("DeepSpeedStrategy", LAYOUTS[ZERO_PARTITIONS], KNOWN, world_size=2)
-    assert choose_checkpoint(store, zero_on_two, False, False).path == path  # type: ignore[union-attr]
-    # At another size DeepSpeed cannot load them: a conversion is tried (this stand-in is no real ZeRO folder).
-    zero_on_one = ResumingStrategy("DeepSpeedStrategy", LAYOUTS[ZERO_PARTITIONS], KNOWN, world_size=1)
-    choice = choose_checkpoint(store, zero_on_one, False, False)
-    assert choice is not None and choice.path is None
-    assert (choice.refusal or "").startswith(f"cannot convert {path} (ZeRO partitions) for DeepSpeedStrategy: ")
+    on_two = ResumingStrategy("DeepSpeedStrategy", LAYOUTS[ZERO_PARTITIONS], KNOWN, lambda _, saved: saved == 2)
+    chosen = choose_checkpoint(store, on_two, False, False)
+    assert chosen is not None and chosen.path == path and chosen.convert_from is None
+    # Another world size (or stage family): converted on every rank after the choice is shared.
+    on_one = ResumingStrategy("DeepSpeedStrategy", LAYOUTS[ZERO_PARTITIONS], KNOWN, lambda _, saved: saved == 1)
+    chosen = choose_checkpoint(store, on_one, False, False)
+    assert chosen is not None and chosen.path == path and chosen.convert_from == ZERO_PARTITIONS
 
 
 def test_a_checkpoint_that_cannot_be_converted_is_refused_in_one_line_and_left_alone(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "checkpoints")
     path = _commit(store, 10, layout=ZERO_PARTITIONS, strategy="DeepSpeedStrategy")  # a file, not ZeRO's folder
     choice = choose_checkpoint(store, DDP, False, False)
-    assert choice is not None and choice.path is None and choice.refusal is not None
-    assert choice.refusal.startswith(f"cannot convert {path} (ZeRO partitions) for DDPStrategy: ")
-    assert "\n" not in choice.refusal and path.exists() and not (store.root / "converted" / path.name).exists()
+    assert choice is not None and choice.path == path and choice.convert_from == ZERO_PARTITIONS
+    with pytest.raises(BadInputError) as refused:
+        converted_for(choice, DDP, store.root, trust_pickles=False)
+    message = str(refused.value)
+    assert message.startswith(f"cannot convert {path} (ZeRO partitions) for DDPStrategy: ") and "\n" not in message
+    assert path.exists() and not (store.root / "converted" / path.name).exists()
 
 
 def test_a_checkpoint_naming_an_unknown_type_is_refused_unless_trusted(tmp_path: Path) -> None:

@@ -1,0 +1,177 @@
+"""What ``--ckpt_path`` names, made loadable before any Trainer exists: resolved, verified, converted or refused.
+
+``ckpt_path`` may name our step folders, checkpoints folders and run folders (``checkpoint/locate.py``); a
+checkpoint the configured strategy cannot load as it is (ZeRO partitions under FSDP, DCP shards under DDP, ZeRO
+at another world size) is converted once into this run's ``checkpoints/converted/``; one that no strategy of
+ours reads is refused in one line (exit 2), nothing written.
+
+Example::
+
+    described = resolve_ckpt_path(config, run_dir)  # config["ckpt_path"] now names the file Lightning loads
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import Namespace
+
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
+from lightning_mlopt.checkpoint.remote.tiers import checkpoint_folder
+from lightning_mlopt.checkpoint.settings import configured
+
+
+def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
+    """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best: resolved and verified.
+
+    Sets ``config["ckpt_path"]`` to the file Lightning loads and returns how it was found (None: left as given).
+    Every pickle in it (our step folder whole, RNG files included) is checked before Lightning loads it.
+    """
+    from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
+    from lightning_mlopt.checkpoint.store import STATE_NAME
+    from lightning_mlopt.checkpoint.trust import check_trusted
+
+    value = config.get("ckpt_path")
+    if not value:
+        return None
+    checkpoint = config.get("checkpoint")
+    local_tier = configured(checkpoint, "tiers.local_dirpath")
+    own = checkpoint_folder(configured(checkpoint, "dirpath"), local_tier, run_dir)
+    path, described = resolve_checkpoint_path(str(value), own, mode=configured(checkpoint, "keep.mode", "min"))
+    target = Path(path).parent if described is not None and Path(path).name == STATE_NAME else Path(path)
+    trust = bool(configured(checkpoint, "resume.trust_pickles"))
+    readable = _unreadable_layout(config, target.parent if target.name == STATE_NAME else target)
+    if target.exists():
+        check_trusted(target, trust)
+    if readable is not None and own is not None:
+        return _convert_for_this_strategy(config, target, readable, own, trust)
+    if described is not None:
+        config["ckpt_path"] = path
+    return described
+
+
+def _convert_for_this_strategy(config: Namespace, step_folder: Path, layout: Any, into: Path, trust: bool) -> str:
+    """``ckpt_path`` in a layout the strategy cannot load: its one-file copy in this run's ``converted/``."""
+    from lightning_mlopt.checkpoint.conversion import converted_copy
+    from lightning_mlopt.checkpoint.store import STATE_NAME
+    from lightning_mlopt.exceptions import BadInputError
+
+    try:
+        copy, described = converted_copy(step_folder, into, layout, trust)
+    except BadInputError:
+        raise
+    except Exception as error:  # whatever the reader raised: one line, nothing written
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        raise BadInputError(
+            f"ckpt_path: {step_folder} ({layout.name}) cannot be converted: {type(error).__name__}: {first_line}"
+        ) from None
+    config["ckpt_path"] = str(copy / STATE_NAME)
+    how = f"converted: {described}" if described else "converted before"
+    return f"{step_folder} is in {layout.name}; loading its one-file copy {copy} ({how})"
+
+
+def _unreadable_layout(config: Namespace, step_folder: Path) -> Any:
+    """The layout of ``step_folder`` (one of ours) when the strategy loads it only once converted; else None.
+
+    Raises:
+        BadInputError: a layout the strategy cannot load even converted (Lightning would fail deep in its
+            restore: DDP opening DCP's folder, ``IsADirectoryError``; DeepSpeed another world size).
+
+    """
+    from lightning_mlopt.checkpoint.layout import ONE_FILE, ZERO_PARTITIONS, can_resume, layout_of_manifest
+    from lightning_mlopt.checkpoint.store import STATE_NAME
+    from lightning_mlopt.exceptions import BadInputError
+    from lightning_mlopt.planning.auto import world_size_of
+    from lightning_mlopt.strategies import LAYOUTS, layout_named
+    from lightning_mlopt.strategies.zero_checkpoint import loads_as_it_is_under_zero
+
+    try:
+        manifest = Manifest.from_json((step_folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None  # not one of our step folders: Lightning reads it as it is
+    current = _configured_layout(config.as_dict().get("trainer") or {})
+    layout = layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values())
+    if current is None:
+        return None
+    trainer = config.as_dict().get("trainer") or {}
+    if layout == current.name == ZERO_PARTITIONS:  # DeepSpeed reads its own at their size and stage family only
+        stage = _configured_zero_stage(trainer)
+        state = step_folder / STATE_NAME
+        if stage is None or loads_as_it_is_under_zero(state, manifest.world_size, world_size_of(trainer), stage):
+            return None
+    elif can_resume(layout, current):
+        return None
+    source = layout_named(layout)
+    if can_resume(ONE_FILE, current) and source.consolidate is not None:
+        return source
+    raise BadInputError(
+        f"ckpt_path: {step_folder} was written by {manifest.strategy} as {layout}, which the configured "
+        "trainer.strategy cannot load: DeepSpeed resumes only its own partitions at the same world size. Resume it "
+        "with ddp, fsdp or tp (any world size; converted as it loads), or turn it into one Lightning file of "
+        f"weights with `python -m lightning_mlopt checkpoint consolidate {step_folder} <out.ckpt>`."
+    )
+
+
+def strategy_resumes(trainer: dict[str, Any], manifest: Manifest) -> bool:
+    """Whether the configured strategy (a registered name or a class_path) can resume ``manifest``'s layout.
+
+    True when the strategy's class cannot be told here (Lightning's own names): FaultTolerantCheckpoint judges.
+    """
+    from lightning_mlopt.checkpoint.layout import can_resume, layout_of_manifest
+    from lightning_mlopt.strategies import LAYOUTS
+
+    layout = _configured_layout(trainer)
+    if layout is None:
+        return True
+    return can_resume(layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values()), layout)
+
+
+def _configured_zero_stage(trainer: dict[str, Any]) -> int | None:
+    """The ZeRO stage of the configured DeepSpeed strategy (ours, by name or class_path); None if unknown."""
+    from lightning_mlopt.strategies import STRATEGIES
+    from lightning_mlopt.strategies.deepspeed import zero_stage_of
+    from lightning_mlopt.strategies.spec import REGISTRY_PREFIX
+
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, str) and strategy.startswith(REGISTRY_PREFIX):
+        arguments = STRATEGIES.get(strategy.removeprefix(REGISTRY_PREFIX), (None, {}))[1]
+    elif isinstance(strategy, dict):
+        arguments = strategy.get("init_args") or {}
+    else:
+        return None
+    return zero_stage_of(str(arguments.get("preset", "zero2")), arguments.get("config"))
+
+
+# Lightning's own strategy names whose checkpoints are one file (a single device, DDP and its variants).
+_ONE_FILE_NAMES = ("auto", "single_device", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
+
+
+def _configured_layout(trainer: dict[str, Any]) -> Any:
+    """The checkpoint layout of the configured strategy (ours, or Lightning's one-file ones); None if unknown."""
+    from lightning_mlopt.checkpoint.layout import ONE_FILE
+    from lightning_mlopt.strategies import STRATEGIES, layout_named
+    from lightning_mlopt.strategies.spec import REGISTRY_PREFIX
+
+    strategy = trainer.get("strategy", "auto")
+    if isinstance(strategy, str) and strategy.startswith(REGISTRY_PREFIX):
+        strategy_class: Any = STRATEGIES.get(strategy.removeprefix(REGISTRY_PREFIX), (None,))[0]
+    elif isinstance(strategy, str):
+        return layout_named(ONE_FILE) if strategy in _ONE_FILE_NAMES else None
+    else:
+        strategy_class = imported_class(strategy.get("class_path")) if isinstance(strategy, dict) else None
+    layout = getattr(strategy_class, "checkpoint_layout", None)
+    return layout_named(layout) if isinstance(layout, str) else None
+
+
+def imported_class(class_path: Any) -> type | None:
+    """The class a ``class_path`` names, or None when it does not import (the parser reports that)."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return found if isinstance(found, type) else None
