@@ -92,8 +92,19 @@ def test_zero2_on_two_processes_resumes_as_zero2_on_one_by_auto_resume(zero2_sou
     _assert_same_moments(tmp / "zero2_on_one" / "optimizer-step2.pt", tmp / "zero2" / "optimizer-step2.pt")
 
 
+def test_zero2_resumes_as_zero3_at_the_same_world_size(zero2_source: Path):
+    # DeepSpeed names stage 3's files per rank and stages 1/2's once: across that line it cannot load them itself.
+    tmp = zero2_source
+    said = _fit(tmp, "zero3_from_zero2", "zero3", 2, 3, f"--ckpt_path={_step(tmp, 'zero2', 2)}", dump=(2,))
+    assert "is in ZeRO partitions; loading its one-file copy" in said, said[-3000:]
+    _assert_same_moments(tmp / "zero3_from_zero2" / "optimizer-step2.pt", tmp / "zero2" / "optimizer-step2.pt")
+    assert _losses(tmp, "zero3_from_zero2") == pytest.approx(_losses(tmp, "zero2")[2:3], abs=1e-5)
+
+
 def test_zero3_on_two_resumes_as_ddp_on_one_and_ddp_under_zero3_and_fsdp(tmp_path: Path):
-    _fit(tmp_path, "zero3", "zero3", 2, 2, dump=(2,))
+    # The ZeRO-3 source splits each parameter group into partitions of 100k elements (sub_group_size): 5 of them.
+    sub_groups = '--trainer.strategy.init_args.config={"zero_optimization": {"sub_group_size": 100000}}'
+    _fit(tmp_path, "zero3", "zero3", 2, 2, sub_groups, dump=(2,))
     _fit(tmp_path, "ddp", "ddp", 1, 5, f"--ckpt_path={_step(tmp_path, 'zero3', 2)}", dump=(2, 4))
     _assert_same_moments(tmp_path / "ddp" / "optimizer-step2.pt", tmp_path / "zero3" / "optimizer-step2.pt")
     # DDP's one file under ZeRO-3 on two processes: loaded into the partitions as it is, no conversion.
