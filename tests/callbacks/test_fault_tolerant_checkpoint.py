@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -401,7 +402,7 @@ def test_a_run_whose_final_save_was_lost_is_marked_final_on_relaunch(tmp_path, m
 
 
 @pytest.mark.multiprocess
-def test_resuming_a_ddp_run_under_zero2_is_refused_in_one_line_and_writes_nothing(tmp_path):
+def test_a_ddp_run_relaunched_under_zero2_trains_on_and_a_layout_none_reads_is_refused_once(tmp_path):
     run_dir = tmp_path / "run"
 
     def command(strategy: str, steps: int) -> list[str]:
@@ -417,18 +418,30 @@ def test_resuming_a_ddp_run_under_zero2_is_refused_in_one_line_and_writes_nothin
             f"--trainer.max_steps={steps}",
             "--trainer.limit_val_batches=0",
             "--trainer.logger=false",
+            "--checkpoint.resume.final=true",
             f"--run_dir={run_dir}",
         ]
 
     first = _run(command("ddp", 2), tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    # DDP's one file loads into ZeRO's partitions as it is (at any world size): the run trains on.
     switched = _run(command("zero2", 4), tmp_path)
-    assert switched.returncode == 2, switched.stderr[-3000:]
-    errors = [line for line in switched.stderr.splitlines() if line.startswith("error:")]
-    assert errors and "written by DDPStrategy: one file) with DeepSpeedStrategy (ZeRO partitions)" in errors[0]
-    assert "from DDP to FSDP" in errors[0] and "Traceback" not in switched.stderr
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert switched.returncode == 0, switched.stderr[-3000:]
+    assert f"Auto-resuming from {run_dir / 'checkpoints' / 'step-000000002'}" in switched.stdout + switched.stderr
+    newest = CheckpointStore(run_dir / "checkpoints").newest_valid()
+    assert newest is not None and newest.step == 4 and newest.manifest.layout == "ZeRO partitions"
+
+    # A checkpoint in a layout none of our strategies reads: refused in one line, said once for both ranks.
+    manifest_path = newest.path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "layout": "the format of OwnFormat"}))
+    before = sorted(str(p) for p in (run_dir / "checkpoints").rglob("*"))
+    refused = _run(command("ddp", 6), tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "(written by DeepSpeedStrategy on 2 processes: the format of OwnFormat)" in errors[0]
+    assert "Traceback" not in refused.stderr
+    assert sorted(str(p) for p in (run_dir / "checkpoints").rglob("*")) == before
 
 
 def _signalled_quickstart(tmp_path: Path, grace_s: float, save_s: float) -> tuple[int, str]:

@@ -80,7 +80,7 @@ def test_the_quickstart_killed_at_a_random_instant_mid_epoch_resumes_bitwise(tmp
         "seed": 1234,
         "batches_per_rank": 18,
         "samples": 18 * 64,
-        "world_size": 1,
+        "replicas": 1,
     }
     actual = torch.load(run_dir / "record" / "params.pt")
     differ = [name for name in expected if not torch.equal(actual[name], expected[name])]
