@@ -92,10 +92,11 @@ def test_zero2_on_two_processes_resumes_as_zero2_on_one_by_auto_resume(zero2_sou
     _assert_same_moments(tmp / "zero2_on_one" / "optimizer-step2.pt", tmp / "zero2" / "optimizer-step2.pt")
 
 
-def test_zero2_resumes_as_zero3_at_the_same_world_size(zero2_source: Path):
+def test_zero2_resumes_as_zero3_with_offload_at_the_same_world_size(zero2_source: Path):
     # DeepSpeed names stage 3's files per rank and stages 1/2's once: across that line it cannot load them itself.
+    # Offloaded (parameters and optimizer state in CPU memory), the partitions are filled the same way.
     tmp = zero2_source
-    said = _fit(tmp, "zero3_from_zero2", "zero3", 2, 3, f"--ckpt_path={_step(tmp, 'zero2', 2)}", dump=(2,))
+    said = _fit(tmp, "zero3_from_zero2", "zero3_offload", 2, 3, f"--ckpt_path={_step(tmp, 'zero2', 2)}", dump=(2,))
     assert "is in ZeRO partitions; loading its one-file copy" in said, said[-3000:]
     _assert_same_moments(tmp / "zero3_from_zero2" / "optimizer-step2.pt", tmp / "zero2" / "optimizer-step2.pt")
     assert _losses(tmp, "zero3_from_zero2") == pytest.approx(_losses(tmp, "zero2")[2:3], abs=1e-5)
