@@ -29,6 +29,17 @@ class BadInputError(ValueError):
     said_elsewhere = False
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message, at most ``limit`` characters: what a one-line report quotes.
+
+    Example::
+
+        >>> first_line(OSError("No space left on device"), limit=8)
+        'No space'
+    """
+    return (str(error).strip().splitlines() or [""])[0][:limit]
+
+
 @contextlib.contextmanager
 def said_by_rank_zero(rank: int) -> Iterator[None]:
     """Within it, a :class:`BadInputError` every rank raises alike (the same file, the same check) is said once.

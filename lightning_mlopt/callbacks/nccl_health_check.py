@@ -25,7 +25,7 @@ from lightning_mlopt.distributed.bandwidth import Bandwidth, probe_all_reduce
 from lightning_mlopt.distributed.elastic import restart_store_warning
 from lightning_mlopt.distributed.fingerprint import collect_fingerprint, fingerprint_mismatches
 from lightning_mlopt.distributed.peer_loss import is_peer_loss
-from lightning_mlopt.exceptions import HealthCheckError
+from lightning_mlopt.exceptions import HealthCheckError, first_line
 from lightning_mlopt.hooks import DescribesOutputs, describe_hang
 from lightning_mlopt.process import phase
 from lightning_mlopt.process.watchdog import HangWatchdog
@@ -325,8 +325,8 @@ class NCCLHealthCheck(PhaseMarkers, DescribesOutputs):
             if is_peer_loss(exception):
                 # The rank that hung exited first (its watchdog fired) and this one's collective failed a moment
                 # before its own watchdog would have: end the same way, as a hang, dump and status, not status 1.
-                first_line = str(exception).strip().splitlines()[0][:200] if str(exception).strip() else ""
-                self._watchdog.exit_if_stuck(f"a collective failed because a peer left ({first_line})")
+                left = first_line(exception, 200)
+                self._watchdog.exit_if_stuck(f"a collective failed because a peer left ({left})")
         except Exception as error:  # an exit path: a dump that cannot be written must not hide the exception
             rank_zero_warn(f"NCCLHealthCheck: could not write the hang dump: {error!r}")
         finally:

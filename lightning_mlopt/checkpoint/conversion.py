@@ -36,7 +36,7 @@ from lightning_mlopt.checkpoint.manifest import (
 )
 from lightning_mlopt.checkpoint.serialization import save_file
 from lightning_mlopt.checkpoint.store import STATE_NAME
-from lightning_mlopt.exceptions import BadInputError, CheckpointInvalidError
+from lightning_mlopt.exceptions import BadInputError, CheckpointInvalidError, first_line
 
 CONVERTED_DIR = "converted"  # <checkpoints>/converted/step-N: what a resume converted, kept for the next relaunch
 _CONVERTED_FROM = "converted from "  # how a converted manifest's reason starts
@@ -47,14 +47,15 @@ WAIT_FOR_RANK_ZERO_S = 6 * 3600.0  # the others wait this long for one process's
 def convert_to_one_file(source: Path, destination: Path, layout: CheckpointLayout, trust_pickles: bool = False) -> str:
     """Write the step folder ``source`` (in ``layout``) as a one-file step folder at ``destination``; say what.
 
-    ``destination`` is replaced if it exists. Its pickles must have passed the allowlist first
-    (``check_trusted``), as for any load.
+    ``destination`` is replaced if it exists. ``source`` must have been verified against its manifest and its
+    pickles against the allowlist (``check_trusted``) first, as every caller chooses a checkpoint: its bytes are
+    read once, here, not hashed again.
 
     Raises:
-        CheckpointInvalidError: ``source`` fails verification, or its layout cannot be read whole.
+        CheckpointInvalidError: its manifest is malformed, or its layout cannot be read whole.
 
     """
-    manifest = verify(source)
+    manifest = Manifest.from_json((source / MANIFEST_NAME).read_text())
     full = layout.read(source / STATE_NAME, trust_pickles)
     staging = destination.parent / f".staging-{destination.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -137,8 +138,7 @@ def converted_copy(
                     return destination, None
                 return destination, convert_to_one_file(source, destination, layout, trust_pickles)
             except Exception as error:
-                first_line = (str(error).strip().splitlines() or [""])[0][:300]
-                _mark_failed(destination, identity, f"cannot convert {source} ({layout.name}): {first_line}")
+                _mark_failed(destination, identity, f"cannot convert {source} ({layout.name}): {first_line(error)}")
                 raise
             finally:
                 _lock_path(destination).unlink(missing_ok=True)

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lightning_mlopt.exceptions import first_line
+
 # Below this much free space, a write failure without an errno is taken to be a full disk.
 _NEARLY_FULL_BYTES = 64 * 2**20
 
@@ -41,8 +43,7 @@ def describe_write_error(error: BaseException, path: Path) -> str:
         return f"{os.strerror(os_error.errno)} (errno {os_error.errno}) writing {path}"
     if _nearly_full(path):
         return f"{os.strerror(errno.ENOSPC)} (errno {errno.ENOSPC}) writing {path}"
-    first_line = (str(error).strip().splitlines() or [""])[0][:200]
-    return f"{type(error).__name__}: {first_line} writing {path}"
+    return f"{type(error).__name__}: {first_line(error, 200)} writing {path}"
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:

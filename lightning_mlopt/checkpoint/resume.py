@@ -56,6 +56,7 @@ from lightning_mlopt.exceptions import (
     CheckpointWriteError,
     ObjectStoreError,
     UntrustedCheckpointError,
+    first_line,
     said_by_rank_zero,
 )
 
@@ -132,15 +133,13 @@ def choose_checkpoint(
     if entry is None:
         return None
     assert entry.manifest is not None
-    refusal = strategy_switch_refusal(entry.manifest, strategy, entry.path)
     readable = conversion_source(entry.manifest, strategy, entry.path)
-    if refusal is None or readable is not None:
+    refusal = None if readable is not None else strategy_switch_refusal(entry.manifest, strategy, entry.path)
+    if refusal is None:
         try:
             check_trusted(entry.path, trust_pickles)  # before anything in it is unpickled
         except UntrustedCheckpointError as error:
             refusal = str(error)
-        else:
-            refusal = None
     if refusal is not None:
         return ResumeChoice(None, refusal=refusal, manifest=entry.manifest)
     if entry.manifest.final and not resume_final:
@@ -190,8 +189,8 @@ def converted_for(
     except OSError as error:  # a disk that cannot take the copy: a write failure, not bad input
         raise CheckpointWriteError(f"converting {choice.path} failed: {error}") from None
     except Exception as error:  # whatever the reader raised: one line
-        first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        raise BadInputError(f"cannot convert {choice.path} ({layout.name}) for {strategy.name}: {first_line}") from None
+        refusal = f"cannot convert {choice.path} ({layout.name}) for {strategy.name}: {first_line(error)}"
+        raise BadInputError(refusal) from None
     how = f"converted: {described}" if described else "converted before"
     rank_zero_info(f"{choice.path} is in {layout.name}; resuming from its one-file copy {path} ({how}).")
     return path

@@ -91,9 +91,8 @@ class Resumption:
                 saver.note_resumed(choice.manifest)
         choice = trainer.strategy.broadcast(choice) or ResumeChoice(None)
         if choice.refusal is not None:
-            refused = BadInputError(choice.refusal)
-            refused.said_elsewhere = not trainer.is_global_zero  # one decision, said once
-            raise refused
+            with said_by_rank_zero(trainer.global_rank):  # one decision, said once
+                raise BadInputError(choice.refusal)
         if choice.failure is not None:
             raise CheckpointWriteError(choice.failure)
         path = choice.path

@@ -56,16 +56,15 @@ def _convert_for_this_strategy(config: Namespace, step_folder: Path, layout: Any
     """``ckpt_path`` in a layout the strategy cannot load: its one-file copy in this run's ``converted/``."""
     from lightning_mlopt.checkpoint.conversion import converted_copy
     from lightning_mlopt.checkpoint.store import STATE_NAME
-    from lightning_mlopt.exceptions import BadInputError
+    from lightning_mlopt.exceptions import BadInputError, first_line
 
     try:
         copy, described = converted_copy(step_folder, into, layout, trust)
     except BadInputError:
         raise
     except Exception as error:  # whatever the reader raised: one line, nothing written
-        first_line = (str(error).strip().splitlines() or [""])[0][:300]
         raise BadInputError(
-            f"ckpt_path: {step_folder} ({layout.name}) cannot be converted: {type(error).__name__}: {first_line}"
+            f"ckpt_path: {step_folder} ({layout.name}) cannot be converted: {type(error).__name__}: {first_line(error)}"
         ) from None
     config["ckpt_path"] = str(copy / STATE_NAME)
     how = f"converted: {described}" if described else "converted before"
@@ -91,11 +90,11 @@ def _unreadable_layout(config: Namespace, step_folder: Path) -> Any:
         manifest = Manifest.from_json((step_folder / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None  # not one of our step folders: Lightning reads it as it is
-    current = _configured_layout(config.as_dict().get("trainer") or {})
-    layout = layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values())
+    trainer = config.as_dict().get("trainer") or {}
+    current = _configured_layout(trainer)
     if current is None:
         return None
-    trainer = config.as_dict().get("trainer") or {}
+    layout = layout_of_manifest(manifest.layout, manifest.strategy, LAYOUTS.values())
     if layout == current.name == ZERO_PARTITIONS:  # DeepSpeed reads its own at their size and stage family only
         stage = _configured_zero_stage(trainer)
         state = step_folder / STATE_NAME

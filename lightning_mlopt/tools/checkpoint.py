@@ -130,20 +130,10 @@ def export(checkpoint: Path, out_dir: Path, max_shard_bytes: int, trust_pickles:
 def convert(checkpoint: Path, output: Path, to: str, world_size: int | None, trust_pickles: bool = False) -> int:
     """Write any checkpoint as a step folder that strategy ``to`` resumes at any world size (verified)."""
     from lightning_mlopt.checkpoint.conversion import convert_to_one_file
-    from lightning_mlopt.checkpoint.layout import ONE_FILE, can_resume
     from lightning_mlopt.strategies import LAYOUTS, STRATEGIES, layout_named
 
     if to not in STRATEGIES:
         return bad_input(ValueError(f"--to {to!r}: not one of our strategies ({', '.join(STRATEGIES)})"))
-    target = layout_named(STRATEGIES[to][0].checkpoint_layout)  # type: ignore[attr-defined]
-    if not can_resume(ONE_FILE, target):
-        return bad_input(
-            ValueError(
-                f"--to {to}: DeepSpeed resumes only its own partitions at the world size that wrote them; converting "
-                "into them is not supported. Convert --to ddp, fsdp or tp (any world size), or resume with DeepSpeed "
-                "at the same world size"
-            )
-        )
     if output.exists():
         return bad_input(FileExistsError(f"{output} exists; choose a new path (nothing is overwritten)"))
     state = _state_to_read(checkpoint, "converting")

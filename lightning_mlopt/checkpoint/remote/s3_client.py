@@ -19,7 +19,7 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
-from lightning_mlopt.exceptions import ConcurrentWriterError, MissingObjectError, ObjectStoreError
+from lightning_mlopt.exceptions import ConcurrentWriterError, MissingObjectError, ObjectStoreError, first_line
 
 MAX_ATTEMPTS = 6  # per request, the first included; botocore backs off exponentially with jitter between them
 CONNECT_TIMEOUT_S = 5.0  # an unreachable endpoint fails in seconds, not minutes
@@ -95,8 +95,7 @@ def translate_error(error: BaseException, url: str, what: str, attempts: int = M
         return ObjectStoreError(
             f"{url}: {what} failed: cannot reach {endpoint} (check AWS_ENDPOINT_URL and the network)"
         )
-    first_line = (str(error).strip().splitlines() or [""])[0][:200]
-    return ObjectStoreError(f"{url}: {what} failed: {type(error).__name__}: {first_line}")
+    return ObjectStoreError(f"{url}: {what} failed: {type(error).__name__}: {first_line(error, 200)}")
 
 
 def _endpoint(error: BaseException) -> str:
