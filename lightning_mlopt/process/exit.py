@@ -43,14 +43,44 @@ def exit_after_launcher(code: int | str | None) -> NoReturn:
     # still alive at interpreter exit aborts the process ("terminate called without an active exception",
     # status -6 instead of ours), as 3 of 50 torture trials showed.
     with_peers = shut_down_process_group(wait_for_peers=False)
-    if started_by_lightning_launcher():
-        startup_guard.stop()  # its parent watch would end this process with another status
-        parent, deadline = os.getppid(), time.monotonic() + 30
-        while os.getppid() == parent and time.monotonic() < deadline:
-            time.sleep(0.05)
+    wait_for_launcher()
     if with_peers or _abandoned_writes():
         leave_without_destructors(status)
     raise SystemExit(code) from None
+
+
+LAUNCHER_WAIT_S = 30.0
+"""The most a launched rank waits for its launcher to exit before it exits anyway."""
+
+
+def wait_for_launcher(limit_s: float = LAUNCHER_WAIT_S) -> None:
+    """A rank started by Lightning's launcher waits (``limit_s`` at most) until the launching rank has exited.
+
+    Lightning's launcher SIGKILLs itself (rank zero, whose status is the job's) as soon as it sees a child
+    exit non-zero; a child that leaves first turns the job's status into 137 (-9) whatever it agreed on.
+    Elsewhere (rank zero, torchrun, srun) this returns at once.
+    """
+    if not started_by_lightning_launcher():
+        return
+    startup_guard.stop()  # its parent watch would end this process with another status
+    parent, deadline = os.getppid(), time.monotonic() + limit_s
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def exit_hung_rank(code: int) -> NoReturn:
+    """End a rank whose watchdog named a hang: at once, except that a launched rank lets its launcher go first.
+
+    The other ranks are stuck with this one and their watchdogs fire within a poll of it (they finished the
+    same last step), or their collective fails once the launching rank has gone; either way they end as a
+    hang with their own dump. Leaving first, a launched rank would have the launcher SIGKILL rank zero before
+    it wrote its dump, and the job end with -9 instead of the hang's status (1 run in 2 of a stray
+    ``all_gather`` on rank 1). ``os._exit``: the main thread is stuck in a collective and cannot unwind.
+    """
+    wait_for_launcher()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 _ABANDONED: list[threading.Thread] = []

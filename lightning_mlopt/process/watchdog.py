@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import sys
 import threading
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from lightning_mlopt._compat import current_frames
 from lightning_mlopt.process import phase
+from lightning_mlopt.process.exit import exit_hung_rank
 from lightning_mlopt.process.startup import StartupGuard, startup_guard
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ class HangWatchdog:
         rank: this process's global rank (for the file name and the message).
         exit_code: exit status; distinctive, so a launcher and a human can tell a hang from a crash.
         poll_seconds: how often the thread looks.
-        exit_process: ends the process (``os._exit``; tests record the status instead).
+        exit_process: ends the process (:func:`~lightning_mlopt.process.exit.exit_hung_rank`: a launched rank
+            lets its launcher exit first; tests record the status instead).
         guard: the start-up guard whose orphan exit writes the dump first (the process's own).
         describe: returns the report's first line (which collective each rank is in, from the collective
             recorder), or None; called from the watchdog's thread when it fires, and never allowed to fail it.
@@ -67,7 +68,7 @@ class HangWatchdog:
         rank: int,
         exit_code: int,
         poll_seconds: float = 0.5,
-        exit_process: Callable[[int], None] = os._exit,
+        exit_process: Callable[[int], None] = exit_hung_rank,
         guard: StartupGuard = startup_guard,
         describe: Callable[[], str | None] | None = None,
     ) -> None:

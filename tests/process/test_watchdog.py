@@ -3,6 +3,9 @@ step and the phase, writes every thread's stack to a file, and exits with its st
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -189,3 +192,31 @@ def test_peer_loss_is_told_from_other_errors() -> None:
     assert is_peer_loss(wrapped)
     assert not is_peer_loss(RuntimeError("CUDA out of memory"))
     assert not is_peer_loss(ValueError("connection closed by peer"))  # not a transport's error type
+
+
+_LAUNCHER = """
+import os, subprocess, sys, time
+child = subprocess.Popen(
+    [sys.executable, "-c", "from lightning_mlopt.process.exit import exit_hung_rank; exit_hung_rank(124)"],
+    env={**os.environ, "LOCAL_RANK": "1"},
+)
+time.sleep(1.5)
+print(child.pid, child.poll(), flush=True)  # still waiting for this launcher: None
+"""
+
+
+def test_a_launched_rank_whose_watchdog_fired_exits_only_after_its_launcher(tmp_path: Path) -> None:
+    """Lightning's launcher SIGKILLs rank zero when a child exits non-zero first: the job's 124 would be -9."""
+    launcher = subprocess.run([sys.executable, "-c", _LAUNCHER], capture_output=True, text=True, timeout=60)
+    assert launcher.returncode == 0, launcher.stderr
+    pid, status_while_launcher_lived = launcher.stdout.split()
+    assert status_while_launcher_lived == "None", "the launched rank left before its launcher"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the launched rank outlived its launcher by 10 s")
