@@ -164,10 +164,15 @@ class GPTLanguageModel(pl.LightningModule):
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)
 
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """The mean next-token cross-entropy of ``output`` (logits) against ``target``: one micro-batch's loss
+        under pipeline parallelism, and the loss of every step here.
+        """
+        return nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, targets = batch
-        logits = self(inputs)
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.pipeline_loss(self(inputs), targets)
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

@@ -243,6 +243,50 @@ class SubMeshSharding(TensorSharding):
         return dtensor_replication(tensor) * max(1, world_size() // tensor.device_mesh.size())
 
 
+class PipelineSharding(TensorSharding):
+    """Pipeline parallelism: each pipeline rank holds other parameters (its stages'), replicated over the data ranks.
+
+    A plain parameter lives on the ``world / pipeline_parallel_size`` ranks that hold its stage; a DTensor (a
+    stage sharded by FSDP over the data dimension) is held as its placements say, never across stages. No
+    rank holds every gradient, so a global norm is always summed over the world.
+
+    Args:
+        pipeline_parallel_size: pipeline ranks.
+
+    """
+
+    def __init__(self, pipeline_parallel_size: int = 1) -> None:
+        self.pipeline_parallel_size = pipeline_parallel_size
+
+    def _copies(self) -> int:
+        return max(1, world_size() // self.pipeline_parallel_size)
+
+    def gradient_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
+        """See :class:`Sharding`: a plain gradient on each data rank of its stage."""
+        copies = self._copies()
+        for param in params:
+            grad = param.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):
+                yield Piece(param, grad.to_local(), dtensor_replication(grad))
+            else:
+                yield Piece(param, grad, copies)
+
+    def parameter_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
+        """See :class:`Sharding`."""
+        copies = self._copies()
+        for param in params:
+            if isinstance(param, DTensor):
+                yield Piece(param, param.to_local(), dtensor_replication(param))
+            else:
+                yield Piece(param, param.detach(), copies)
+
+    def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
+        """See :class:`Sharding`: never across pipeline ranks (one of them alone is the whole model only at 1)."""
+        return self.pipeline_parallel_size == 1 and super().gradients_replicated(params)
+
+
 def _shard_group(tensor: DTensor) -> int:
     """Which shard this rank holds: its coordinates on the mesh dimensions that shard ``tensor``, as one int."""
     coordinate: list[int] = list(tensor.device_mesh.get_coordinate() or [])

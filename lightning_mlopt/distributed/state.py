@@ -6,6 +6,7 @@ so tests, benchmarks and the memory planner measure every strategy the same way.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -58,10 +59,29 @@ def full_parameters(module: nn.Module) -> dict[str, Tensor]:
     else:
         context = nullcontext()
     with context, torch.no_grad():
-        return {
+        full = {
             _strip_wrapper_prefix(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
             for name, p in named.items()
         }
+    group = _PIPELINE_GROUPS.get(module)
+    if group is not None:  # each pipeline rank holds its stages' parameters: every rank gets them all
+        import torch.distributed as dist
+
+        stages: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(stages, full, group=group)
+        full = {name: tensor for stage in stages for name, tensor in stage.items()}
+    return full
+
+
+_PIPELINE_GROUPS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def register_pipeline_stage(module: nn.Module, group: Any) -> None:
+    """``module`` holds this rank's pipeline stages; ``group`` the ranks holding the others (one pipeline).
+
+    :func:`full_parameters` then gathers the whole model's parameters over that group.
+    """
+    _PIPELINE_GROUPS[module] = group
 
 
 def _strip_wrapper_prefix(name: str) -> str:

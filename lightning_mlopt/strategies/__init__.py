@@ -14,10 +14,11 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_mlopt.checkpoint.layout import CheckpointLayout
-from lightning_mlopt.strategies import ddp, deepspeed, fsdp, tensor_parallel
+from lightning_mlopt.strategies import ddp, deepspeed, fsdp, pipeline_parallel, tensor_parallel
 from lightning_mlopt.strategies.ddp import DDPStrategy
 from lightning_mlopt.strategies.deepspeed import DeepSpeedStrategy
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
+from lightning_mlopt.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_mlopt.strategies.spec import StrategySpec, layouts_table, names_table, registered_name
 from lightning_mlopt.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -28,6 +29,7 @@ __all__ = [
     "DDPStrategy",
     "DeepSpeedStrategy",
     "FSDPStrategy",
+    "PipelineParallelStrategy",
     "StrategySpec",
     "TensorParallelStrategy",
     "layout_named",
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 # The one table: every strategy family of ours, each described in its own module's SPEC.
-SPECS: tuple[StrategySpec, ...] = (ddp.SPEC, fsdp.SPEC, deepspeed.SPEC, tensor_parallel.SPEC)
+SPECS: tuple[StrategySpec, ...] = (ddp.SPEC, fsdp.SPEC, deepspeed.SPEC, tensor_parallel.SPEC, pipeline_parallel.SPEC)
 # name -> (class, constructor arguments, one-line description)
 STRATEGIES: dict[str, tuple[type[Strategy], dict[str, Any], str]] = names_table(SPECS)
 # layout name -> the layout (its reader, how to recognise its files, what it resumes from)

@@ -1,0 +1,372 @@
+"""Pipeline parallelism (and FSDP over pipeline replicas) from YAML, for an unmodified LightningModule.
+
+Lightning has no pipeline parallelism (Lightning-AI/pytorch-lightning#17180): its loop runs one forward and
+one backward per batch, and a pipeline schedule runs the forwards and backwards of all micro-batches itself,
+interleaved across ranks. :class:`PipelineParallelStrategy` hosts the schedule inside Lightning's automatic
+optimisation, without changing the loop:
+
+- ``training_step`` (the strategy's) zeroes the gradients at the start of an accumulation window, runs
+  ``schedule.step`` (every micro-batch's forward and backward), and sets the gradients aside, so the loop's
+  ``zero_grad`` that follows finds nothing to clear. It returns the batch's loss, the same on every rank (the
+  last stage's, shared over the pipeline group), and logs it.
+- ``backward`` (the strategy's) puts the gradients back between the ``on_before_backward`` and
+  ``on_after_backward`` hooks instead of running autograd; clipping, ``on_before_optimizer_step``, the
+  optimizer and LR schedulers then run as always.
+
+Example::
+
+    strategy = PipelineParallelStrategy(split_points=["model.layers.2"], microbatches=4, schedule="1f1b")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.optim import Optimizer
+from torch.utils.data import IterableDataset
+from typing_extensions import override
+
+from lightning_mlopt.distributed.sharding import PipelineSharding
+from lightning_mlopt.distributed.state import register_pipeline_stage
+from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.strategies import fsdp
+from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
+from lightning_mlopt.strategies.pp_schedule import (
+    MICROBATCHES_PER_RANK,
+    BubbleClock,
+    ScheduleKind,
+    schedule_named,
+)
+from lightning_mlopt.strategies.pp_split import (
+    DeclaresPipelineLoss,
+    check_split,
+    install_stages,
+    split_batch,
+    stage_indices,
+    trace_stages,
+)
+from lightning_mlopt.strategies.spec import StrategySpec
+
+PIPELINE, DATA = "pipeline", "data"  # the mesh's dimensions, outermost first (pipeline ranks may span nodes)
+
+
+class PipelineParallelStrategy(FSDPStrategy):
+    """Pipeline parallelism: consecutive stages of the model on consecutive ranks, micro-batches streamed through.
+
+    The world is a 2-D mesh ``(pipeline, data)``: ``pipeline_parallel_size`` ranks each hold one stage (or
+    ``stages_per_rank`` for the interleaved schedules), and ``world / pipeline_parallel_size`` pipeline replicas
+    each train on their own slice of the data, their stages sharded by FSDP over the data dimension when it is
+    > 1. The model is cut at ``split_points`` by torch's tracer (``torch.export``), unmodified; it declares one
+    method, ``pipeline_loss(output, target)`` (:class:`~lightning_mlopt.strategies.pp_split.DeclaresPipelineLoss`).
+    Batches are ``(inputs, target)`` pairs; every rank of a pipeline loads the same batch (the first stage uses
+    the inputs, the last the target).
+
+    Args:
+        pipeline_parallel_size: pipeline ranks; must divide the world size.
+        split_points: the modules where stages 2, 3, ... begin, in forward order, e.g. ``["model.layers.2"]``
+            (``pipeline_parallel_size * stages_per_rank - 1`` names).
+        microbatches: micro-batches per batch; must divide the batch size. At least 4 per pipeline rank keeps
+            the bubble under 20% (a warning says so below that).
+        schedule: ``gpipe``, ``1f1b`` (default: the least activation memory), ``interleaved_1f1b`` or
+            ``looped_bfs`` (several stages per rank); see :mod:`lightning_mlopt.strategies.pp_schedule`.
+        stages_per_rank: stages each rank holds; None: the schedule's default (1, or 2 for the interleaved ones).
+        loss_name: the name the training loss is logged under (``val/``, ``test/`` for the other loops).
+        reshard_after_forward: FSDP over the data dimension; False (default here) keeps a stage's parameters
+            gathered across its micro-batches instead of gathering them once per micro-batch.
+        wrap_classes, min_params_to_wrap, param_dtype, reduce_dtype, timeout_minutes, process_group_backend: as
+            for :class:`~lightning_mlopt.strategies.FSDPStrategy` (the FSDP ones act when the data dimension > 1).
+
+    Raises:
+        ValueError: a size below 1, or an unknown schedule.
+
+    Example::
+
+        strategy = PipelineParallelStrategy(
+            pipeline_parallel_size=2, split_points=["model.layers.2"], microbatches=8, schedule="1f1b"
+        )
+        trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # 2 x 2: pipeline x data
+
+    """
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int = 2,
+        split_points: Sequence[str] = (),
+        microbatches: int = 4,
+        schedule: str = "1f1b",
+        stages_per_rank: int | None = None,
+        loss_name: str = "train/loss",
+        reshard_after_forward: bool = False,
+        param_dtype: DType | None = None,
+        reduce_dtype: DType | None = None,
+        save_distributed_checkpoint: bool = True,
+        timeout_minutes: float = 30.0,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+    ) -> None:
+        for key, value in (("pipeline_parallel_size", pipeline_parallel_size), ("microbatches", microbatches)):
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        kind = schedule_named(schedule)
+        per_rank = kind.stages_per_rank if stages_per_rank is None else stages_per_rank
+        if per_rank < 1 or (per_rank > 1 and not kind.multi_stage):
+            raise ValueError(
+                f"stages_per_rank={per_rank}: {kind.name} runs one stage per rank; "
+                "interleaved_1f1b and looped_bfs run several"
+            )
+        super().__init__(
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            timeout_minutes=timeout_minutes,
+            process_group_backend=process_group_backend,
+        )
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.sharding = PipelineSharding(pipeline_parallel_size)  # type: ignore[misc]
+        self.split_points = list(split_points)
+        self.microbatches = microbatches
+        self.schedule: ScheduleKind = kind
+        self.stages_per_rank = per_rank
+        self.loss_name = loss_name
+        self._pipeline: Any = None  # torch's schedule, built at set-up
+        self._stages: list[Any] = []
+        self._clock: BubbleClock | None = None
+        self._set_aside: list[tuple[Tensor, Tensor | None]] | None = None  # gradients between step and backward
+        self._loss_scale = 1.0
+
+    @property
+    def stages(self) -> int:
+        """Stages in all: ``pipeline_parallel_size * stages_per_rank``."""
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Pipeline replicas: ``world / pipeline_parallel_size``."""
+        return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def pipeline_group(self) -> Any:
+        """The process group of this rank's pipeline (its stages' sends and receives)."""
+        return self.device_mesh[PIPELINE].get_group()
+
+    @override
+    def check_model(self, module: nn.Module) -> None:
+        """The split against the model, the sizes against the world, the schedule's rules (before launch)."""
+        size, world = self.pipeline_parallel_size, self.world_size
+        if world % size:
+            raise BadInputError(
+                f"pipeline_parallel_size={size} must divide the world size ({world} = devices x nodes); "
+                f"choose a divisor of {world}"
+            )
+        if self.schedule.microbatches_at_least_stages and self.microbatches < self.stages:
+            raise BadInputError(
+                f"microbatches={self.microbatches}: {self.schedule.name} needs at least one per stage "
+                f"({self.stages}); raise microbatches or use gpipe"
+            )
+        check_split(module, self.split_points, self.stages)
+
+    def stage_parameter_counts(self, module: nn.Module) -> list[int]:
+        """Each stage's parameter count (the planner prints them)."""
+        return check_split(module, self.split_points, self.stages)
+
+    @property
+    @override
+    def shard_mesh(self) -> DeviceMesh:
+        """FSDP shards each stage over the data-parallel dimension only."""
+        return self.device_mesh[DATA]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The ranks of one pipeline train one model replica on one batch: they must load the same one.
+        data = self.device_mesh[DATA]
+        return {"num_replicas": data.size(), "rank": data.get_local_rank()}
+
+    @override
+    def _build_mesh(self) -> DeviceMesh:
+        shape = (self.pipeline_parallel_size, self.data_parallel_size)
+        return init_device_mesh(self.root_device.type, shape, mesh_dim_names=(PIPELINE, DATA))
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.lightning_module.automatic_optimization is False:
+            raise BadInputError(
+                "pipeline parallelism runs each batch's forward and backward in its schedule: manual "
+                "optimisation (automatic_optimization = False) cannot run under it"
+            )
+        super().setup(trainer)
+        rank_stages = ", ".join(str(stage.stage_index) for stage in self._stages)
+        counts = sum(p.numel() for p in self.lightning_module.parameters())
+        if self.global_rank < self.pipeline_parallel_size:  # one line per pipeline rank, the first replica's
+            print(f"[rank {self.global_rank}] pipeline stage(s) {rank_stages} of {self.stages}: {counts:,} parameters")
+
+    @override
+    def _shard(self, module: nn.Module) -> None:
+        """Trace and cut the model, keep this rank's stages, FSDP them over the data dimension, build the schedule."""
+        self.check_model(module)
+        trainer = self.lightning_module.trainer
+        inputs = _example_microbatch_inputs(trainer, self.microbatches, self.data_parallel_size)
+        with torch.no_grad():
+            pipe = trace_stages(module, inputs, self.split_points)
+        pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
+        indices = stage_indices(pipeline_rank, self.pipeline_parallel_size, self.stages_per_rank)
+        group = self.pipeline_group
+        self._stages = [pipe.build_stage(index, self.root_device, group) for index in indices]
+        if self.data_parallel_size > 1:
+            for stage in self._stages:  # one FSDP unit per stage: the schedule reduces its gradients once a step
+                fully_shard(stage.submod, **self._shard_options())
+        install_stages(module, [stage.submod for stage in self._stages])
+        register_pipeline_stage(module, group)
+        self._clock = BubbleClock(self._stages)
+        assert isinstance(module, DeclaresPipelineLoss)  # check_split said so
+
+        def loss(output: Tensor, target: Tensor) -> Tensor:
+            return module.pipeline_loss(output, target) * self._loss_scale
+
+        schedule_class = self.schedule.schedule_class()
+        self._pipeline = schedule_class(
+            self._stages if self.schedule.multi_stage else self._stages[0],
+            self.microbatches,
+            loss_fn=loss,
+            scale_grads=False,  # the loss is scaled instead: torch's would divide gradients accumulated before
+        )
+        self._warn_if_few_microbatches()
+
+    def _warn_if_few_microbatches(self) -> None:
+        if self.global_rank == 0 and self.microbatches < MICROBATCHES_PER_RANK * self.pipeline_parallel_size:
+            bubble = self.schedule.theoretical_bubble(
+                self.pipeline_parallel_size, self.microbatches, self.stages_per_rank
+            )
+            warnings.warn(
+                f"pipeline: {self.microbatches} micro-batches for {self.pipeline_parallel_size} pipeline ranks leave "
+                f"a bubble of {bubble:.0%} in theory; {MICROBATCHES_PER_RANK * self.pipeline_parallel_size} or more "
+                "keep it under 20%",
+                stacklevel=2,
+            )
+
+    def _run_schedule(self, batch: Any, train: bool) -> Tensor:
+        """One batch through the pipeline; the batch's mean loss, the same on every rank of the pipeline."""
+        inputs, target = split_batch(batch)
+        first = any(stage.is_first for stage in self._stages)
+        last = any(stage.is_last for stage in self._stages)
+        losses: list[Tensor] = []
+        step = self._pipeline.step if train else self._pipeline.eval
+        assert self._clock is not None
+        with self._clock.step():
+            step(*(inputs if first else ()), target=target if last else None, losses=losses if last else None)
+        loss = torch.stack([loss.detach().float() for loss in losses]).sum() if last else None
+        if loss is None:
+            loss = torch.zeros((), device=self.root_device)
+        dist.all_reduce(loss, group=self.pipeline_group)  # the last stage's value, given to every stage
+        return loss / self._loss_scale / self.microbatches
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """Run the schedule on the batch (forward and backward of every micro-batch); return its loss."""
+        module = self.lightning_module
+        trainer = module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if batch_idx % accumulate == 0:  # the start of an accumulation window: the loop zeroes later, too late
+            module.zero_grad(set_to_none=True)
+        self._loss_scale = 1.0 / (self.microbatches * accumulate)  # gradients of the window's mean loss
+        with self.precision_plugin.train_step_context():
+            loss = self._run_schedule(batch, train=True)
+        params = [p for p in module.parameters() if p.grad is not None]
+        self._set_aside = [(p, p.grad) for p in params]
+        for p in params:
+            p.grad = None  # the loop's zero_grad comes next and would clear them
+        module.log(self.loss_name, loss, prog_bar=True)
+        assert self._clock is not None
+        module.log("pipeline/bubble", self._clock.bubble())
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Put back the gradients the schedule computed, between the backward hooks; no autograd here."""
+        if self._set_aside is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for param, grad in self._set_aside:
+            param.grad = grad
+        self._set_aside = None
+        self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._evaluate(args[0], self.loss_name.replace("train", "val", 1))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._evaluate(args[0], self.loss_name.replace("train", "test", 1))
+
+    def _evaluate(self, batch: Any, name: str) -> Tensor:
+        self._loss_scale = 1.0 / self.microbatches
+        loss = self._run_schedule(batch, train=False)
+        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise BadInputError("predict under pipeline parallelism is not offered: predict with ddp or fsdp")
+
+
+def _example_microbatch_inputs(trainer: Trainer, microbatches: int, replicas: int) -> tuple[Any, ...]:
+    """One micro-batch's inputs, built from the training data's first sample (the tracer needs their shapes).
+
+    Raises:
+        BadInputError: ``microbatches`` does not divide the batch size, or the epoch would end on a smaller batch
+            (the pipeline's shapes are fixed at the first step).
+
+    """
+    source = trainer.datamodule if trainer.datamodule is not None else trainer.lightning_module
+    loader = source.train_dataloader()
+    batch_size = loader.batch_size
+    if batch_size is None or batch_size % microbatches:
+        raise BadInputError(
+            f"microbatches={microbatches} must divide the batch size ({batch_size}); choose a divisor of it"
+        )
+    dataset = loader.dataset
+    if hasattr(dataset, "__len__") and not loader.drop_last:
+        per_replica = math.ceil(len(dataset) / replicas)
+        if per_replica % batch_size:
+            raise BadInputError(
+                f"the data ends each epoch on a batch of {per_replica % batch_size}, not {batch_size}: a pipeline's "
+                "shapes are fixed at its first step; set drop_last=True in the training DataLoader"
+            )
+    size = batch_size // microbatches
+    # As DataLoader's own fetchers build a batch: a batched read where the dataset offers one, else item by item.
+    if isinstance(dataset, IterableDataset):
+        samples: Any = list(itertools.islice(iter(dataset), size))
+    elif hasattr(dataset, "__getitems__"):
+        samples = dataset.__getitems__(list(range(size)))
+    else:
+        samples = [dataset[index] for index in range(size)]
+    example = loader.collate_fn(samples)
+    return split_batch(example)[0]
+
+
+SPEC = StrategySpec(
+    PipelineParallelStrategy,
+    names={"pp": ({}, "pipeline parallel: stages cut at split_points, micro-batches through a schedule (1F1B)")},
+    layout=fsdp.SPEC.layout,  # DCP folders with whole-model names, read and resharded like FSDP's
+    overlays=("pp.yaml",),
+)
+
+__all__ = ["PipelineParallelStrategy"]

@@ -1,0 +1,197 @@
+"""Splitting an unmodified LightningModule into pipeline stages at named modules, and checking the split first.
+
+The split is given as the modules where each stage after the first begins (``split_points``), e.g.
+``["model.layers.2"]`` for two stages of the GPT demo. torch's tracer front end
+(``torch.distributed.pipelining.pipeline``, through ``torch.export``) cuts the module's ``forward`` there, so
+the model is not rewritten; each stage is a graph module whose parameters keep their names in the whole model
+(``model.layers.2.attn.qkv.weight``), so checkpoints of a pipelined run name what a one-process run names.
+
+What a model must satisfy, checked before launch (:func:`check_split`) and at set-up (:func:`trace_stages`):
+
+- a ``forward`` that ``torch.export`` can trace with a fixed micro-batch shape (no data-dependent Python
+  control flow), taking the batch's inputs;
+- the split modules exist, are distinct, none inside another, and in the order the forward calls them;
+- no parameter shared by modules of two stages (tied embeddings: each stage would train its own copy);
+- one declared method, :class:`DeclaresPipelineLoss`'s ``pipeline_loss(output, target)``: the loss of one
+  micro-batch from the last stage's output. ``training_step`` is not called under pipeline parallelism (no
+  rank holds the whole model), so the loss cannot come from there.
+
+Example::
+
+    check_split(model, ["model.layers.2"], stages=2)
+    pipe = trace_stages(model, example_microbatch_inputs, ["model.layers.2"])
+    install_stages(model, [pipe.get_stage_module(rank)])   # this rank's parameters only, same names
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from lightning_mlopt.exceptions import BadInputError
+
+
+@runtime_checkable
+class DeclaresPipelineLoss(Protocol):
+    """A LightningModule that can train under pipeline parallelism: it says how a micro-batch's loss is computed.
+
+    Example::
+
+        class MyModel(LightningModule):
+            def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+                return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+            def training_step(self, batch, batch_idx):      # the same loss, one process
+                inputs, target = batch
+                return self.pipeline_loss(self(inputs), target)
+    """
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """The mean loss of one micro-batch, from the model's output and the batch's target."""
+        ...
+
+
+def check_split(module: nn.Module, split_points: Sequence[str], stages: int) -> list[int]:
+    """Check ``split_points`` against the model; return each stage's parameter count.
+
+    Raises:
+        BadInputError: a wrong count, an unknown, repeated, nested or out-of-order name, a parameter shared
+            across stages, or no ``pipeline_loss``; the message names it and the fix.
+
+    """
+    if not isinstance(module, DeclaresPipelineLoss):
+        raise BadInputError(
+            f"{type(module).__name__} has no pipeline_loss(output, target): under pipeline parallelism the loss of "
+            "each micro-batch is computed from the last stage's output; add that one method (docs/pipeline_parallel.md)"
+        )
+    if len(split_points) != stages - 1:
+        raise BadInputError(
+            f"split_points: {stages} stages need {stages - 1} split point(s) (where stages 2.. begin), "
+            f"got {len(split_points)}: {list(split_points)}"
+        )
+    order = [name for name, _ in module.named_modules() if name]
+    position = {name: index for index, name in enumerate(order)}
+    for name in split_points:
+        if name not in position:
+            close = difflib.get_close_matches(name, order, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise BadInputError(f"split_points: {name!r} is not a module of {type(module).__name__}{hint}")
+    if len(set(split_points)) != len(split_points):
+        raise BadInputError(f"split_points: a module is named twice: {list(split_points)}")
+    for earlier, later in zip(split_points, split_points[1:], strict=False):
+        if later.startswith(earlier + ".") or earlier.startswith(later + "."):
+            raise BadInputError(f"split_points: {later!r} and {earlier!r} are nested; name sibling modules")
+        if position[later] < position[earlier]:
+            raise BadInputError(
+                f"split_points: {later!r} comes before {earlier!r} in the model; list them in forward order"
+            )
+    starts = [position[name] for name in split_points]
+    counts = [0] * stages
+    owner_stage: dict[int, tuple[int, str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner = name.rpartition(".")[0]
+        stage = bisect.bisect_right(starts, position.get(owner, -1))
+        seen = owner_stage.setdefault(id(param), (stage, name))
+        if seen[0] != stage:
+            raise BadInputError(
+                f"split_points: {seen[1]} and {name} are one parameter (tied) in stages {seen[0]} and {stage}; "
+                "untie it or put both modules in one stage"
+            )
+        if seen[1] == name:
+            counts[stage] += param.numel()
+    return counts
+
+
+def trace_stages(module: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[str]) -> Any:
+    """The ``Pipe`` of ``module`` traced on one micro-batch's ``inputs`` and cut at ``split_points``.
+
+    Raises:
+        BadInputError: the forward cannot be traced (the first line of torch's reason), or the cut gives
+            another number of stages (a split module the forward does not call, or calls twice).
+
+    """
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    try:
+        pipe = pipeline(module, mb_args=inputs, split_spec={name: SplitPoint.BEGINNING for name in split_points})
+    except Exception as error:  # torch.export's many error types: the reason is what the user needs
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise BadInputError(
+            f"pipeline parallelism traces {type(module).__name__}.forward with torch.export, which failed: {reason}"
+        ) from None
+    if pipe.num_stages != len(split_points) + 1:
+        raise BadInputError(
+            f"split_points: cutting at {list(split_points)} gave {pipe.num_stages} stages, not "
+            f"{len(split_points) + 1}: each split module must be called once by the forward"
+        )
+    return pipe
+
+
+def install_stages(module: nn.Module, stage_modules: Sequence[nn.Module]) -> None:
+    """Make ``module`` hold exactly this rank's stages' submodules, under the names they have in the whole model.
+
+    Each stage module's top-level children (``model`` for the GPT demo) are merged (a rank with two stages holds
+    ``model.layers.0`` of one and ``model.layers.2`` of the other under one ``model``) and put in place of the
+    module's own; children no stage of this rank uses become None. The optimizer, checkpoints and callbacks
+    then see this rank's parameters only, with their whole-model names.
+
+    Raises:
+        ValueError: two stages hold parameters directly in the same module (cannot be merged).
+
+    """
+    merged = _merge([dict(stage.named_children()) for stage in stage_modules])
+    for name in list(dict(module.named_children())):
+        if name not in merged:
+            setattr(module, name, None)
+    for name, child in merged.items():
+        setattr(module, name, child)
+
+
+def _merge(children: list[dict[str, nn.Module]]) -> dict[str, nn.Module]:
+    names: dict[str, list[nn.Module]] = {}
+    for level in children:
+        for name, child in level.items():
+            names.setdefault(name, []).append(child)
+    merged: dict[str, nn.Module] = {}
+    for name, parts in names.items():
+        if len(parts) == 1:
+            merged[name] = parts[0]
+            continue
+        if any(True for part in parts for _ in part.named_parameters(recurse=False)):
+            raise ValueError(f"{name} holds parameters of two stages directly: split at modules inside it")
+        holder = nn.Module()
+        for child_name, child in _merge([dict(part.named_children()) for part in parts]).items():
+            holder.add_module(child_name, child)
+        merged[name] = holder
+    return merged
+
+
+def stage_indices(pipeline_rank: int, ranks: int, stages_per_rank: int) -> list[int]:
+    """The stages a pipeline rank holds: ``rank, rank + p, rank + 2p...`` (torch's loop placement).
+
+    Example::
+
+        >>> stage_indices(1, ranks=2, stages_per_rank=2)
+        [1, 3]
+    """
+    return [pipeline_rank + ranks * turn for turn in range(stages_per_rank)]
+
+
+def split_batch(batch: Any) -> tuple[tuple[Any, ...], Any]:
+    """``(inputs, target)`` of a batch: the first stage's positional inputs, and the loss's target.
+
+    Raises:
+        BadInputError: the batch is not a pair.
+
+    """
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise BadInputError(
+            f"pipeline parallelism takes batches as (inputs, target) pairs; got {type(batch).__name__}"
+            + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+    inputs, target = batch
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
