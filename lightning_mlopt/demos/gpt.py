@@ -165,8 +165,9 @@ class GPTLanguageModel(pl.LightningModule):
         return self.model(tokens)
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        """The mean next-token cross-entropy of ``output`` (logits) against ``target``: one micro-batch's loss
-        under pipeline parallelism, and the loss of every step here.
+        """The mean next-token cross-entropy of ``output`` (logits) against ``target``.
+
+        One micro-batch's loss under pipeline parallelism, and the loss of every step elsewhere.
         """
         return nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 

@@ -141,7 +141,7 @@ class BubbleClock:
             self._wall = time.perf_counter() - start
 
     def bubble(self) -> float:
-        """This rank's idle share of the last step timed, in [0, 1]."""
+        """The idle share of the last step timed on this rank, in [0, 1]."""
         if self._wall <= 0:
             return 0.0
         return min(1.0, max(0.0, 1.0 - self._busy / self._wall))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -82,7 +83,7 @@ def check_split(module: nn.Module, split_points: Sequence[str], stages: int) -> 
             raise BadInputError(f"split_points: {name!r} is not a module of {type(module).__name__}{hint}")
     if len(set(split_points)) != len(split_points):
         raise BadInputError(f"split_points: a module is named twice: {list(split_points)}")
-    for earlier, later in zip(split_points, split_points[1:], strict=False):
+    for earlier, later in itertools.pairwise(split_points):
         if later.startswith(earlier + ".") or earlier.startswith(later + "."):
             raise BadInputError(f"split_points: {later!r} and {earlier!r} are nested; name sibling modules")
         if position[later] < position[earlier]:
