@@ -106,3 +106,57 @@ def keyed_by_index(state: Mapping[str, Any], live: list[list[str]]) -> dict[str,
         groups.append({**saved, "params": [index_of[name] for name in names]})
     per_index = {index_of[name]: value for name, value in state.get("state", {}).items()}
     return {"state": per_index, "param_groups": groups}
+
+
+def is_flattened(state: Mapping[str, Any]) -> bool:
+    """Whether an optimizer state is torch's flattened form (``state.<name>.<key>``, ``param_groups.<name>.<key>``).
+
+    torch writes it with ``StateDictOptions(flatten_optimizer_state_dict=True)``: every entry is one
+    parameter's, so the states of ranks that hold different parameters (pipeline stages) merge in one DCP
+    checkpoint, where the nested form's group lists would collide.
+    """
+    return bool(state) and all(key.startswith(("state.", "param_groups.")) for key in state)
+
+
+def unflattened(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The named form of torch's flattened optimizer state (``{"state": {name: {...}}, "param_groups": [...]}``).
+
+    Parameters with the same group settings form one group, in the order they come (the flattened form keeps
+    no group boundaries; a named state is matched to the live optimizer's groups by name anyway).
+
+    Example::
+
+        >>> unflattened({"state.w.step": 1, "param_groups.w.lr": 0.1, "param_groups.b.lr": 0.1})
+        {'state': {'w': {'step': 1}}, 'param_groups': [{'lr': 0.1, 'params': ['w', 'b']}]}
+    """
+    per_parameter: dict[str, dict[str, Any]] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        kind, _, rest = key.partition(".")
+        name, _, field = rest.rpartition(".")
+        (per_parameter if kind == "state" else settings).setdefault(name, {})[field] = value
+    groups: list[dict[str, Any]] = []
+    for name, group_settings in settings.items():
+        same = next((group for group in groups if _settings(group) == group_settings), None)
+        if same is None:
+            groups.append({**group_settings, "params": [name]})
+        else:
+            same["params"].append(name)
+    return {"state": per_parameter, "param_groups": groups}
+
+
+def _settings(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def restricted_to(state: Mapping[str, Any], live: list[list[str]]) -> dict[str, Any]:
+    """A named state cut down to the parameters of ``live`` (a pipeline stage's share of a whole-model state).
+
+    Each live group takes the settings of the saved group that held its first parameter.
+    """
+    named = dict(state)
+    group_of = {name: group for group in named.get("param_groups") or [] for name in group["params"]}
+    groups = [{**group_of.get(names[0], {}), "params": list(names)} if names else {"params": []} for names in live]
+    kept = {name for names in live for name in names}
+    per_parameter = {name: value for name, value in named.get("state", {}).items() if name in kept}
+    return {"state": per_parameter, "param_groups": groups}

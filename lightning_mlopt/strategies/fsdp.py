@@ -35,7 +35,7 @@ from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
-from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_full_file
+from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_dcp_folder, load_full_file, saved_flattened
 from lightning_mlopt.strategies.spec import StrategySpec
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -299,11 +299,13 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A DCP folder through Lightning; one full file (DDP's, a conversion's) sharded here, optimizer included."""
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_file():
+        if not path.is_file() and not saved_flattened(path):
             return super().load_checkpoint(path, weights_only)
         assert self.model is not None and self.lightning_module is not None
         with said_by_rank_zero(self.global_rank):
             strict, trust = self.lightning_module.strict_loading, weights_only is False
+            if not path.is_file():  # a pipeline-parallel run's: its optimizer states are flattened
+                return load_dcp_folder(self.model, self.optimizers, path, strict, trust)
             return load_full_file(self.model, self.optimizers, path, strict, trust_pickles=trust)
 
     @override
@@ -382,17 +384,13 @@ def _select_by_size(module: nn.Module, threshold: int, wrapped: set[nn.Module], 
 __all__ = ["FSDPStrategy"]
 
 
-def _is_dcp_folder(state: Path) -> bool:
-    return state.is_dir() and any(state.glob("*.distcp"))
-
-
 SPEC = StrategySpec(
     FSDPStrategy,
     names={"fsdp": ({}, "FSDP2 full shard; every direct child of the LightningModule is a unit")},
     layout=CheckpointLayout(
         DCP_SHARDS,
         FSDPStrategy.consolidate_checkpoint,
-        recognise=_is_dcp_folder,
+        recognise=lambda state: state.is_dir() and any(state.glob("*.distcp")),
         resumes_from=(ONE_FILE,),  # DCP reads a full state dict and shards it
         written_by=("FSDPStrategy", "ModelParallelStrategy"),
     ),

@@ -25,6 +25,7 @@ import itertools
 import math
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -40,9 +41,10 @@ from typing_extensions import override
 
 from lightning_mlopt.distributed.sharding import PipelineSharding
 from lightning_mlopt.distributed.state import register_pipeline_stage
-from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
+from lightning_mlopt.strategies.full_checkpoint import load_dcp_folder, load_full_file
 from lightning_mlopt.strategies.pp_schedule import (
     MICROBATCHES_PER_RANK,
     BubbleClock,
@@ -111,7 +113,6 @@ class PipelineParallelStrategy(FSDPStrategy):
         reshard_after_forward: bool = False,
         param_dtype: DType | None = None,
         reduce_dtype: DType | None = None,
-        save_distributed_checkpoint: bool = True,
         timeout_minutes: float = 30.0,
         process_group_backend: Literal["gloo", "nccl"] | None = None,
     ) -> None:
@@ -129,7 +130,6 @@ class PipelineParallelStrategy(FSDPStrategy):
             reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            save_distributed_checkpoint=save_distributed_checkpoint,
             timeout_minutes=timeout_minutes,
             process_group_backend=process_group_backend,
         )
@@ -307,6 +307,31 @@ class PipelineParallelStrategy(FSDPStrategy):
         self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state of this rank's stages in torch's flattened form, one entry per parameter.
+
+        The nested form's group lists would collide in DCP's checkpoint (each stage's lists differ, one is
+        kept); flattened, the stages' entries are disjoint and every reader of ours takes both forms.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self.model is not None
+        plain = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps it
+        options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, plain, options=options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the part of a DCP folder (any strategy's, any layout) or of one full file this rank's stages hold."""
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None and self.lightning_module is not None
+        with said_by_rank_zero(self.global_rank):
+            strict, trust = self.lightning_module.strict_loading, weights_only is False
+            if path.is_file():
+                return load_full_file(self.model, self.optimizers, path, strict, trust, stage_only=True)
+            return load_dcp_folder(self.model, self.optimizers, path, strict, trust)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

@@ -76,8 +76,8 @@ def _kill_job_during_background_write(command: list[str], cwd: Path, markers: Pa
 # One sharded layout here: the commit protocol under test is the same code for DCP shards and ZeRO partitions,
 # and the torture script's ``kill`` fault runs 20 trials per strategy, ZeRO included (benchmarks/results/).
 # TP writes DCP shards too, but of DTensors split over the tensor dimension, with its own RNG and sampler:
-# resuming it bitwise is its own claim.
-@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+# resuming it bitwise is its own claim; so is PP's (its stages' flattened optimizer states, its schedule's RNG use).
+@pytest.mark.parametrize("strategy", ["fsdp", "tp", "pp"])
 def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy):
     """Killed during an async sharded save's background write (DDP killed at a random instant: the torture
     script's ``kill`` fault, one trial of which runs in tests/test_torture.py)."""
