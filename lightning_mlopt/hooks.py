@@ -14,6 +14,8 @@ Protocol without subclassing it (the checks are ``isinstance`` against a ``runti
 - :class:`SaveVetter`: a callback with a say before every save the ranks agreed on; it may raise to keep a bad
   state out of the checkpoints (ReplicaConsistencyCheck).
 - :class:`DescribesOutputs`: a callback that says where its files go, for the CLI's start-up lines.
+- :class:`RunsPipeline`: a strategy that runs pipeline schedules (PipelineParallelStrategy): its bubble, measured
+  and in theory, which PerformanceMonitor reports (:func:`pipeline_of`).
 - :func:`checkpoint_events`: one :class:`CheckpointEvents` per Trainer, published by the checkpointing
   callback (FaultTolerantCheckpoint) and read by its neighbours (the goodput ledger, ReplicaConsistencyCheck,
   GradNormMonitor) instead of scanning ``trainer.callbacks`` for a class; obtained the way
@@ -139,6 +141,32 @@ class DescribesOutputs(Protocol):
     @abstractmethod
     def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
         """Lines ``<what>  <where> (<detail>)``, one per kind of output; before setup, on every rank."""
+
+
+@runtime_checkable
+class RunsPipeline(Protocol):
+    """A strategy that runs pipeline schedules: its bubble, measured and in theory (PerformanceMonitor reads it)."""
+
+    @property
+    @abstractmethod
+    def bubble_clock(self) -> Any:
+        """The clock of this rank's stages: ``take()`` gives (seconds idle, seconds in steps) since last asked."""
+
+    @property
+    @abstractmethod
+    def theoretical_bubble(self) -> float:
+        """The idle share of a step the schedule has with equal stages and free communication."""
+
+    @abstractmethod
+    def bubble_advice(self, measured: float, worst_rank: int) -> str:
+        """One line for a bubble over 20%: what was measured, the theory, and what to change."""
+
+
+def pipeline_of(strategy: Any) -> RunsPipeline | None:
+    """The strategy as a :class:`RunsPipeline` once its schedule is built, else None."""
+    if isinstance(strategy, RunsPipeline) and strategy.bubble_clock is not None:
+        return strategy
+    return None
 
 
 @dataclass

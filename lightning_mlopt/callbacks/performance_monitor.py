@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
 from lightning_mlopt.distributed.sharding import data_parallel_size
-from lightning_mlopt.hooks import DescribesOutputs
-from lightning_mlopt.perf.breakdown import FIELDS, JobWindow, RankWindow, pack, unpack
+from lightning_mlopt.hooks import DescribesOutputs, pipeline_of
+from lightning_mlopt.perf.breakdown import BUBBLE_WARNING, FIELDS, JobWindow, RankWindow, pack, unpack
 from lightning_mlopt.perf.flops import TrainingFlopCounter
 from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
 from lightning_mlopt.perf.peaks import matmul_precision, measure_peak_flops, published_peak_flops
@@ -147,6 +148,8 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         self._profiler: ProfilerWindow | None = None
         self._oom: OOMSnapshot | None = None
         self._warned_counting = False
+        self._warned_bubble = False
+        self._bubble_theory: float | None = None  # the pipeline schedule's, logged beside the measured bubble
 
     def folder(self, trainer: pl.Trainer) -> Path:
         """Where traces, snapshots and the summary go: ``<trainer.default_root_dir>/perf``."""
@@ -188,6 +191,8 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         self._clock = PhaseClock(device).attach()
         self._sums = WindowSum(trainer)
         self._batches = 0
+        pipeline = pipeline_of(trainer.strategy)
+        self._bubble_theory = None if pipeline is None else pipeline.theoretical_bubble
 
     # ------------------------------------------------------------------ every batch
 
@@ -227,6 +232,8 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
             self._take_in(trainer, values, step)
         if self._batches == 1:
             self._clock.reset()  # the first batch (start-up, FLOP counting) is in no figure
+            if (pipeline := pipeline_of(trainer.strategy)) is not None:
+                pipeline.bubble_clock.take()
             return
         window = self._window
         window.batches += 1
@@ -250,6 +257,9 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         window.seconds = sum(getattr(window, name) for name in PHASES)  # the step's phases, nothing else
         window.measured_peak_flops = self._measured_peak
         window.peak_allocated, window.peak_reserved = map(float, peak_memory_bytes(trainer.strategy.root_device))
+        pipeline = pipeline_of(trainer.strategy)
+        if pipeline is not None:
+            window.pipeline_idle, window.pipeline_steps = pipeline.bubble_clock.take()
         self._sums.submit(pack(window, trainer.global_rank, trainer.world_size), trainer.global_step)
 
     def _take_in(self, trainer: pl.Trainer, values: list[float], step: int, report: bool = True) -> None:
@@ -272,6 +282,8 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
                 self._warn_counting(key, value)
                 continue
             metrics[key] = value
+        if self._bubble_theory is not None and "perf/pipeline_bubble" in metrics:
+            metrics["perf/pipeline_bubble_theory"] = self._bubble_theory
         return metrics
 
     def _warn_counting(self, key: str, value: float) -> None:
@@ -285,11 +297,24 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
 
     def _report(self, trainer: pl.Trainer, job: JobWindow, step: int) -> None:
         self.last_metrics = self.metrics_of(job)
+        self._check_bubble(trainer, job)
         self._stall_pool = job if self._stall_pool is None else self._stall_pool.pooled(job)
         if self._stall_pool.ranks[0].batches >= self.stall_window:
             self._check_stalls(self._stall_pool)
             self._stall_pool = None
         log_metrics(trainer, self.last_metrics, step)
+
+    def _check_bubble(self, trainer: pl.Trainer, job: JobWindow) -> None:
+        """Warn once when the pipeline ranks idle over 20% of their steps, with the fix."""
+        pipeline = pipeline_of(trainer.strategy)
+        bubbles = job.pipeline_bubbles()
+        if pipeline is None or not bubbles:
+            return
+        measured = statistics.fmean(bubbles)
+        if measured > BUBBLE_WARNING and not self._warned_bubble:
+            self._warned_bubble = True
+            worst = bubbles.index(max(bubbles))
+            rank_zero_warn(f"PerformanceMonitor: {pipeline.bubble_advice(measured, worst)}")
 
     def _check_stalls(self, job: JobWindow) -> None:
         stalled = job.stalled_ranks(self.stall_threshold)

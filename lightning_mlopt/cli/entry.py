@@ -267,14 +267,18 @@ class MLOptCLI(LightningCLI):
     before_test = before_predict = before_validate
 
     def _check_model_fits_strategy(self) -> None:
-        """A strategy setting that names what the model lacks (FSDP ``wrap_classes``) fails here, before files.
+        """A strategy setting that the model or the batch size does not fit fails here, before files.
 
-        A model that builds its layers in ``configure_model`` is checked by the strategy at setup instead.
+        Examples: FSDP's ``wrap_classes`` naming a class the model lacks, PP's ``microbatches`` not dividing the
+        batch size. A model that builds its layers in ``configure_model`` is checked by the strategy at setup instead.
         """
-        if type(self.model).configure_model is not LightningModule.configure_model:
-            return
+        contract = contract_of(self.trainer.strategy)
+        data = self.datamodule if self.datamodule is not None else self.model
+        batch_size = getattr(data, "batch_size", None)
         try:
-            contract_of(self.trainer.strategy).check_model(self.model)
+            contract.check_batch_size(batch_size if isinstance(batch_size, int) else None)
+            if type(self.model).configure_model is LightningModule.configure_model:
+                contract.check_model(self.model)
         except ValueError as error:
             raise BadInputError(f"trainer.strategy: {error}") from None
 

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, fields
 from lightning_mlopt.process.phase import PHASES
 
 GB = 1e9
+BUBBLE_WARNING = 0.20
+"""A pipeline bubble above this share of the step earns a warning with the fix (the seeds' rule)."""
 
 
 @dataclass
@@ -40,6 +42,8 @@ class RankWindow:
     measured_peak_flops: float = 0.0  # FLOP/s of this rank's matmul probe; 0 when not probed
     peak_allocated: float = 0.0
     peak_reserved: float = 0.0
+    pipeline_idle: float = 0.0  # seconds a pipeline rank waited inside its schedule's steps (its bubble)
+    pipeline_steps: float = 0.0  # seconds in those steps; 0 without pipeline parallelism
 
     def fraction(self, phase: str) -> float:
         """Share of the window's time spent in ``phase``."""
@@ -154,7 +158,18 @@ class JobWindow:
         achieved = [w.flops / w.seconds for w in ranks if w.seconds > 0 and w.flops > 0]
         if achieved:
             metrics["perf/tflops_per_rank"] = statistics.fmean(achieved) / 1e12
+        bubbles = self.pipeline_bubbles()
+        if bubbles:
+            metrics["perf/pipeline_bubble"] = statistics.fmean(bubbles)
+            metrics["perf/pipeline_bubble_max"] = max(bubbles)
+            metrics["perf/pipeline_bubble_max_rank"] = float(bubbles.index(max(bubbles)))
         return metrics
+
+    def pipeline_bubbles(self) -> list[float]:
+        """Each rank's idle share of its pipeline steps; empty without pipeline parallelism."""
+        if not any(w.pipeline_steps for w in self.ranks):
+            return []
+        return [w.pipeline_idle / w.pipeline_steps if w.pipeline_steps else 0.0 for w in self.ranks]
 
     def table(self) -> str:
         """One line per rank: throughput and where its time went."""

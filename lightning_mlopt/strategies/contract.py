@@ -9,7 +9,8 @@ them a :class:`StrategyContract`:
 - ``checkpoint_layout`` and ``consolidate_checkpoint``: the layout it writes and how to read one back whole
   (the layout is described in the family's spec, ``strategies/spec.py``);
 - ``background_saves``, ``save_checkpoint_async`` and ``checkpoint_process_group``: async saves;
-- ``check_model``: a check of the model against the strategy's settings, before anything runs;
+- ``check_model`` and ``check_batch_size``: checks of the model and of the data's batch size against the
+  strategy's settings, before anything runs;
 - ``process_mesh``: the named device mesh its ranks form, if any (NCCLHealthCheck checks each dimension);
 - ``collectives_at_step_start``: whether its first collective of a step comes at the step's start (a host
   sum must not be in flight on its group then).
@@ -73,6 +74,10 @@ class StrategyContract(CheckpointingStrategy, Protocol):
         """Raise ``ValueError`` (naming the setting and what the model lacks) when they do not fit."""
         ...
 
+    def check_batch_size(self, batch_size: int | None) -> None:
+        """Raise ``ValueError`` when the data's batch size (per rank; None: unknown) does not fit the settings."""
+        ...
+
     def consolidate_checkpoint(self, state: Path, trust_pickles: bool = False) -> dict[str, Any]:
         """One full Lightning state dict on CPU from a checkpoint this strategy wrote."""
         ...
@@ -105,6 +110,9 @@ class DeclaresContract:
 
     def check_model(self, module: nn.Module) -> None:
         """Every model fits (no settings that name parts of it)."""
+
+    def check_batch_size(self, batch_size: int | None) -> None:
+        """Every batch size fits (no settings that divide it)."""
 
     def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> PendingWrite:
         """Not offered (``background_saves`` is False): the saver saves synchronously instead."""

@@ -42,6 +42,7 @@ from typing_extensions import override
 from lightning_mlopt.distributed.sharding import PipelineSharding
 from lightning_mlopt.distributed.state import register_pipeline_stage
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
+from lightning_mlopt.hooks import RunsPipeline
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
 from lightning_mlopt.strategies.full_checkpoint import load_dcp_folder, load_full_file
@@ -49,6 +50,7 @@ from lightning_mlopt.strategies.pp_schedule import (
     MICROBATCHES_PER_RANK,
     BubbleClock,
     ScheduleKind,
+    bubble_advice,
     schedule_named,
 )
 from lightning_mlopt.strategies.pp_split import (
@@ -64,7 +66,7 @@ from lightning_mlopt.strategies.spec import StrategySpec
 PIPELINE, DATA = "pipeline", "data"  # the mesh's dimensions, outermost first (pipeline ranks may span nodes)
 
 
-class PipelineParallelStrategy(FSDPStrategy):
+class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     """Pipeline parallelism: consecutive stages of the model on consecutive ranks, micro-batches streamed through.
 
     The world is a 2-D mesh ``(pipeline, data)``: ``pipeline_parallel_size`` ranks each hold one stage (or
@@ -152,6 +154,21 @@ class PipelineParallelStrategy(FSDPStrategy):
         return self.pipeline_parallel_size * self.stages_per_rank
 
     @property
+    def bubble_clock(self) -> BubbleClock | None:
+        """The clock of this rank's stages (None before set-up): PerformanceMonitor takes its idle time."""
+        return self._clock
+
+    @property
+    def theoretical_bubble(self) -> float:
+        """The schedule's idle share of a step with equal stages and free communication."""
+        return self.schedule.theoretical_bubble(self.pipeline_parallel_size, self.microbatches, self.stages_per_rank)
+
+    def bubble_advice(self, measured: float, worst_rank: int) -> str:
+        """One line for a bubble over 20% (PerformanceMonitor's warning)."""
+        ranks, m = self.pipeline_parallel_size, self.microbatches
+        return bubble_advice(measured, self.theoretical_bubble, worst_rank, self.schedule, ranks, m)
+
+    @property
     def data_parallel_size(self) -> int:
         """Pipeline replicas: ``world / pipeline_parallel_size``."""
         return self.world_size // self.pipeline_parallel_size
@@ -176,6 +193,14 @@ class PipelineParallelStrategy(FSDPStrategy):
                 f"({self.stages}); raise microbatches or use gpipe"
             )
         check_split(module, self.split_points, self.stages)
+
+    @override
+    def check_batch_size(self, batch_size: int | None) -> None:
+        """``microbatches`` must divide the batch size (checked again at set-up, from the loader itself)."""
+        if batch_size is not None and batch_size % self.microbatches:
+            raise BadInputError(
+                f"microbatches={self.microbatches} must divide the batch size ({batch_size}); choose a divisor of it"
+            )
 
     def stage_parameter_counts(self, module: nn.Module) -> list[int]:
         """Each stage's parameter count (the planner prints them)."""
@@ -217,8 +242,8 @@ class PipelineParallelStrategy(FSDPStrategy):
         """Trace and cut the model, keep this rank's stages, FSDP them over the data dimension, build the schedule."""
         self.check_model(module)
         trainer = self.lightning_module.trainer
-        inputs = _example_microbatch_inputs(trainer, self.microbatches, self.data_parallel_size)
-        with torch.no_grad():
+        with said_by_rank_zero(self.global_rank):
+            inputs = _example_microbatch_inputs(self, trainer)
             pipe = trace_stages(module, inputs, self.split_points)
         pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
         indices = stage_indices(pipeline_rank, self.pipeline_parallel_size, self.stages_per_rank)
@@ -289,8 +314,6 @@ class PipelineParallelStrategy(FSDPStrategy):
         for p in params:
             p.grad = None  # the loop's zero_grad comes next and would clear them
         module.log(self.loss_name, loss, prog_bar=True)
-        assert self._clock is not None
-        module.log("pipeline/bubble", self._clock.bubble())
         return loss
 
     @override
@@ -352,7 +375,7 @@ class PipelineParallelStrategy(FSDPStrategy):
         raise BadInputError("predict under pipeline parallelism is not offered: predict with ddp or fsdp")
 
 
-def _example_microbatch_inputs(trainer: Trainer, microbatches: int, replicas: int) -> tuple[Any, ...]:
+def _example_microbatch_inputs(strategy: PipelineParallelStrategy, trainer: Trainer) -> tuple[Any, ...]:
     """One micro-batch's inputs, built from the training data's first sample (the tracer needs their shapes).
 
     Raises:
@@ -363,19 +386,18 @@ def _example_microbatch_inputs(trainer: Trainer, microbatches: int, replicas: in
     source = trainer.datamodule if trainer.datamodule is not None else trainer.lightning_module
     loader = source.train_dataloader()
     batch_size = loader.batch_size
-    if batch_size is None or batch_size % microbatches:
-        raise BadInputError(
-            f"microbatches={microbatches} must divide the batch size ({batch_size}); choose a divisor of it"
-        )
+    if batch_size is None:
+        raise BadInputError("pipeline parallelism needs a training DataLoader with a batch_size (a fixed one)")
+    strategy.check_batch_size(batch_size)
     dataset = loader.dataset
     if hasattr(dataset, "__len__") and not loader.drop_last:
-        per_replica = math.ceil(len(dataset) / replicas)
+        per_replica = math.ceil(len(dataset) / strategy.data_parallel_size)
         if per_replica % batch_size:
             raise BadInputError(
                 f"the data ends each epoch on a batch of {per_replica % batch_size}, not {batch_size}: a pipeline's "
                 "shapes are fixed at its first step; set drop_last=True in the training DataLoader"
             )
-    size = batch_size // microbatches
+    size = batch_size // strategy.microbatches
     # As DataLoader's own fetchers build a batch: a batched read where the dataset offers one, else item by item.
     if isinstance(dataset, IterableDataset):
         samples: Any = list(itertools.islice(iter(dataset), size))

@@ -29,9 +29,6 @@ from dataclasses import dataclass
 from functools import wraps
 from typing import Any
 
-BUBBLE_WARNING = 0.20
-"""A measured bubble above this share of the step earns a warning with the fix (the seeds' rule)."""
-
 MICROBATCHES_PER_RANK = 4
 """Fewer micro-batches than this many per pipeline rank earn a warning: the bubble is then over 20%."""
 
@@ -113,6 +110,8 @@ class BubbleClock:
     def __init__(self, stages: Sequence[Any]) -> None:
         self._busy = 0.0
         self._wall = 0.0
+        self._idle_total = 0.0  # since the last take(): what PerformanceMonitor sums per logging window
+        self._wall_total = 0.0
         for stage in stages:
             for name in self._TIMED:
                 method = getattr(stage, name, None)
@@ -139,9 +138,36 @@ class BubbleClock:
             yield
         finally:
             self._wall = time.perf_counter() - start
+            self._wall_total += self._wall
+            self._idle_total += max(0.0, self._wall - self._busy)
 
     def bubble(self) -> float:
         """The idle share of the last step timed on this rank, in [0, 1]."""
         if self._wall <= 0:
             return 0.0
         return min(1.0, max(0.0, 1.0 - self._busy / self._wall))
+
+    def take(self) -> tuple[float, float]:
+        """Seconds idle and seconds in pipeline steps since the last call (PerformanceMonitor's windows)."""
+        taken = (self._idle_total, self._wall_total)
+        self._idle_total = self._wall_total = 0.0
+        return taken
+
+
+def bubble_advice(measured: float, theory: float, worst_rank: int, kind: ScheduleKind, ranks: int, m: int) -> str:
+    """The warning for a bubble over 20% (``BUBBLE_WARNING``): what was measured, the theory, and the fixes.
+
+    Example::
+
+        >>> print(bubble_advice(0.35, 0.2, 1, SCHEDULES["1f1b"], ranks=2, m=4))  # doctest: +NORMALIZE_WHITESPACE
+        pipeline bubble: ranks idle 35% of each step (rank 1 the most; 20% in theory for 1f1b with 2 pipeline
+        ranks and 4 micro-batches): raise microbatches (8 or more), use interleaved_1f1b, or move layers away
+        from the slowest stage
+    """
+    enough = MICROBATCHES_PER_RANK * ranks
+    more = f" ({enough} or more)" if m < enough else ""
+    return (
+        f"pipeline bubble: ranks idle {measured:.0%} of each step (rank {worst_rank} the most; {theory:.0%} in "
+        f"theory for {kind.name} with {ranks} pipeline ranks and {m} micro-batches): raise microbatches{more}, "
+        "use interleaved_1f1b, or move layers away from the slowest stage"
+    )

@@ -81,6 +81,11 @@ def check_split(module: nn.Module, split_points: Sequence[str], stages: int) -> 
             close = difflib.get_close_matches(name, order, n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise BadInputError(f"split_points: {name!r} is not a module of {type(module).__name__}{hint}")
+    for name in split_points:
+        if isinstance(module.get_submodule(name), (nn.ModuleList, nn.ModuleDict)):
+            raise BadInputError(
+                f"split_points: {name!r} holds no module of its own: name a module the forward calls (e.g. {name}.0)"
+            )
     if len(set(split_points)) != len(split_points):
         raise BadInputError(f"split_points: a module is named twice: {list(split_points)}")
     for earlier, later in itertools.pairwise(split_points):
@@ -99,7 +104,7 @@ def check_split(module: nn.Module, split_points: Sequence[str], stages: int) -> 
         seen = owner_stage.setdefault(id(param), (stage, name))
         if seen[0] != stage:
             raise BadInputError(
-                f"split_points: {seen[1]} and {name} are one parameter (tied) in stages {seen[0]} and {stage}; "
+                f"split_points: {seen[1]} and {name} are one parameter (tied) in stages {seen[0]}, {stage}; "
                 "untie it or put both modules in one stage"
             )
         if seen[1] == name:

@@ -4,6 +4,9 @@
   as one process does, with GPipe, 1F1B, and interleaved 1F1B (two stages per rank, four in all): the same loss
   at every step and the same final parameters, fp32, with gradient clipping active (so the global norm is
   summed over the stages), and each rank holds only its stages' parameters, under their whole-model names.
+- Validation runs the schedule forward only: the same ``val/loss`` as one process.
+- The bubble is measured by PerformanceMonitor, per rank, beside the schedule's theoretical one.
+- A split, a size or a model that does not fit is refused before launch: exit 2, one line naming the fix.
 - Checkpoints (killed with SIGKILL and resumed bitwise: tests/callbacks/test_fault_tolerant_checkpoint.py): a PP
   checkpoint resumes in one process (DDP, through a conversion: the stages' flattened optimizer
   states gathered by name) and trains on as the one-process run does, moments included; ``checkpoint
@@ -16,12 +19,17 @@ micro-batches' losses are summed in another order than one batch's: tolerances a
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
+from lightning_mlopt.cli import main
 from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp
-from tests.conftest import SHARED_RUN_CLIP, run_tool_here
+from tests.conftest import CONFIGS, SHARED_RUN_CLIP, run_tool_here
 from tests.support.strategy_runs import TrainedRun, train
 
 STEPS = 6
@@ -35,9 +43,10 @@ def pp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainedRun]:
         "--trainer.strategy.init_args.schedule=interleaved_1f1b",
         "--trainer.strategy.init_args.split_points=[model.layers.1, model.layers.2, model.layers.3]",
     )
+    validate = ("--trainer.val_check_interval=3", "--trainer.limit_val_batches=2")
     return {
-        "one": train(root, "one", "ddp", STEPS + 2, devices=1, extra=(SHARED_RUN_CLIP,)),
-        "1f1b": train(root, "1f1b", "pp", STEPS, extra=(SHARED_RUN_CLIP, "--checkpoint.every_n_steps=3")),
+        "one": train(root, "one", "ddp", STEPS + 2, devices=1, extra=(SHARED_RUN_CLIP, *validate)),
+        "1f1b": train(root, "1f1b", "pp", STEPS, extra=(SHARED_RUN_CLIP, "--checkpoint.every_n_steps=3", *validate)),
         "gpipe": train(
             root, "gpipe", "pp", STEPS, extra=(SHARED_RUN_CLIP, "--trainer.strategy.init_args.schedule=gpipe")
         ),
@@ -97,3 +106,105 @@ def test_a_pp_checkpoint_consolidates_to_the_full_tensors_and_named_moments(tmp_
     (optimizer,) = consolidate_dcp(saved.path / STATE_NAME)["optimizer_states"]
     assert set(optimizer["state"]) == set(run.params), "every stage's moments, by parameter name"
     assert sorted(len(group["params"]) for group in optimizer["param_groups"]) == [19, 34]  # decayed, not
+
+
+@pytest.mark.multiprocess
+def test_validation_under_pp_gives_the_one_process_loss(pp_runs):
+    def final_val_loss(run: TrainedRun) -> float:
+        return json.loads((run.run_dir / "metrics.json").read_text())["metrics"]["val/loss"]
+
+    assert final_val_loss(pp_runs["1f1b"]) == pytest.approx(final_val_loss(pp_runs["one"]), rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("schedule", "theory"), [("1f1b", 1 / 9), ("interleaved", 1 / 17)])
+def test_performance_monitor_reports_each_ranks_bubble_beside_the_schedules_theory(pp_runs, schedule, theory):
+    summary = json.loads((pp_runs[schedule].run_dir / "perf" / "summary.json").read_text())
+    metrics = summary["metrics"]
+    assert metrics["perf/pipeline_bubble_theory"] == pytest.approx(theory)  # (p - 1) / (v m + p - 1), m = 8
+    bubbles = [rank["pipeline_idle"] / rank["pipeline_steps"] for rank in summary["ranks"]]
+    assert all(0 < bubble < 1 for bubble in bubbles), bubbles
+    assert metrics["perf/pipeline_bubble"] == pytest.approx(sum(bubbles) / 2)
+    assert metrics["perf/pipeline_bubble_max"] == pytest.approx(max(bubbles))
+    output = (pp_runs[schedule].run_dir.parents[1] / schedule / "output.txt").read_text()
+    if "PerformanceMonitor: pipeline bubble: ranks idle" in output:  # a window over 20% (gloo's p2p is slow)
+        assert f"{theory:.0%} in theory for {'interleaved_1f1b' if schedule == 'interleaved' else schedule}" in output
+
+
+def _refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> str:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "pp.yaml"),
+              "--trainer.accelerator=cpu", "--trainer.devices=2", *args])  # fmt: skip
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert message.startswith("error: trainer.strategy: ") and len(message.strip().splitlines()) == 1, message
+    assert not list(tmp_path.iterdir()), "nothing written"
+    return message
+
+
+INTERLEAVED = "--trainer.strategy.init_args.schedule=interleaved_1f1b"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--trainer.strategy.init_args.split_points=[model.layer.2]"],
+            "split_points: 'model.layer.2' is not a module of GPTLanguageModel; did you mean model.layers.2",
+        ),
+        (
+            [INTERLEAVED, "--trainer.strategy.init_args.split_points=[model.layers.1, model.layers.3, model.layers.2]"],
+            "split_points: 'model.layers.2' comes before 'model.layers.3' in the model; list them in forward order",
+        ),
+        (
+            ["--trainer.strategy.init_args.split_points=[model.layers.2, model.layers.3]"],
+            "split_points: 2 stages need 1 split point(s)",
+        ),
+        (
+            ["--trainer.strategy.init_args.split_points=[model.layers]"],
+            "split_points: 'model.layers' holds no module of its own: name a module the forward calls",
+        ),
+        (["--trainer.strategy.init_args.microbatches=1"], "microbatches=1: 1f1b needs at least one per stage (2)"),
+        (["--trainer.strategy.init_args.microbatches=6"], "microbatches=6 must divide the batch size (16)"),
+        (
+            ["--trainer.strategy.init_args.pipeline_parallel_size=3"],
+            "pipeline_parallel_size=3 must divide the world size (2",
+        ),
+        (["--model=tests.support.llama_style.LlamaStyleLM"], "LlamaStyleLM has no pipeline_loss(output, target)"),
+    ],
+    ids=["unknown", "order", "count", "container", "1f1b", "divide", "world", "no-loss"],
+)
+def test_a_split_or_size_that_does_not_fit_is_refused_before_launch(tmp_path, monkeypatch, capsys, args, expected):
+    assert expected in _refused(tmp_path, monkeypatch, capsys, *args)
+
+
+@pytest.mark.multiprocess
+def test_a_llama_shaped_model_trains_under_pp2_as_in_one_process(tmp_path):
+    """Hugging Face's module names and shapes (grouped-query attention, SwiGLU, RMSNorm, the head outside
+    ``model``), cut at ``model.layers.1``: the model adds ``pipeline_loss`` and nothing else."""
+    config = {
+        "seed_everything": 1234,
+        "model": {"class_path": "tests.support.llama_style.PipelinedLlamaStyleLM", "init_args": {"n_layer": 2}},
+        "data": yaml.safe_load((CONFIGS / "gpt.yaml").read_text())["data"],
+        "trainer": {"gradient_clip_val": 0.05},
+    }
+    (tmp_path / "llama.yaml").write_text(yaml.safe_dump(config))
+    llama = ("--config", str(tmp_path / "llama.yaml"))
+    pp = train(tmp_path, "pp", "pp", 4, extra=(*llama, "--trainer.strategy.init_args.split_points=[model.layers.1]"))
+    one = train(tmp_path, "one", "ddp", 4, devices=1, extra=llama)
+    _assert_same_losses(pp, one, slice(0, 4))
+    _assert_same_parameters(pp.params, one.params)
+
+
+@pytest.mark.multiprocess
+def test_pp_x_dp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
+    """4 processes: two pipelines of two stages, each stage sharded by FSDP over its two data ranks; the same
+    global batch of 2 x 16 as DDP on 2 processes, in the same order (the session's shared DDP run)."""
+    run = train(tmp_path, "pp_dp", "pp", STEPS, devices=4, extra=(SHARED_RUN_CLIP,))
+    ddp = strategy_runs["ddp"]
+    for rank, record in enumerate(run.records):  # rank = pipeline rank x 2 + data rank: its replica's loss
+        expected = torch.tensor(ddp.records[rank % 2]["losses"][:STEPS])
+        torch.testing.assert_close(torch.tensor(record["losses"]), expected, rtol=1e-5, atol=0)
+    assert run.params.keys() == ddp.params.keys()
+    assert "pipeline stage(s) 1 of 2" in (tmp_path / "pp_dp" / "output.txt").read_text()

@@ -1,0 +1,86 @@
+"""Pipeline parallelism's pieces alone: the split check's arithmetic, tied parameters, the bubble clock, theory."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.strategies.pp_schedule import SCHEDULES, BubbleClock, schedule_named
+from lightning_mlopt.strategies.pp_split import check_split, install_stages, stage_indices
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight  # tied, as many language models do
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.body(self.embed(tokens)))
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def test_per_stage_parameter_counts_follow_the_split_points() -> None:
+    model = _Tied()
+    model.head.weight = nn.Parameter(torch.zeros(8, 4))  # untied
+    assert check_split(model, ["body"], stages=2) == [8 * 4, 4 * 4 + 4 + 8 * 4]
+
+
+def test_a_parameter_tied_across_stages_is_refused() -> None:
+    with pytest.raises(BadInputError, match=r"embed.weight and head.weight are one parameter \(tied\) in stages 0, 1"):
+        check_split(_Tied(), ["body"], stages=2)
+
+
+def test_a_rank_with_two_stages_holds_both_under_one_parent_with_their_names() -> None:
+    first, second = nn.Module(), nn.Module()
+    first.layers = nn.Module()
+    first.layers.add_module("0", nn.Linear(2, 2))
+    second.layers = nn.Module()
+    second.layers.add_module("2", nn.Linear(2, 2))
+    holder = nn.Module()
+    holder.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+    holder.head = nn.Linear(2, 2)
+    install_stages(holder, [first, second])
+    assert sorted(name for name, _ in holder.named_parameters()) == [
+        "layers.0.bias", "layers.0.weight", "layers.2.bias", "layers.2.weight"
+    ]  # fmt: skip
+    assert holder.head is None
+    assert stage_indices(1, ranks=2, stages_per_rank=2) == [1, 3]
+
+
+class _Stage:
+    def forward_one_chunk(self) -> None:
+        time.sleep(0.02)
+
+    def backward_one_chunk(self) -> None:
+        time.sleep(0.02)
+
+
+def test_the_bubble_is_the_step_time_outside_the_stages_compute() -> None:
+    stage = _Stage()
+    clock = BubbleClock([stage])
+    with clock.step():
+        stage.forward_one_chunk()
+        time.sleep(0.04)  # waiting for a neighbour
+        stage.backward_one_chunk()
+    assert clock.bubble() == pytest.approx(0.5, abs=0.1)
+    idle, steps = clock.take()
+    assert idle == pytest.approx(0.04, abs=0.015) and steps == pytest.approx(0.08, abs=0.02)
+    assert clock.take() == (0.0, 0.0), "taken once"
+
+
+def test_theoretical_bubbles_and_schedule_names() -> None:
+    assert SCHEDULES["gpipe"].theoretical_bubble(ranks=2, microbatches=4) == pytest.approx(0.2)
+    assert SCHEDULES["1f1b"].theoretical_bubble(ranks=4, microbatches=8) == pytest.approx(3 / 11)
+    assert SCHEDULES["interleaved_1f1b"].theoretical_bubble(2, 4, stages_per_rank=2) == pytest.approx(1 / 9)
+    assert schedule_named("1F1B") is SCHEDULES["1f1b"]
+    with pytest.raises(ValueError, match="schedule: unknown 'zb'; choose one of: gpipe"):
+        schedule_named("zb")
