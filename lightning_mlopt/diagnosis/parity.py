@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_mlopt.distributed.sharding import data_parallel_size
-from lightning_mlopt.distributed.state import full_parameters
+from lightning_mlopt.distributed.state import full_parameters, gathered_over_pipeline
 
 RECORD_NAME = "parity.pt"
 
@@ -81,11 +81,12 @@ class ParityRecorder(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params = full_parameters(pl_module)  # collective: every rank calls it
+        gradients = gathered_over_pipeline(pl_module, self.gradients or {})  # every stage's (collective)
         if trainer.global_rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             record = {
                 "losses": self.losses,
-                "gradients": self.gradients or {},
+                "gradients": gradients,
                 "parameters": {name: value.float() for name, value in params.items()},
                 "data_parallel_size": data_parallel_size(trainer.strategy, trainer.world_size),
             }

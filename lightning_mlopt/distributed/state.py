@@ -63,14 +63,26 @@ def full_parameters(module: nn.Module) -> dict[str, Tensor]:
             _strip_wrapper_prefix(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
             for name, p in named.items()
         }
-    group = _PIPELINE_GROUPS.get(module)
-    if group is not None:  # each pipeline rank holds its stages' parameters: every rank gets them all
-        import torch.distributed as dist
+    return gathered_over_pipeline(module, full)
 
-        stages: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(stages, full, group=group)
-        full = {name: tensor for stage in stages for name, tensor in stage.items()}
-    return full
+
+def gathered_over_pipeline(module: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` (by parameter name, on CPU) merged with the other pipeline stages' when ``module`` is a stage.
+
+    Collective over the pipeline when it is one (every rank of it must call); else ``tensors`` as they are.
+
+    Example::
+
+        gradients = gathered_over_pipeline(pl_module, {name: p.grad.cpu() for name, p in named})
+    """
+    group = _PIPELINE_GROUPS.get(module)
+    if group is None:
+        return tensors
+    import torch.distributed as dist
+
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, tensors, group=group)
+    return {name: tensor for stage in stages for name, tensor in stage.items()}
 
 
 _PIPELINE_GROUPS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
