@@ -136,6 +136,7 @@ def plan_memory(
     headroom: float = 0.1,
     tensor_parallel: tuple[int, int] | None = None,
     tensor_parallel_activation_bytes: float | None = None,
+    pipeline: PipelineShare | None = None,
 ) -> MemoryPlan:
     """Rows for DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and their CPU-offload variants; the first that fits wins.
 
@@ -144,7 +145,8 @@ def plan_memory(
     (``fsdpDxtpT``) when the world holds D = world / T data-parallel groups; it is a row to compare, never the
     recommendation (``strategy: auto`` does not choose TP: it needs a plan). Its activations are
     ``tensor_parallel_activation_bytes`` (one rank's under the plan, see
-    :func:`~lightning_mlopt.planning.probe.measure_activations`), else ``activation_bytes``.
+    :func:`~lightning_mlopt.planning.probe.measure_activations`), else ``activation_bytes``. With ``pipeline``,
+    a row for pipeline parallelism (``ppP``, or ``ppPxfsdpD``) from the busiest pipeline rank's share.
 
     Raises:
         ValueError: a non-positive count, world size or memory, or a headroom outside [0, 1).
@@ -194,6 +196,9 @@ def plan_memory(
             split_activations = activation_bytes
         row = _tensor_parallel_row(tensor_parallel, psi, world_size, (p, g, k), split_activations)
         rows.append(replace(row, fits=row.total * (1 + headroom) <= gpu_memory))
+    if pipeline is not None:
+        row = _pipeline_row(pipeline, world_size, (p, g, k), activation_bytes)
+        rows.append(replace(row, fits=row.total * (1 + headroom) <= gpu_memory))
     return MemoryPlan(num_params, world_size, gpu_memory, headroom, precision, optimizer, rows, recommendation)
 
 
@@ -214,6 +219,37 @@ def _tensor_parallel_row(
     name = f"tp{size}" if data == 1 else f"fsdp{data}xtp{size}"
     total = (p + g + k) * held + activation_bytes
     return PlanRow(name, p * held, g * held, k * held, activation_bytes, 0.0, total, fits=False)  # judged by the caller
+
+
+@dataclass(frozen=True)
+class PipelineShare:
+    """What the busiest pipeline rank holds: the largest sum of its stages' parameters, and its activations.
+
+    ``in_flight``: micro-batches whose activations that rank keeps at once (the schedule's: all ``m`` under
+    GPipe, at most the number of pipeline ranks under 1F1B); ``activation_share``: that rank's share of the
+    model's activations per micro-batch (its parameter share, as an estimate).
+    """
+
+    size: int
+    largest_rank_params: int
+    microbatches: int
+    in_flight: int
+    activation_share: float
+
+
+def _pipeline_row(
+    share: PipelineShare, world_size: int, per_parameter: tuple[int, int, int], activation_bytes: float
+) -> PlanRow:
+    """The busiest pipeline rank's state, divided by FSDP over the data ranks; its in-flight activations."""
+    if share.size < 1 or world_size % share.size:
+        raise ValueError(f"pipeline_parallel_size ({share.size}) must divide the world size ({world_size})")
+    data = world_size // share.size
+    held = share.largest_rank_params / data
+    activations = activation_bytes / share.microbatches * share.in_flight * share.activation_share
+    p, g, k = per_parameter
+    name = f"pp{share.size}" if data == 1 else f"pp{share.size}xfsdp{data}"
+    total = (p + g + k) * held + activations
+    return PlanRow(name, p * held, g * held, k * held, activations, 0.0, total, fits=False)  # judged by the caller
 
 
 def format_table(plan: MemoryPlan) -> str:

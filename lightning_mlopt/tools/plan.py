@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import yaml
 
-from lightning_mlopt.planning.memory import format_table, parse_count, parse_size, plan_memory
+from lightning_mlopt.planning.memory import PipelineShare, format_table, parse_count, parse_size, plan_memory
 from lightning_mlopt.planning.probe import instantiate, measure_activations, optimizer_kind
 from lightning_mlopt.strategies.tp_plan import ResolvedPlan
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
@@ -61,6 +61,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
     if not args.config and args.num_params is None:
         raise ValueError("give --config FILE or --num_params N")
     precision, optimizer, activations, tensor_parallel = args.precision, args.optimizer, 0.0, None
+    pipeline: PipelineShare | None = None
     split_activations: float | None = None  # one tensor-parallel rank's, measured under the plan
     placements: list[str] = []
     world_size = args.world_size
@@ -81,7 +82,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
         data = instantiate(config["data"]) if "data" in config and args.activation_memory is None else None
         if data is not None:
             activations = measure_activations(model, data)
+        pipeline, stage_lines = _pipeline(trainer, model, world_size)
         resolved, placements = _tensor_parallel(trainer, model, world_size)
+        placements = stage_lines + placements
         if resolved is not None:
             tensor_parallel = (resolved.size, resolved.split_elements(model))
             if data is not None:
@@ -104,6 +107,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
         headroom=args.headroom,
         tensor_parallel=tensor_parallel,
         tensor_parallel_activation_bytes=split_activations,
+        pipeline=pipeline,
     )
     return plan, placements
 
@@ -127,3 +131,36 @@ def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tu
     lines = [f"tensor-parallel plan ({size} ways, data-parallel {world_size // size}):"]
     lines += [f"  {line}" for line in plan.describe()]
     return plan, lines
+
+
+def _pipeline(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[PipelineShare | None, list[str]]:
+    """What each pipeline rank holds when the config's strategy is pipeline-parallel, and a line per stage."""
+    from lightning_mlopt.strategies import STRATEGIES, PipelineParallelStrategy
+    from lightning_mlopt.strategies.pp_split import check_split, stage_indices
+
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith(PipelineParallelStrategy.__name__):
+        init_args = strategy.get("init_args") or {}
+    elif isinstance(strategy, str) and STRATEGIES.get(strategy, (None,))[0] is PipelineParallelStrategy:
+        init_args = STRATEGIES[strategy][1]
+    else:
+        return None, []
+    pp = PipelineParallelStrategy(**init_args)  # the constructor's checks and defaults (no process group)
+    size, stages, m = pp.pipeline_parallel_size, pp.stages, pp.microbatches
+    counts = check_split(model, pp.split_points, stages)
+    total = sum(counts) or 1
+    per_rank = [sum(counts[s] for s in stage_indices(r, size, pp.stages_per_rank)) for r in range(size)]
+    busiest = max(range(size), key=per_rank.__getitem__)
+    # Micro-batches alive at once on the busiest rank: GPipe keeps all; 1F1B's rank r at most size - r.
+    in_flight = m if pp.schedule.name in ("gpipe", "looped_bfs") else min(m, (size - busiest) * pp.stages_per_rank)
+    lines = [
+        f"pipeline plan ({size} ranks, {stages} stages, {pp.schedule.name}, {m} micro-batches, data-parallel "
+        f"{world_size // size}; bubble {pp.theoretical_bubble:.0%} in theory):"
+    ]
+    starts = ["(start)", *pp.split_points]
+    for stage, count in enumerate(counts):
+        rank = stage % size
+        lines.append(f"  stage {stage} on pipeline rank {rank}, from {starts[stage]}: {count:,} parameters "
+                     f"({count / total:.0%})")  # fmt: skip
+    share = PipelineShare(size, per_rank[busiest], m, in_flight, per_rank[busiest] / total)
+    return share, lines

@@ -182,3 +182,24 @@ def test_tensor_parallel_rows_place_each_module_and_divide_as_the_plan_does(tmp_
     # A plan that does not fit the model is bad input here too.
     bad = run_cli([*fsdp_tp, "--world_size", "3"], cwd=tmp_path)
     assert bad.returncode == 2 and "must divide the world size (3)" in bad.stderr
+
+
+def test_pipeline_rows_name_each_stage_and_hold_the_busiest_ranks_share(tmp_path):
+    pp = ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "pp.yaml")]
+    result = run_cli([*pp, "--world_size", "4"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:3] == [
+        "pipeline plan (2 ranks, 2 stages, 1f1b, 8 micro-batches, data-parallel 2; bubble 11% in theory):",
+        "  stage 0 on pipeline rank 0, from (start): 437,504 parameters (50%)",
+        "  stage 1 on pipeline rank 1, from model.layers.2: 429,568 parameters (50%)",
+    ]
+    rows = {
+        line.split()[0]: [float(x) for x in line.split()[1:7]] for line in lines if line.startswith(("ddp ", "pp2"))
+    }
+    ddp, pp2 = rows["ddp"], rows["pp2xfsdp2"]
+    assert pp2[0] == pytest.approx(437_504 * 4 / 2 / 1e6, abs=0.01)  # fp32 stage 0, halved by FSDP, in MB
+    # 1F1B keeps at most 2 of the 8 micro-batches alive on rank 0, each with its stage's share of activations.
+    assert pp2[3] == pytest.approx(ddp[3] * 2 / 8 * 437_504 / (437_504 + 429_568), rel=0.01)
+    bad = run_cli([*pp, "--world_size", "3"], cwd=tmp_path)
+    assert bad.returncode == 2 and "must divide the world size (3)" in bad.stderr
