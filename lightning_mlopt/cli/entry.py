@@ -43,6 +43,7 @@ from lightning_mlopt.cli.support import (
     RunFinished,
     SaveResolvedConfig,
     StartupComplete,
+    check_fits_strategy,
     default_optimizer_replaced,
     describe_outputs,
     finished_run,
@@ -57,7 +58,6 @@ from lightning_mlopt.process.exit import exit_after_launcher, leave_without_dest
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import CONFIG_NAME, DEFAULT_RUNS_ROOT, resolve_run_dir
-from lightning_mlopt.strategies.contract import contract_of
 from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
 
 DEFAULT_SEED = 1234
@@ -267,20 +267,8 @@ class MLOptCLI(LightningCLI):
     before_test = before_predict = before_validate
 
     def _check_model_fits_strategy(self) -> None:
-        """A strategy setting that the model or the batch size does not fit fails here, before files.
-
-        Examples: FSDP's ``wrap_classes`` naming a class the model lacks, PP's ``microbatches`` not dividing the
-        batch size. A model that builds its layers in ``configure_model`` is checked by the strategy at setup instead.
-        """
-        contract = contract_of(self.trainer.strategy)
-        data = self.datamodule if self.datamodule is not None else self.model
-        batch_size = getattr(data, "batch_size", None)
-        try:
-            contract.check_batch_size(batch_size if isinstance(batch_size, int) else None)
-            if type(self.model).configure_model is LightningModule.configure_model:
-                contract.check_model(self.model)
-        except ValueError as error:
-            raise BadInputError(f"trainer.strategy: {error}") from None
+        """A strategy setting that the model or the batch size does not fit fails here, before files."""
+        check_fits_strategy(self.trainer.strategy, self.model, self.datamodule)
 
     def after_fit(self) -> None:
         """Rank zero: write ``metrics.json`` (final metrics, for sweeps and scripts) and print the result."""

@@ -256,3 +256,26 @@ class MeasuredModelSummary(ModelSummary):
         ]
         rows += [rule, *(f"{value:<10}{label}" for value, label in totals)]
         rank_zero_info("\n" + "\n".join(rows))
+
+
+def check_fits_strategy(strategy: Any, model: LightningModule, datamodule: Any) -> None:
+    """The strategy's checks of the model and of the data's batch size, before anything is launched or written.
+
+    Examples: FSDP's ``wrap_classes`` naming a class the model lacks, PP's ``microbatches`` not dividing the
+    batch size. A model that builds its layers in ``configure_model`` is checked by the strategy at setup instead.
+
+    Raises:
+        BadInputError: a check failed; the message names the strategy's setting.
+
+    """
+    from lightning_mlopt.exceptions import BadInputError
+    from lightning_mlopt.strategies.contract import contract_of
+
+    contract = contract_of(strategy)
+    batch_size = getattr(datamodule if datamodule is not None else model, "batch_size", None)
+    try:
+        contract.check_batch_size(batch_size if isinstance(batch_size, int) else None)
+        if type(model).configure_model is LightningModule.configure_model:
+            contract.check_model(model)
+    except ValueError as error:
+        raise BadInputError(f"trainer.strategy: {error}") from None

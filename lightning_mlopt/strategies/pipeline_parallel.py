@@ -21,8 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import itertools
-import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +34,6 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
-from torch.utils.data import IterableDataset
 from typing_extensions import override
 
 from lightning_mlopt.distributed.sharding import PipelineSharding
@@ -56,6 +53,7 @@ from lightning_mlopt.strategies.pp_schedule import (
 from lightning_mlopt.strategies.pp_split import (
     DeclaresPipelineLoss,
     check_split,
+    example_microbatch_inputs,
     install_stages,
     split_batch,
     stage_indices,
@@ -243,7 +241,11 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         self.check_model(module)
         trainer = self.lightning_module.trainer
         with said_by_rank_zero(self.global_rank):
-            inputs = _example_microbatch_inputs(self, trainer)
+            source = trainer.datamodule if trainer.datamodule is not None else trainer.lightning_module
+            loader = source.train_dataloader()
+            if loader.batch_size is not None:
+                self.check_batch_size(loader.batch_size)
+            inputs = example_microbatch_inputs(loader, self.microbatches, self.data_parallel_size)
             pipe = trace_stages(module, inputs, self.split_points)
         pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
         indices = stage_indices(pipeline_rank, self.pipeline_parallel_size, self.stages_per_rank)
@@ -373,40 +375,6 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise BadInputError("predict under pipeline parallelism is not offered: predict with ddp or fsdp")
-
-
-def _example_microbatch_inputs(strategy: PipelineParallelStrategy, trainer: Trainer) -> tuple[Any, ...]:
-    """One micro-batch's inputs, built from the training data's first sample (the tracer needs their shapes).
-
-    Raises:
-        BadInputError: ``microbatches`` does not divide the batch size, or the epoch would end on a smaller batch
-            (the pipeline's shapes are fixed at the first step).
-
-    """
-    source = trainer.datamodule if trainer.datamodule is not None else trainer.lightning_module
-    loader = source.train_dataloader()
-    batch_size = loader.batch_size
-    if batch_size is None:
-        raise BadInputError("pipeline parallelism needs a training DataLoader with a batch_size (a fixed one)")
-    strategy.check_batch_size(batch_size)
-    dataset = loader.dataset
-    if hasattr(dataset, "__len__") and not loader.drop_last:
-        per_replica = math.ceil(len(dataset) / strategy.data_parallel_size)
-        if per_replica % batch_size:
-            raise BadInputError(
-                f"the data ends each epoch on a batch of {per_replica % batch_size}, not {batch_size}: a pipeline's "
-                "shapes are fixed at its first step; set drop_last=True in the training DataLoader"
-            )
-    size = batch_size // strategy.microbatches
-    # As DataLoader's own fetchers build a batch: a batched read where the dataset offers one, else item by item.
-    if isinstance(dataset, IterableDataset):
-        samples: Any = list(itertools.islice(iter(dataset), size))
-    elif hasattr(dataset, "__getitems__"):
-        samples = dataset.__getitems__(list(range(size)))
-    else:
-        samples = [dataset[index] for index in range(size)]
-    example = loader.collate_fn(samples)
-    return split_batch(example)[0]
 
 
 SPEC = StrategySpec(

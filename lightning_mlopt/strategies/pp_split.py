@@ -28,10 +28,12 @@ from __future__ import annotations
 import bisect
 import difflib
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_mlopt.exceptions import BadInputError
 
@@ -201,3 +203,33 @@ def split_batch(batch: Any) -> tuple[tuple[Any, ...], Any]:
         )
     inputs, target = batch
     return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
+
+
+def example_microbatch_inputs(loader: DataLoader, microbatches: int, replicas: int) -> tuple[Any, ...]:
+    """One micro-batch's inputs, built from the training data's first samples (the tracer needs their shapes).
+
+    Raises:
+        BadInputError: no fixed batch size, or an epoch that would end on a smaller batch (a pipeline's shapes
+            are fixed at its first step).
+
+    """
+    batch_size = loader.batch_size
+    if batch_size is None:
+        raise BadInputError("pipeline parallelism needs a training DataLoader with a batch_size (a fixed one)")
+    dataset = loader.dataset
+    if hasattr(dataset, "__len__") and not loader.drop_last:
+        per_replica = math.ceil(len(dataset) / replicas)
+        if per_replica % batch_size:
+            raise BadInputError(
+                f"the data ends each epoch on a batch of {per_replica % batch_size}, not {batch_size}: a pipeline's "
+                "shapes are fixed at its first step; set drop_last=True in the training DataLoader"
+            )
+    size = batch_size // microbatches
+    # As DataLoader's own fetchers build a batch: a batched read where the dataset offers one, else item by item.
+    if isinstance(dataset, IterableDataset):
+        samples: Any = list(itertools.islice(iter(dataset), size))
+    elif hasattr(dataset, "__getitems__"):
+        samples = dataset.__getitems__(list(range(size)))
+    else:
+        samples = [dataset[index] for index in range(size)]
+    return split_batch(loader.collate_fn(samples))[0]
