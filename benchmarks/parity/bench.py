@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _common import median, publish  # noqa: E402
 
-STRATEGIES = ["ddp", "fsdp", "tp", "zero1", "zero2", "zero3"]
+STRATEGIES = ["ddp", "fsdp", "tp", "pp", "zero1", "zero2", "zero3"]
 LIGHTNING_RUNS = {"ddp", "fsdp"}
 MODELS: dict[str, list[str]] = {
     "gpt": [],

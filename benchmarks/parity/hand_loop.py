@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-STRATEGIES = ("ddp", "fsdp", "tp", "zero1", "zero2", "zero3")
+STRATEGIES = ("ddp", "fsdp", "tp", "pp", "zero1", "zero2", "zero3")
 COUNTED_STEPS = (10, 12)  # warm steps, neither a logging step of configs/gpt.yaml on our side
 
 
@@ -100,8 +100,8 @@ def main() -> None:
     module = GPTLanguageModel(**config["model"]["init_args"])
     data = TokenDataModule(**config["data"]["init_args"])
     data.setup("fit")
-    # Tensor parallelism over the whole world: one data-parallel replica, every rank reads the same batch.
-    replicas, replica = (1, 0) if args.strategy == "tp" else (world, rank)
+    # Tensor and pipeline parallelism over the whole world: one data-parallel replica, every rank reads the batch.
+    replicas, replica = (1, 0) if args.strategy in ("tp", "pp") else (world, rank)
     sampler = DistributedSampler(data.train_set, num_replicas=replicas, rank=replica, shuffle=True, seed=seed)
     sampler.set_epoch(0)
     batch_size = int(config["data"]["init_args"]["batch_size"])
@@ -115,6 +115,8 @@ def main() -> None:
         train = _deepspeed_loop(module, args.strategy, batch_size, clip, rank)
     elif args.strategy == "tp":
         train = _tensor_parallel_loop(module, world, clip)
+    elif args.strategy == "pp":
+        train, stage_module = _pipeline_loop(module, config, rank, clip)
     else:
         train = _torch_loop(module, args.strategy, clip)
     batches = iter(loader)
@@ -158,6 +160,11 @@ def main() -> None:
     from lightning_mlopt.distributed import full_parameters
 
     params = full_parameters(module)  # a collective under FSDP and ZeRO-3: every rank calls it
+    if args.strategy == "pp":  # each rank trained its stage's parameters: rank 0 gathers them all
+        stages: list[Any] = [None] * world
+        own = {name: p.detach().clone() for name, p in stage_module.named_parameters()}
+        dist.all_gather_object(stages, own)
+        params = {name: value for stage in stages for name, value in stage.items()}
     if rank == 0 and args.out is not None:
         torch.save(params, args.out)
     dist.barrier()
@@ -254,6 +261,50 @@ def _tensor_parallel_loop(module: Any, world: int, clip: float) -> Any:
             scheduler.step()
 
     return train
+
+
+def _pipeline_loop(module: Any, config: dict[str, Any], rank: int, clip: float) -> tuple[Any, nn.Module]:
+    """``configs/strategies/pp.yaml`` written with torch's pipelining alone: the demo cut where ``model.layers.2``
+    begins, 1F1B over 8 micro-batches, AdamW over this rank's stage, clipping by the norm summed over stages."""
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+    overlay = yaml.safe_load((REPO / "configs" / "strategies" / "pp.yaml").read_text())["trainer"]["strategy"]
+    microbatches = int(overlay["init_args"]["microbatches"])
+    split = {name: SplitPoint.BEGINNING for name in overlay["init_args"]["split_points"]}
+    data, hparams = config["data"]["init_args"], config["model"]["init_args"]
+    example = torch.zeros(int(data["batch_size"]) // microbatches, int(data["block_size"]), dtype=torch.long)
+    stage = pipeline(module, mb_args=(example,), split_spec=split).build_stage(rank, torch.device("cpu"))
+    schedule = Schedule1F1B(
+        stage, microbatches, loss_fn=lambda out, target: _loss(out, target) / microbatches, scale_grads=False
+    )
+    params = list(stage.submod.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": float(hparams["weight_decay"])},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=float(hparams["lr"]),
+        betas=(0.9, 0.95),
+    )
+    warmup = int(hparams["warmup_steps"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+
+    def train(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        inputs, targets = batch
+        if stage.is_first:
+            schedule.step(inputs)
+        else:
+            schedule.step(target=targets, losses=[])
+        if clip > 0:
+            grads = [p.grad for p in params if p.grad is not None]
+            squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+            dist.all_reduce(squares)  # the stages' sums: the whole model's norm
+            torch._foreach_mul_(grads, (clip / (squares.sqrt() + 1e-6)).clamp(max=1.0))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+    return train, stage.submod
 
 
 def _deepspeed_loop(module: Any, strategy: str, batch_size: int, clip: float, rank: int) -> Any:
