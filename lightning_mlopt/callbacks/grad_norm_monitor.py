@@ -27,7 +27,7 @@ from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.distributed.step_exchange import step_exchange
 from lightning_mlopt.exceptions import NonFiniteGradientError
-from lightning_mlopt.hooks import checkpoint_events
+from lightning_mlopt.hooks import checkpoint_events, pipeline_of
 from lightning_mlopt.strategies.contract import contract_of
 
 Action = Literal["warn", "skip", "stop", "checkpoint_and_stop"]
@@ -314,7 +314,8 @@ class GradNormMonitor(Callback):
         world, rank = trainer.world_size, trainer.global_rank
         slots = torch.zeros(4 * world, device=pl_module.device)  # per rank: culprit, loss, re-run loss, grads
         modules: list[str] = []
-        batch = self._last_batch
+        # A pipeline rank holds a stage, not the model: a re-run of the step's forward cannot run on it.
+        batch = self._last_batch if pipeline_of(trainer.strategy) is None else None
         rerun: Rerun | None = None
         locate = kind == "nonfinite" and self.locate_nonfinite
         classify_it = self.rerun_on_anomaly and self._batch_rng is not None

@@ -118,11 +118,19 @@ def is_flattened(state: Mapping[str, Any]) -> bool:
     return bool(state) and all(key.startswith(("state.", "param_groups.")) for key in state)
 
 
+GROUP_INDEX = "_group_index"
+"""A flattened state's extra per-parameter setting: the index of the group that held it (pipeline stages write it).
+
+torch's flattened form keeps each parameter's group settings but not which group: two groups with the same
+settings would merge, and the groups' order would follow the keys'.
+"""
+
+
 def unflattened(state: Mapping[str, Any]) -> dict[str, Any]:
     """The named form of torch's flattened optimizer state (``{"state": {name: {...}}, "param_groups": [...]}``).
 
-    Parameters with the same group settings form one group, in the order they come (the flattened form keeps
-    no group boundaries; a named state is matched to the live optimizer's groups by name anyway).
+    Parameters form groups by :data:`GROUP_INDEX` where the state records it, in its order; else by equal
+    settings, in the order they come (a named state is matched to the live optimizer's groups by name anyway).
 
     Example::
 
@@ -135,14 +143,20 @@ def unflattened(state: Mapping[str, Any]) -> dict[str, Any]:
         kind, _, rest = key.partition(".")
         name, _, field = rest.rpartition(".")
         (per_parameter if kind == "state" else settings).setdefault(name, {})[field] = value
-    groups: list[dict[str, Any]] = []
+    indexed: dict[int, dict[str, Any]] = {}
+    by_settings: list[dict[str, Any]] = []
     for name, group_settings in settings.items():
-        same = next((group for group in groups if _settings(group) == group_settings), None)
-        if same is None:
-            groups.append({**group_settings, "params": [name]})
+        index = group_settings.pop(GROUP_INDEX, None)
+        if index is not None:
+            group = indexed.setdefault(int(index), {**group_settings, "params": []})
         else:
-            same["params"].append(name)
-    return {"state": per_parameter, "param_groups": groups}
+            group = next((g for g in by_settings if _settings(g) == group_settings), None) or {}
+            if not group:
+                group = {**group_settings, "params": []}
+                by_settings.append(group)
+        group["params"].append(name)
+    ordered = [indexed[index] for index in sorted(indexed)] + by_settings
+    return {"state": per_parameter, "param_groups": ordered}
 
 
 def _settings(group: Mapping[str, Any]) -> dict[str, Any]:

@@ -49,9 +49,13 @@ class ModuleNorms:
         self.sharding = sharding
         self.depth = depth
         self.params: list[Tensor] = list(module.parameters())
-        self.prefix = common_root([name for name, _ in module.named_parameters()])
+        # Pipeline stages hold different parameters: groups are laid out on the whole model's names, so every
+        # rank's per-group vector has the same slots (summed over the world).
+        every = getattr(sharding, "model_parameter_names", None) or [name for name, _ in module.named_parameters()]
+        self.prefix = common_root(list(every))
         self.names = {id(p): name[len(self.prefix) :] for name, p in module.named_parameters()}
-        groups = dict.fromkeys(module_group(n, depth) for n in self.names.values()) if depth else {}
+        laid_out = [name[len(self.prefix) :] for name in every]
+        groups = dict.fromkeys(module_group(n, depth) for n in laid_out) if depth else {}
         self.groups: list[str] = list(groups)
         index = {group: i for i, group in enumerate(self.groups)}
         self._group_of = {pid: index[module_group(n, depth)] for pid, n in self.names.items()} if groups else {}

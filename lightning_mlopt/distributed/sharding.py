@@ -170,6 +170,10 @@ class TensorSharding:
     """
 
     can_skip_step = True
+    #: The whole model's parameter names, in order, where ranks hold different parameters (pipeline stages):
+    #: per-module figures are laid out on them, the same on every rank. None: every rank's module has them all.
+    #: Optional for other Sharding implementations (read with ``getattr``).
+    model_parameter_names: tuple[str, ...] | None = None
 
     def replication_of(self, tensor: DTensor) -> int:
         """On how many ranks each local shard of ``tensor`` lives (its mesh spans the world: FSDP, HSDP)."""
@@ -257,6 +261,7 @@ class PipelineSharding(TensorSharding):
 
     def __init__(self, pipeline_parallel_size: int = 1) -> None:
         self.pipeline_parallel_size = pipeline_parallel_size
+        self.model_parameter_names = None  # the whole model's, set when the strategy cuts it into stages
 
     def _copies(self) -> int:
         return max(1, world_size() // self.pipeline_parallel_size)
@@ -285,6 +290,15 @@ class PipelineSharding(TensorSharding):
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
         """See :class:`Sharding`: never across pipeline ranks (one of them alone is the whole model only at 1)."""
         return self.pipeline_parallel_size == 1 and super().gradients_replicated(params)
+
+    def replicas(self, module: nn.Module, optimizers: Sequence[Any]) -> ReplicaSet:
+        """See :class:`Sharding`: nothing to compare under pipeline parallelism.
+
+        Each stage's parameters live once per pipeline (sharded by FSDP over its data ranks beyond one pipeline);
+        the stages' buffers differ from rank to rank and are not compared.
+        """
+        return ReplicaSet([], "nothing (pipeline stages: each parameter is held once per pipeline, sharded by FSDP "
+                              "over the data ranks)")  # fmt: skip
 
 
 def _shard_group(tensor: DTensor) -> int:

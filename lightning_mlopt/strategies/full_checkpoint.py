@@ -29,11 +29,13 @@ from lightning_mlopt.checkpoint.layout import DCP_META_NAME
 from lightning_mlopt.checkpoint.optimizer_keys import (
     group_names,
     is_flattened,
+    is_keyed_by_name,
     keyed_by_name,
     restricted_to,
     unflattened,
 )
 from lightning_mlopt.checkpoint.serialization import load_file
+from lightning_mlopt.exceptions import BadInputError
 
 _OPTIMIZER_PREFIX = "optimizer_"  # DCP keys of the optimizers' states next to "state_dict"
 
@@ -87,7 +89,14 @@ def load_full_file(
     set_model_state_dict(module, weights, options=options)
     for optimizer, saved in zip(optimizers, checkpoint.get("optimizer_states") or [], strict=False):
         live = group_names(optimizer, module)
-        named = keyed_by_name(unflattened(saved) if is_flattened(saved) else saved, live)
+        saved = unflattened(saved) if is_flattened(saved) else saved
+        if stage_only and not is_keyed_by_name(saved):
+            raise BadInputError(
+                f"{path}: its optimizer state numbers the parameters (DDP's, one device's), which only the whole "
+                "model's optimizer can read; a pipeline stage holds part of it. Resume it under ddp or fsdp for a "
+                "step first (their checkpoints name every parameter), then under pp"
+            )
+        named = keyed_by_name(saved, live)
         if stage_only:
             named = restricted_to(named, live)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=named, options=options)

@@ -7,8 +7,7 @@ optimisation, without changing the loop:
 
 - ``training_step`` (the strategy's) zeroes the gradients at the start of an accumulation window, runs
   ``schedule.step`` (every micro-batch's forward and backward), and sets the gradients aside, so the loop's
-  ``zero_grad`` that follows finds nothing to clear. It returns the batch's loss, the same on every rank (the
-  last stage's, shared over the pipeline group), and logs it.
+  ``zero_grad`` that follows finds nothing to clear. It returns and logs the batch's loss (the last stage's).
 - ``backward`` (the strategy's) puts the gradients back between the ``on_before_backward`` and
   ``on_after_backward`` hooks instead of running autograd; clipping, ``on_before_optimizer_step``, the
   optimizer and LR schedulers then run as always.
@@ -26,9 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -36,13 +34,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mlopt.checkpoint.optimizer_keys import GROUP_INDEX, group_names
 from lightning_mlopt.distributed.sharding import PipelineSharding
 from lightning_mlopt.distributed.state import register_pipeline_stage
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.hooks import RunsPipeline
 from lightning_mlopt.strategies import fsdp
-from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
+from lightning_mlopt.strategies.fsdp import FSDPStrategy
 from lightning_mlopt.strategies.full_checkpoint import load_dcp_folder, load_full_file
+from lightning_mlopt.strategies.pp_runner import PipelineRunner, loop_name
 from lightning_mlopt.strategies.pp_schedule import (
     MICROBATCHES_PER_RANK,
     BubbleClock,
@@ -53,6 +53,8 @@ from lightning_mlopt.strategies.pp_schedule import (
 from lightning_mlopt.strategies.pp_split import (
     DeclaresPipelineLoss,
     check_split,
+    depends_on_mode,
+    example_loader,
     example_microbatch_inputs,
     install_stages,
     split_batch,
@@ -84,11 +86,12 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         schedule: ``gpipe``, ``1f1b`` (default: the least activation memory), ``interleaved_1f1b`` or
             ``looped_bfs`` (several stages per rank); see :mod:`lightning_mlopt.strategies.pp_schedule`.
         stages_per_rank: stages each rank holds; None: the schedule's default (1, or 2 for the interleaved ones).
-        loss_name: the name the training loss is logged under (``val/``, ``test/`` for the other loops).
+        loss_name: the name the training loss is logged under; ``train`` in it becomes ``val`` and ``test`` for
+            the other loops (``loss`` becomes ``val/loss``). Each pipeline logs its own replica's loss.
         reshard_after_forward: FSDP over the data dimension; False (default here) keeps a stage's parameters
             gathered across its micro-batches instead of gathering them once per micro-batch.
-        wrap_classes, min_params_to_wrap, param_dtype, reduce_dtype, timeout_minutes, process_group_backend: as
-            for :class:`~lightning_mlopt.strategies.FSDPStrategy` (the FSDP ones act when the data dimension > 1).
+        timeout_minutes, process_group_backend: as for :class:`~lightning_mlopt.strategies.FSDPStrategy`. The
+            run is fp32 (``precision: 32-true``): the stages exchange activations in the traced dtype.
 
     Raises:
         ValueError: a size below 1, or an unknown schedule.
@@ -111,8 +114,6 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         stages_per_rank: int | None = None,
         loss_name: str = "train/loss",
         reshard_after_forward: bool = False,
-        param_dtype: DType | None = None,
-        reduce_dtype: DType | None = None,
         timeout_minutes: float = 30.0,
         process_group_backend: Literal["gloo", "nccl"] | None = None,
     ) -> None:
@@ -128,8 +129,6 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
             )
         super().__init__(
             reshard_after_forward=reshard_after_forward,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
             timeout_minutes=timeout_minutes,
             process_group_backend=process_group_backend,
         )
@@ -140,11 +139,11 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         self.schedule: ScheduleKind = kind
         self.stages_per_rank = per_rank
         self.loss_name = loss_name
-        self._pipeline: Any = None  # torch's schedule, built at set-up
+        self._runner: PipelineRunner | None = None  # this rank's stages and schedules, built at set-up
         self._stages: list[Any] = []
-        self._clock: BubbleClock | None = None
         self._set_aside: list[tuple[Tensor, Tensor | None]] | None = None  # gradients between step and backward
-        self._loss_scale = 1.0
+        self._batch_size: int | None = None  # the loader's, which every batch through the pipeline must have
+        self._skipped_batch = False
 
     @property
     def stages(self) -> int:
@@ -154,7 +153,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     @property
     def bubble_clock(self) -> BubbleClock | None:
         """The clock of this rank's stages (None before set-up): PerformanceMonitor takes its idle time."""
-        return self._clock
+        return None if self._runner is None else self._runner.clock
 
     @property
     def theoretical_bubble(self) -> float:
@@ -190,6 +189,12 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
                 f"microbatches={self.microbatches}: {self.schedule.name} needs at least one per stage "
                 f"({self.stages}); raise microbatches or use gpipe"
             )
+        m, p = self.microbatches, self.pipeline_parallel_size
+        if self.schedule.multi_stage and m % max(1, m // p):  # torch's interleaved schedules' rounds
+            raise BadInputError(
+                f"microbatches={m}: {self.schedule.name} runs them in rounds of {max(1, m // p)}, which must divide "
+                f"them; choose a multiple of {p}"
+            )
         check_split(module, self.split_points, self.stages)
 
     @override
@@ -199,10 +204,6 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
             raise BadInputError(
                 f"microbatches={self.microbatches} must divide the batch size ({batch_size}); choose a divisor of it"
             )
-
-    def stage_parameter_counts(self, module: nn.Module) -> list[int]:
-        """Each stage's parameter count (the planner prints them)."""
-        return check_split(module, self.split_points, self.stages)
 
     @property
     @override
@@ -229,10 +230,16 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
                 "pipeline parallelism runs each batch's forward and backward in its schedule: manual "
                 "optimisation (automatic_optimization = False) cannot run under it"
             )
+        if str(trainer.precision) not in ("32-true", "32"):
+            # The stages' receive buffers take the traced activations' dtype (fp32): another dtype on the wire
+            # would be read as the wrong number of bytes.
+            raise BadInputError(
+                f"trainer.precision={trainer.precision}: pipeline parallelism runs in fp32 (32-true) for now"
+            )
         super().setup(trainer)
         rank_stages = ", ".join(str(stage.stage_index) for stage in self._stages)
         counts = sum(p.numel() for p in self.lightning_module.parameters())
-        if self.global_rank < self.pipeline_parallel_size:  # one line per pipeline rank, the first replica's
+        if self.device_mesh[DATA].get_local_rank() == 0:  # one line per pipeline rank, the first replica's
             print(f"[rank {self.global_rank}] pipeline stage(s) {rank_stages} of {self.stages}: {counts:,} parameters")
 
     @override
@@ -241,12 +248,24 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         self.check_model(module)
         trainer = self.lightning_module.trainer
         with said_by_rank_zero(self.global_rank):
-            source = trainer.datamodule if trainer.datamodule is not None else trainer.lightning_module
-            loader = source.train_dataloader()
+            loader = example_loader(trainer)
             if loader.batch_size is not None:
                 self.check_batch_size(loader.batch_size)
-            inputs = example_microbatch_inputs(loader, self.microbatches, self.data_parallel_size)
-            pipe = trace_stages(module, inputs, self.split_points)
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            inputs = example_microbatch_inputs(loader, self.microbatches, self.data_parallel_size, fitting)
+            self._batch_size = loader.batch_size
+            pipe = trace_stages(module, inputs, self.split_points, training=True)
+            # Evaluation needs the model traced in eval mode (dropout off, running statistics): the same
+            # parameter objects, other graphs. Under FSDP the stages' parameters become FSDP's own, which a
+            # second set of stage modules cannot share; there evaluation runs the training graphs.
+            separate_eval = self.data_parallel_size == 1 and depends_on_mode(module, inputs)
+            eval_pipe = trace_stages(module, inputs, self.split_points, training=False) if separate_eval else None
+            if self.data_parallel_size > 1 and depends_on_mode(module, inputs) and self.global_rank == 0:
+                warnings.warn(
+                    "pipeline x data parallel: validation and test run the model as traced for training (dropout "
+                    "on, batch statistics): its output depends on the mode",
+                    stacklevel=2,
+                )
         pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
         indices = stage_indices(pipeline_rank, self.pipeline_parallel_size, self.stages_per_rank)
         group = self.pipeline_group
@@ -254,50 +273,26 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         if self.data_parallel_size > 1:
             for stage in self._stages:  # one FSDP unit per stage: the schedule reduces its gradients once a step
                 fully_shard(stage.submod, **self._shard_options())
+        self.sharding.model_parameter_names = tuple(name for name, _ in module.named_parameters())
         install_stages(module, [stage.submod for stage in self._stages])
         register_pipeline_stage(module, group)
-        self._clock = BubbleClock(self._stages)
+        eval_stages = self._stages
+        if eval_pipe is not None:
+            eval_stages = [eval_pipe.build_stage(index, self.root_device, group) for index in indices]
         assert isinstance(module, DeclaresPipelineLoss)  # check_split said so
-
-        def loss(output: Tensor, target: Tensor) -> Tensor:
-            return module.pipeline_loss(output, target) * self._loss_scale
-
-        schedule_class = self.schedule.schedule_class()
-        self._pipeline = schedule_class(
-            self._stages if self.schedule.multi_stage else self._stages[0],
-            self.microbatches,
-            loss_fn=loss,
-            scale_grads=False,  # the loss is scaled instead: torch's would divide gradients accumulated before
+        self._runner = PipelineRunner(
+            self.schedule, self.microbatches, self._stages, eval_stages, module.pipeline_loss, group, self.root_device
         )
         self._warn_if_few_microbatches()
 
     def _warn_if_few_microbatches(self) -> None:
-        if self.global_rank == 0 and self.microbatches < MICROBATCHES_PER_RANK * self.pipeline_parallel_size:
-            bubble = self.schedule.theoretical_bubble(
-                self.pipeline_parallel_size, self.microbatches, self.stages_per_rank
-            )
+        enough = MICROBATCHES_PER_RANK * self.pipeline_parallel_size
+        if self.global_rank == 0 and self.microbatches < enough:
             warnings.warn(
                 f"pipeline: {self.microbatches} micro-batches for {self.pipeline_parallel_size} pipeline ranks leave "
-                f"a bubble of {bubble:.0%} in theory; {MICROBATCHES_PER_RANK * self.pipeline_parallel_size} or more "
-                "keep it under 20%",
+                f"a bubble of {self.theoretical_bubble:.0%} in theory; {enough} or more keep it under 20%",
                 stacklevel=2,
             )
-
-    def _run_schedule(self, batch: Any, train: bool) -> Tensor:
-        """One batch through the pipeline; the batch's mean loss, the same on every rank of the pipeline."""
-        inputs, target = split_batch(batch)
-        first = any(stage.is_first for stage in self._stages)
-        last = any(stage.is_last for stage in self._stages)
-        losses: list[Tensor] = []
-        step = self._pipeline.step if train else self._pipeline.eval
-        assert self._clock is not None
-        with self._clock.step():
-            step(*(inputs if first else ()), target=target if last else None, losses=losses if last else None)
-        loss = torch.stack([loss.detach().float() for loss in losses]).sum() if last else None
-        if loss is None:
-            loss = torch.zeros((), device=self.root_device)
-        dist.all_reduce(loss, group=self.pipeline_group)  # the last stage's value, given to every stage
-        return loss / self._loss_scale / self.microbatches
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -305,12 +300,14 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         module = self.lightning_module
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches
-        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        batch = args[0] if args else kwargs["batch"]
+        # Lightning passes batch_idx only to a training_step that declares it: the loop's own count instead.
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         if batch_idx % accumulate == 0:  # the start of an accumulation window: the loop zeroes later, too late
             module.zero_grad(set_to_none=True)
-        self._loss_scale = 1.0 / (self.microbatches * accumulate)  # gradients of the window's mean loss
-        with self.precision_plugin.train_step_context():
-            loss = self._run_schedule(batch, train=True)
+        assert self._runner is not None
+        with self.precision_plugin.train_step_context():  # gradients of the accumulation window's mean loss
+            loss = self._runner.run(batch, train=True, loss_scale=1.0 / (self.microbatches * accumulate))
         params = [p for p in module.parameters() if p.grad is not None]
         self._set_aside = [(p, p.grad) for p in params]
         for p in params:
@@ -335,17 +332,16 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer state of this rank's stages in torch's flattened form, one entry per parameter.
-
-        The nested form's group lists would collide in DCP's checkpoint (each stage's lists differ, one is
-        kept); flattened, the stages' entries are disjoint and every reader of ours takes both forms.
-        """
+        """The stages' optimizer state, flattened (one entry a parameter: the stages' merge in DCP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         assert self.model is not None
         plain = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps it
         options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, plain, options=options)
+        state = get_optimizer_state_dict(self.model, plain, options=options)
+        for index, names in enumerate(group_names(plain, self.model)):  # which group each parameter was in
+            state.update({f"param_groups.{name}.{GROUP_INDEX}": index for name in names})
+        return state
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -360,15 +356,31 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._evaluate(args[0], self.loss_name.replace("train", "val", 1))
+        with self.precision_plugin.val_step_context():
+            return self._evaluate(args[0], loop_name(self.loss_name, "val"))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._evaluate(args[0], self.loss_name.replace("train", "test", 1))
+        with self.precision_plugin.test_step_context():
+            return self._evaluate(args[0], loop_name(self.loss_name, "test"))
 
-    def _evaluate(self, batch: Any, name: str) -> Tensor:
-        self._loss_scale = 1.0 / self.microbatches
-        loss = self._run_schedule(batch, train=False)
+    def _evaluate(self, batch: Any, name: str) -> Tensor | None:
+        """The batch's loss, logged (mean over the run's batches); a batch of another size is left out, once said.
+
+        The stages' shapes are fixed at the first step, and every rank sees the same batch sizes: each skips alike.
+        """
+        size = len(split_batch(batch)[1])
+        if size != self._batch_size:
+            if not self._skipped_batch and self.global_rank == 0:
+                warnings.warn(
+                    f"pipeline: {name} leaves out batches of {size} samples, not {self._batch_size} (the pipeline's "
+                    "shapes are fixed): give the loader drop_last=True or a size that divides the data",
+                    stacklevel=2,
+                )
+            self._skipped_batch = True
+            return None
+        assert self._runner is not None
+        loss = self._runner.run(batch, train=False, loss_scale=1.0 / self.microbatches)
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 

@@ -32,6 +32,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -70,6 +71,12 @@ def check_split(module: nn.Module, split_points: Sequence[str], stages: int) -> 
         raise BadInputError(
             f"{type(module).__name__} has no pipeline_loss(output, target): under pipeline parallelism the loss of "
             "each micro-batch is computed from the last stage's output; add that one method (docs/pipeline_parallel.md)"
+        )
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise BadInputError(
+            f"{type(module).__name__} holds parameters itself ({', '.join(own[:3])}): under pipeline parallelism "
+            "each belongs to a stage's module; move them into a submodule"
         )
     if len(split_points) != stages - 1:
         raise BadInputError(
@@ -114,8 +121,12 @@ def check_split(module: nn.Module, split_points: Sequence[str], stages: int) -> 
     return counts
 
 
-def trace_stages(module: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[str]) -> Any:
+def trace_stages(module: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[str], training: bool) -> Any:
     """The ``Pipe`` of ``module`` traced on one micro-batch's ``inputs`` and cut at ``split_points``.
+
+    ``training``: the mode the graph is traced in (``torch.export`` bakes it in: dropout on or off, batch or running
+    statistics). The module is left as it was: torch's tracer patches the split modules' ``forward``, undone here,
+    so it can be traced again (the other mode). Each stage module holds the module's own parameter objects.
 
     Raises:
         BadInputError: the forward cannot be traced (the first line of torch's reason), or the cut gives
@@ -124,6 +135,10 @@ def trace_stages(module: nn.Module, inputs: tuple[Any, ...], split_points: Seque
     """
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    was_training = module.training
+    patched = [module.get_submodule(name) for name in split_points]
+    saved = [{key: sub.__dict__[key] for key in _PATCHED if key in sub.__dict__} for sub in patched]
+    module.train(training)
     try:
         pipe = pipeline(module, mb_args=inputs, split_spec={name: SplitPoint.BEGINNING for name in split_points})
     except Exception as error:  # torch.export's many error types: the reason is what the user needs
@@ -131,12 +146,42 @@ def trace_stages(module: nn.Module, inputs: tuple[Any, ...], split_points: Seque
         raise BadInputError(
             f"pipeline parallelism traces {type(module).__name__}.forward with torch.export, which failed: {reason}"
         ) from None
+    finally:
+        module.train(was_training)
+        for sub, before in zip(patched, saved, strict=True):
+            for key in _PATCHED:
+                sub.__dict__.pop(key, None)
+            sub.__dict__.update(before)
     if pipe.num_stages != len(split_points) + 1:
         raise BadInputError(
             f"split_points: cutting at {list(split_points)} gave {pipe.num_stages} stages, not "
             f"{len(split_points) + 1}: each split module must be called once by the forward"
         )
     return pipe
+
+
+_PATCHED = ("forward", "_orig_forward")  # what torch's annotate_split_points sets on each split module
+
+
+def depends_on_mode(module: nn.Module, inputs: tuple[Any, ...]) -> bool:
+    """Whether ``module``'s output on ``inputs`` differs between training and evaluation (dropout, batch norm).
+
+    Two forwards of one micro-batch without gradients, the random state restored around them.
+    """
+    was_training = module.training
+    outputs = []
+    try:
+        for training in (True, False):
+            module.train(training)
+            with torch.random.fork_rng(), torch.no_grad():
+                torch.manual_seed(0)
+                outputs.append(module(*inputs))
+    finally:
+        module.train(was_training)
+    first, second = outputs
+    if isinstance(first, Tensor) and isinstance(second, Tensor):
+        return not torch.equal(first, second)
+    return True  # not a tensor: assume it does
 
 
 def install_stages(module: nn.Module, stage_modules: Sequence[nn.Module]) -> None:
@@ -205,8 +250,13 @@ def split_batch(batch: Any) -> tuple[tuple[Any, ...], Any]:
     return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
 
 
-def example_microbatch_inputs(loader: DataLoader, microbatches: int, replicas: int) -> tuple[Any, ...]:
-    """One micro-batch's inputs, built from the training data's first samples (the tracer needs their shapes).
+def example_microbatch_inputs(
+    loader: DataLoader, microbatches: int, replicas: int, training: bool = True
+) -> tuple[Any, ...]:
+    """One micro-batch's inputs, built from the loader's first samples (the tracer needs their shapes).
+
+    ``training``: the loader is the training one, whose every batch must have the full size (an evaluation
+    loop leaves a smaller last batch out instead).
 
     Raises:
         BadInputError: no fixed batch size, or an epoch that would end on a smaller batch (a pipeline's shapes
@@ -217,7 +267,7 @@ def example_microbatch_inputs(loader: DataLoader, microbatches: int, replicas: i
     if batch_size is None:
         raise BadInputError("pipeline parallelism needs a training DataLoader with a batch_size (a fixed one)")
     dataset = loader.dataset
-    if hasattr(dataset, "__len__") and not loader.drop_last:
+    if training and hasattr(dataset, "__len__") and not loader.drop_last:
         per_replica = math.ceil(len(dataset) / replicas)
         if per_replica % batch_size:
             raise BadInputError(
@@ -233,3 +283,26 @@ def example_microbatch_inputs(loader: DataLoader, microbatches: int, replicas: i
     else:
         samples = [dataset[index] for index in range(size)]
     return split_batch(loader.collate_fn(samples))[0]
+
+
+def example_loader(trainer: Any) -> DataLoader:
+    """The loader whose first samples give the example micro-batch: the one of the loop about to run.
+
+    Raises:
+        BadInputError: neither the datamodule nor the model gives that loader.
+
+    """
+    stage = {"validate": "val", "test": "test"}.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)), "train")
+    for source in (trainer.datamodule, trainer.lightning_module):
+        if source is None:
+            continue
+        try:
+            loader = getattr(source, f"{stage}_dataloader")()
+        except Exception:  # Lightning's default hook raises: not defined there
+            continue
+        if isinstance(loader, DataLoader):
+            return loader
+    raise BadInputError(
+        f"pipeline parallelism builds its stages from the {stage} data's first batch: give a datamodule or a "
+        f"LightningModule with {stage}_dataloader() returning a DataLoader (loaders passed to fit() are not read)"
+    )

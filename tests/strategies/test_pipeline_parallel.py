@@ -20,6 +20,7 @@ micro-batches' losses are summed in another order than one batch's: tolerances a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,8 @@ import yaml
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from lightning_mlopt.cli import main
 from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp
-from tests.conftest import CONFIGS, SHARED_RUN_CLIP, run_tool_here
+from tests.conftest import CONFIGS, SHARED_RUN_CLIP, failure_report, run_cli, run_tool_here
+from tests.support.cli_args import fit_args
 from tests.support.strategy_runs import TrainedRun, train
 
 STEPS = 6
@@ -208,3 +210,23 @@ def test_pp_x_dp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
         torch.testing.assert_close(torch.tensor(record["losses"]), expected, rtol=1e-5, atol=0)
     assert run.params.keys() == ddp.params.keys()
     assert "pipeline stage(s) 1 of 2" in (tmp_path / "pp_dp" / "output.txt").read_text()
+
+
+@pytest.mark.multiprocess
+def test_validation_under_pp_runs_the_model_in_eval_mode(tmp_path, pp_runs):
+    """With dropout 0.5, validate gives one process's loss: the stages traced in eval mode run (dropout off)."""
+    saved = CheckpointStore(pp_runs["1f1b"].run_dir / "checkpoints").newest_valid()
+    assert saved is not None
+
+    def val_loss(strategy: str, devices: int) -> float:
+        args = ("--model.init_args.dropout=0.5", f"--ckpt_path={saved.path}", "--trainer.limit_val_batches=2")
+        result = run_cli(
+            fit_args(*args, strategy=strategy, devices=devices, run_dir=tmp_path / strategy, subcommand="validate"),
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, failure_report(result)
+        found = re.search(r"val/loss\s+([0-9.]+)", result.stdout + result.stderr)
+        assert found is not None, (result.stdout + result.stderr)[-2000:]
+        return float(found[1])
+
+    assert val_loss("pp", 2) == pytest.approx(val_loss("ddp", 1), rel=1e-5)
