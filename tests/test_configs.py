@@ -19,6 +19,8 @@ TRAINED_BY_SHARED_RUNS = {"ddp", "fsdp", "zero1", "zero2", "zero3"}
 # Overlays tests/strategies/test_tensor_parallel.py trains against a one-process run (tp_hf.yaml on a
 # Llama-shaped model: its globs name Hugging Face's modules, not the GPT demo's).
 TRAINED_BY_TP_TESTS = {"tp", "fsdp_tp", "tp_hf", "tp_sp"}
+# ... and tests/strategies/test_pipeline_parallel.py pp.yaml, against one process (the overlay by its file).
+TRAINED_BY_PP_TESTS = {"pp"}
 TRACKERS = sorted(CONFIGS.glob("trackers/*.yaml"))
 
 
@@ -60,7 +62,7 @@ def test_the_overlays_the_shared_runs_train_ran_from_their_files(strategy_runs):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "overlay",
-    [o for o in OVERLAYS if o.stem not in TRAINED_BY_SHARED_RUNS | TRAINED_BY_TP_TESTS],
+    [o for o in OVERLAYS if o.stem not in TRAINED_BY_SHARED_RUNS | TRAINED_BY_TP_TESTS | TRAINED_BY_PP_TESTS],
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
 def test_overlay_fits_two_steps_on_two_cpu_processes(overlay: Path, tmp_path: Path):

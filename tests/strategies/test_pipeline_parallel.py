@@ -19,6 +19,7 @@ micro-batches' losses are summed in another order than one batch's: tolerances a
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from pathlib import Path
@@ -192,11 +193,28 @@ def test_a_llama_shaped_model_trains_under_pp2_as_in_one_process(tmp_path):
         "trainer": {"gradient_clip_val": 0.05},
     }
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(config))
-    llama = ("--config", str(tmp_path / "llama.yaml"))
+    # GradNormMonitor too (every step, into a CSV log): its global and per-module norms, summed over the stages.
+    llama = (
+        *("--config", str(tmp_path / "llama.yaml"), "--config", str(CONFIGS / "trackers" / "csv.yaml")),
+        *("--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor", "--trainer.callbacks.log_every_n_steps=1"),
+    )
     pp = train(tmp_path, "pp", "pp", 4, extra=(*llama, "--trainer.strategy.init_args.split_points=[model.layers.1]"))
     one = train(tmp_path, "one", "ddp", 4, devices=1, extra=llama)
     _assert_same_losses(pp, one, slice(0, 4))
     _assert_same_parameters(pp.params, one.params)
+
+    def norms(run: TrainedRun) -> list[dict[str, float]]:
+        (log,) = (run.run_dir / "csv").glob("version_*/metrics.csv")
+        rows = list(csv.DictReader(log.read_text().splitlines()))
+        return [{k: float(v) for k, v in row.items() if k.startswith("grad_norm/") and v} for row in rows]
+
+    expected = [row for row in norms(one) if row]
+    assert len(expected) == 4 and "grad_norm/total" in expected[0] and len(expected[0]) > 2, expected
+    actual = [row for row in norms(pp) if row]
+    assert [row.keys() for row in actual] == [row.keys() for row in expected]
+    for got, want in zip(actual, expected, strict=True):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4), key
 
 
 @pytest.mark.multiprocess
