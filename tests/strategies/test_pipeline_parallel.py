@@ -221,13 +221,16 @@ def test_a_llama_shaped_model_trains_under_pp2_as_in_one_process(tmp_path):
 def test_pp_x_dp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
     """4 processes: two pipelines of two stages, each stage sharded by FSDP over its two data ranks; the same
     global batch of 2 x 16 as DDP on 2 processes, in the same order (the session's shared DDP run)."""
-    run = train(tmp_path, "pp_dp", "pp", STEPS, devices=4, extra=(SHARED_RUN_CLIP,))
+    # Validation every 3 steps too: the stages' FSDP parameters gathered under inference mode, then trained on.
+    validate = ("--trainer.val_check_interval=3", "--trainer.limit_val_batches=2")
+    run = train(tmp_path, "pp_dp", "pp", STEPS, devices=4, extra=(SHARED_RUN_CLIP, *validate))
     ddp = strategy_runs["ddp"]
     for rank, record in enumerate(run.records):  # rank = pipeline rank x 2 + data rank: its replica's loss
         expected = torch.tensor(ddp.records[rank % 2]["losses"][:STEPS])
         torch.testing.assert_close(torch.tensor(record["losses"]), expected, rtol=1e-5, atol=0)
     assert run.params.keys() == ddp.params.keys()
     assert "pipeline stage(s) 1 of 2" in (tmp_path / "pp_dp" / "output.txt").read_text()
+    assert "val/loss" in json.loads((run.run_dir / "metrics.json").read_text())["metrics"]
 
 
 @pytest.mark.multiprocess
