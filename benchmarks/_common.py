@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import platform
 import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +67,22 @@ def worker_parser(
     parser.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return parser
+
+
+def run_fresh_job(command: Sequence[str], cwd: Path, what: str, pythonpath: str | None = None, tail: int = 30) -> None:
+    """Run one job as from a fresh shell (each launcher chooses its port and threads); raise with its last lines.
+
+    Example::
+
+        run_fresh_job([sys.executable, "-m", "lightning_mlopt", "fit", ...], work, "1f1b m=8")
+    """
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+    for name in ("MASTER_PORT", "MASTER_ADDR", "OMP_NUM_THREADS"):
+        env.pop(name, None)
+    done = subprocess.run(list(command), cwd=cwd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = "\n".join((done.stdout + done.stderr).splitlines()[-tail:])
+        raise RuntimeError(f"{what} exited {done.returncode}:\n{lines}")
 
 
 def publish(topic: str, hardware_tag: str, body: str, folder: Path = RESULTS) -> None:

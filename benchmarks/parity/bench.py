@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _common import median, publish  # noqa: E402
+from _common import median, publish, run_fresh_job  # noqa: E402
 
 STRATEGIES = ["ddp", "fsdp", "tp", "pp", "zero1", "zero2", "zero3"]
 LIGHTNING_RUNS = {"ddp", "fsdp"}
@@ -94,14 +94,8 @@ def _command(arm: str, strategy: str, model: str, steps: int, work: Path) -> lis
 def _timed_job(arm: str, strategy: str, model: str, steps: int, work: Path) -> float:
     """The mean step time of one job after its first WARMUP steps; a failing job stops the benchmark, saying why."""
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{HERE}", "PYTHONWARNINGS": "ignore"}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "OMP_NUM_THREADS"):
-        env.pop(name, None)  # each launcher chooses, as on a fresh shell
     command = _command(arm, strategy, model, steps, work)
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-        raise RuntimeError(f"{arm} {strategy} {model} ({steps} steps) exited {done.returncode}:\n{tail}")
+    run_fresh_job(command, work, f"{arm} {strategy} {model} ({steps} steps)", pythonpath=f"{REPO}{os.pathsep}{HERE}")
     step_s = json.loads((work / "step_times.json").read_text())["step_s"][WARMUP:]
     return sum(step_s) / len(step_s)
 

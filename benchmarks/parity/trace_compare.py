@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from _common import median, publish  # noqa: E402
+from _common import median, publish, run_fresh_job  # noqa: E402
 from bench import REPO, _command  # noqa: E402
 
 ARMS = ("hand", "loop", "ours")
@@ -44,13 +43,7 @@ def _traced(arm: str, strategy: str, steps: int, window: tuple[int, int], work: 
         ]  # fmt: skip
     else:
         command.append(f"--trace={trace}")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{HERE}", "PYTHONWARNINGS": "ignore"}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "OMP_NUM_THREADS"):
-        env.pop(name, None)
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-        raise RuntimeError(f"{arm} {strategy} exited {done.returncode}:\n{tail}")
+    run_fresh_job(command, work, f"{arm} {strategy}", pythonpath=f"{REPO}{os.pathsep}{HERE}")
     return json.loads(out.read_text())
 
 

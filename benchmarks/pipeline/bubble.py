@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _common import publish  # noqa: E402
+from _common import publish, run_fresh_job  # noqa: E402
 
 SPLITS = {"interleaved_1f1b": "[model.layers.1, model.layers.2, model.layers.3]"}
 
@@ -41,13 +39,7 @@ def _job(schedule: str, microbatches: int, steps: int, work: Path) -> dict[str, 
     ]
     if schedule in SPLITS:
         command.append(f"--trainer.strategy.init_args.split_points={SPLITS[schedule]}")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "OMP_NUM_THREADS"):
-        env.pop(name, None)
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
-        raise RuntimeError(f"{schedule} m={microbatches} exited {done.returncode}:\n{tail}")
+    run_fresh_job(command, work, f"{schedule} m={microbatches}")
     summary = json.loads((work / "run" / "perf" / "summary.json").read_text())
     metrics = summary["metrics"]
     ranks = [rank["pipeline_idle"] / rank["pipeline_steps"] for rank in summary["ranks"]]

@@ -179,9 +179,13 @@ class TensorSharding:
         """On how many ranks each local shard of ``tensor`` lives (its mesh spans the world: FSDP, HSDP)."""
         return dtensor_replication(tensor)
 
+    def plain_replication(self) -> int:
+        """On how many ranks a plain tensor lives: every rank (DDP, single device)."""
+        return world_size()
+
     def gradient_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
         """See :class:`Sharding`. ``params`` is a list the caller keeps (walking the module each step costs more)."""
-        world = world_size()
+        copies = self.plain_replication()
         for param in params:
             grad = param.grad
             if grad is None:
@@ -189,16 +193,16 @@ class TensorSharding:
             if isinstance(grad, DTensor):
                 yield Piece(param, grad.to_local(), self.replication_of(grad))
             else:
-                yield Piece(param, grad, world)  # DDP and single device: every rank holds the whole gradient
+                yield Piece(param, grad, copies)  # DDP and single device: every rank holds the whole gradient
 
     def parameter_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
         """See :class:`Sharding`."""
-        world = world_size()
+        copies = self.plain_replication()
         for param in params:
             if isinstance(param, DTensor):
                 yield Piece(param, param.to_local(), self.replication_of(param))
             else:
-                yield Piece(param, param.detach(), world)
+                yield Piece(param, param.detach(), copies)
 
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
         """See :class:`Sharding`: no parameter is a DTensor."""
@@ -263,29 +267,9 @@ class PipelineSharding(TensorSharding):
         self.pipeline_parallel_size = pipeline_parallel_size
         self.model_parameter_names = None  # the whole model's, set when the strategy cuts it into stages
 
-    def _copies(self) -> int:
+    def plain_replication(self) -> int:
+        """A plain tensor lives on the data ranks of its stage: ``world / pipeline_parallel_size``."""
         return max(1, world_size() // self.pipeline_parallel_size)
-
-    def gradient_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
-        """See :class:`Sharding`: a plain gradient on each data rank of its stage."""
-        copies = self._copies()
-        for param in params:
-            grad = param.grad
-            if grad is None:
-                continue
-            if isinstance(grad, DTensor):
-                yield Piece(param, grad.to_local(), dtensor_replication(grad))
-            else:
-                yield Piece(param, grad, copies)
-
-    def parameter_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
-        """See :class:`Sharding`."""
-        copies = self._copies()
-        for param in params:
-            if isinstance(param, DTensor):
-                yield Piece(param, param.to_local(), dtensor_replication(param))
-            else:
-                yield Piece(param, param.detach(), copies)
 
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
         """See :class:`Sharding`: never across pipeline ranks (one of them alone is the whole model only at 1)."""

@@ -90,6 +90,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
     sharding = TensorSharding()  # parameters and gradients are DTensors whose placements say who holds what
     # DCP's async checkpointer: "thread" (chosen: see benchmarks/results/checkpoint_sharded_*) or "process".
     async_checkpointer: Literal["thread", "process"] = "thread"
+    holds_a_stage = False  # each rank holds part of the model's modules (pipeline parallelism): loads take its part
 
     def __init__(
         self,
@@ -297,16 +298,17 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A DCP folder through Lightning; one full file (DDP's, a conversion's) sharded here, optimizer included."""
+        """A DCP folder through Lightning, else here: a full file sharded, a pipeline stage's part, flattened states."""
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_file() and not saved_flattened(path):
+        # Lightning's reader wants the whole model as DTensors and nested optimizer states (not PP's flattened).
+        if not path.is_file() and not self.holds_a_stage and not saved_flattened(path):
             return super().load_checkpoint(path, weights_only)
         assert self.model is not None and self.lightning_module is not None
         with said_by_rank_zero(self.global_rank):
             strict, trust = self.lightning_module.strict_loading, weights_only is False
-            if not path.is_file():  # a pipeline-parallel run's: its optimizer states are flattened
+            if not path.is_file():
                 return load_dcp_folder(self.model, self.optimizers, path, strict, trust)
-            return load_full_file(self.model, self.optimizers, path, strict, trust_pickles=trust)
+            return load_full_file(self.model, self.optimizers, path, strict, trust, stage_only=self.holds_a_stage)
 
     @override
     def setup_precision_plugin(self) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import Trainer
@@ -40,8 +39,8 @@ from lightning_mlopt.distributed.state import register_pipeline_stage
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.hooks import RunsPipeline
 from lightning_mlopt.strategies import fsdp
+from lightning_mlopt.strategies.data_dimension import DATA, OverDataDimension
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
-from lightning_mlopt.strategies.full_checkpoint import load_dcp_folder, load_full_file
 from lightning_mlopt.strategies.pp_runner import PipelineRunner, loop_name
 from lightning_mlopt.strategies.pp_schedule import (
     MICROBATCHES_PER_RANK,
@@ -63,10 +62,10 @@ from lightning_mlopt.strategies.pp_split import (
 )
 from lightning_mlopt.strategies.spec import StrategySpec
 
-PIPELINE, DATA = "pipeline", "data"  # the mesh's dimensions, outermost first (pipeline ranks may span nodes)
+PIPELINE = "pipeline"  # the mesh's dimensions: (pipeline, data), outermost first (pipelines may span nodes)
 
 
-class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
+class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
     """Pipeline parallelism: consecutive stages of the model on consecutive ranks, micro-batches streamed through.
 
     The world is a 2-D mesh ``(pipeline, data)``: ``pipeline_parallel_size`` ranks each hold one stage (or
@@ -104,6 +103,8 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # 2 x 2: pipeline x data
 
     """
+
+    holds_a_stage = True  # loads take this rank's stages' part of a checkpoint (FSDPStrategy.load_checkpoint)
 
     def __init__(
         self,
@@ -205,19 +206,6 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
                 f"microbatches={self.microbatches} must divide the batch size ({batch_size}); choose a divisor of it"
             )
 
-    @property
-    @override
-    def shard_mesh(self) -> DeviceMesh:
-        """FSDP shards each stage over the data-parallel dimension only."""
-        return self.device_mesh[DATA]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The ranks of one pipeline train one model replica on one batch: they must load the same one.
-        data = self.device_mesh[DATA]
-        return {"num_replicas": data.size(), "rank": data.get_local_rank()}
-
     @override
     def _build_mesh(self) -> DeviceMesh:
         shape = (self.pipeline_parallel_size, self.data_parallel_size)
@@ -258,9 +246,10 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
             # Evaluation needs the model traced in eval mode (dropout off, running statistics): the same
             # parameter objects, other graphs. Under FSDP the stages' parameters become FSDP's own, which a
             # second set of stage modules cannot share; there evaluation runs the training graphs.
-            separate_eval = self.data_parallel_size == 1 and depends_on_mode(module, inputs)
+            mode_dependent = depends_on_mode(module, inputs)
+            separate_eval = mode_dependent and self.data_parallel_size == 1
             eval_pipe = trace_stages(module, inputs, self.split_points, training=False) if separate_eval else None
-            if self.data_parallel_size > 1 and depends_on_mode(module, inputs) and self.global_rank == 0:
+            if mode_dependent and not separate_eval and self.global_rank == 0:
                 warnings.warn(
                     "pipeline x data parallel: validation and test run the model as traced for training (dropout "
                     "on, batch statistics): its output depends on the mode",
@@ -342,17 +331,6 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         for index, names in enumerate(group_names(plain, self.model)):  # which group each parameter was in
             state.update({f"param_groups.{name}.{GROUP_INDEX}": index for name in names})
         return state
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the part of a DCP folder (any strategy's, any layout) or of one full file this rank's stages hold."""
-        path = Path(self.broadcast(checkpoint_path))
-        assert self.model is not None and self.lightning_module is not None
-        with said_by_rank_zero(self.global_rank):
-            strict, trust = self.lightning_module.strict_loading, weights_only is False
-            if path.is_file():
-                return load_full_file(self.model, self.optimizers, path, strict, trust, stage_only=True)
-            return load_dcp_folder(self.model, self.optimizers, path, strict, trust)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

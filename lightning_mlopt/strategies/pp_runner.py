@@ -106,8 +106,8 @@ class PipelineRunner:
         give the stages different samples: the loss would pair one sample's inputs with another's target.
         """
         self._checked_batches = True
-        print_ = target.detach().double().sum()
-        spread = torch.stack([print_, -print_])
+        fingerprint = target.detach().double().sum()
+        spread = torch.stack([fingerprint, -fingerprint])  # one MAX gives the largest and the smallest
         dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
         if not torch.isclose(spread[0], -spread[1], rtol=1e-12, atol=0.0):
             raise BadInputError(

@@ -19,7 +19,7 @@ What a model must satisfy, checked before launch (:func:`check_split`) and at se
 Example::
 
     check_split(model, ["model.layers.2"], stages=2)
-    pipe = trace_stages(model, example_microbatch_inputs, ["model.layers.2"])
+    pipe = trace_stages(model, inputs, ["model.layers.2"], training=True)
     install_stages(model, [pipe.get_stage_module(rank)])   # this rank's parameters only, same names
 """
 

@@ -18,12 +18,13 @@ from typing_extensions import override
 from lightning_mlopt.distributed.sharding import SubMeshSharding, settle_partial_gradients
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies import fsdp
+from lightning_mlopt.strategies.data_dimension import DATA, OverDataDimension
 from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
 from lightning_mlopt.strategies.spec import StrategySpec
 from lightning_mlopt.strategies.tp_loss import split_logits_loss
 from lightning_mlopt.strategies.tp_plan import ResolvedPlan, resolve
 
-DATA, TENSOR = "data", "tensor"  # the mesh's dimensions: (data-parallel, tensor-parallel)
+TENSOR = "tensor"  # the mesh's dimensions: (data-parallel, tensor-parallel)
 
 
 @runtime_checkable
@@ -39,7 +40,7 @@ class DeclaresTPPlan(Protocol):
     tp_plan: Mapping[str, str]
 
 
-class TensorParallelStrategy(FSDPStrategy):
+class TensorParallelStrategy(OverDataDimension, FSDPStrategy):
     """Tensor parallelism from a plan in YAML, with FSDP over the data-parallel dimension (2D) when it is > 1.
 
     The world is a 2-D mesh ``(data, tensor)``: ``tensor_parallel_size`` consecutive ranks (one node's GPUs,
@@ -153,19 +154,6 @@ class TensorParallelStrategy(FSDPStrategy):
         """FSDP's check of the class names, then the plan's (globs, styles, dimensions, consumers)."""
         super().check_model(module)
         self.plan_for(module)
-
-    @property
-    @override
-    def shard_mesh(self) -> DeviceMesh:
-        """FSDP shards over the data-parallel dimension only."""
-        return self.device_mesh[DATA]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The ranks of one tensor-parallel group compute one model replica: they must see the same batch.
-        data = self.device_mesh[DATA]
-        return {"num_replicas": data.size(), "rank": data.get_local_rank()}
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

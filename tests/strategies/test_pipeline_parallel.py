@@ -26,17 +26,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from lightning_mlopt.cli import main
 from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp
 from tests.conftest import CONFIGS, SHARED_RUN_CLIP, failure_report, run_cli, run_tool_here
 from tests.support.cli_args import fit_args
+from tests.support.llama_style import write_llama_config
 from tests.support.strategy_runs import TrainedRun, train
 
 STEPS = 6
-PP = "--config", "configs/strategies/pp.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -186,16 +185,10 @@ def test_a_split_or_size_that_does_not_fit_is_refused_before_launch(tmp_path, mo
 def test_a_llama_shaped_model_trains_under_pp2_as_in_one_process(tmp_path):
     """Hugging Face's module names and shapes (grouped-query attention, SwiGLU, RMSNorm, the head outside
     ``model``), cut at ``model.layers.1``: the model adds ``pipeline_loss`` and nothing else."""
-    config = {
-        "seed_everything": 1234,
-        "model": {"class_path": "tests.support.llama_style.PipelinedLlamaStyleLM", "init_args": {"n_layer": 2}},
-        "data": yaml.safe_load((CONFIGS / "gpt.yaml").read_text())["data"],
-        "trainer": {"gradient_clip_val": 0.05},
-    }
-    (tmp_path / "llama.yaml").write_text(yaml.safe_dump(config))
     # GradNormMonitor too (every step, into a CSV log): its global and per-module norms, summed over the stages.
     llama = (
-        *("--config", str(tmp_path / "llama.yaml"), "--config", str(CONFIGS / "trackers" / "csv.yaml")),
+        *("--config", write_llama_config(tmp_path, "tests.support.llama_style.PipelinedLlamaStyleLM")),
+        *("--config", str(CONFIGS / "trackers" / "csv.yaml")),
         *("--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor", "--trainer.callbacks.log_every_n_steps=1"),
     )
     pp = train(tmp_path, "pp", "pp", 4, extra=(*llama, "--trainer.strategy.init_args.split_points=[model.layers.1]"))

@@ -34,7 +34,7 @@ from lightning_mlopt.planning.memory import plan_memory
 from lightning_mlopt.planning.probe import instantiate, measure_activations
 from lightning_mlopt.strategies.tp_plan import resolve
 from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_STEPS, run_tool_here
-from tests.support.llama_style import LlamaStyleLM
+from tests.support.llama_style import LlamaStyleLM, write_llama_config
 from tests.support.strategy_runs import TrainedRun, train
 
 STEPS = 8
@@ -191,20 +191,9 @@ def test_checkpoint_consolidate_and_export_give_the_full_tensors_of_a_tp_run(tmp
         assert torch.equal(state_dict[name], value) and torch.equal(tensors[name], value), name
 
 
-def _llama_config(tmp_path: Path) -> str:
-    config = {
-        "seed_everything": 1234,
-        "model": {"class_path": "tests.support.llama_style.LlamaStyleLM", "init_args": {"n_layer": 2}},
-        "data": yaml.safe_load((CONFIGS / "gpt.yaml").read_text())["data"],
-        "trainer": {"gradient_clip_val": 0.05},
-    }
-    (tmp_path / "llama.yaml").write_text(yaml.safe_dump(config))
-    return str(tmp_path / "llama.yaml")
-
-
 @pytest.mark.multiprocess
 def test_the_hugging_face_overlay_trains_a_llama_shaped_model_like_one_process(tmp_path):
-    llama = ("--config", _llama_config(tmp_path))
+    llama = ("--config", write_llama_config(tmp_path))
     tp = train(tmp_path, "tp_hf", "tp_hf", STEPS, devices=2, extra=llama)  # the overlay by its file
     one = train(tmp_path, "one", "ddp", STEPS, devices=1, extra=llama)
     _assert_same_training(tp, one, {0: 0, 1: 0})

@@ -10,14 +10,17 @@ Also :class:`FixedHeadsGPT`: a model that is not tensor-parallel-correct in a wa
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import yaml
 from torch import Tensor, nn
 
 from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.demos.gpt import CausalSelfAttention
+from tests.conftest import CONFIGS
 
 
 class _Attention(nn.Module):
@@ -130,3 +133,15 @@ class PipelinedLlamaStyleLM(LlamaStyleLM):
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+
+
+def write_llama_config(folder: Path, class_path: str = "tests.support.llama_style.LlamaStyleLM") -> str:
+    """A config file in ``folder`` training ``class_path`` (2 layers) on the GPT demo's data, clipping at 0.05."""
+    config = {
+        "seed_everything": 1234,
+        "model": {"class_path": class_path, "init_args": {"n_layer": 2}},
+        "data": yaml.safe_load((CONFIGS / "gpt.yaml").read_text())["data"],
+        "trainer": {"gradient_clip_val": 0.05},
+    }
+    (folder / "llama.yaml").write_text(yaml.safe_dump(config))
+    return str(folder / "llama.yaml")
