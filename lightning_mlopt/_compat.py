@@ -385,6 +385,31 @@ def raw_flop_formula(formula: Callable[..., int]) -> Callable[..., int]:
     return formula
 
 
+class _GlobalOnly:
+    """Stands in for ``FlopCounterMode``'s module tracker: every FLOP counted under ``Global``, no hooks."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def without_module_tracking(mode: Any) -> Any:
+    """``mode`` (a ``FlopCounterMode``) counting the total only, without tracking which module runs.
+
+    Reach: its ``mod_tracker`` attribute (``torch.utils.flop_counter``), read for ``parents`` and entered with the
+    mode. torch's ``ModuleTracker`` puts multi-grad hooks on every module's inputs, and a pipeline stage's
+    ``autograd.grad`` over its received (leaf) inputs rejects those ("A leaf node was passed to
+    _will_engine_execute_node"). The total, all we read, does not depend on the tracker.
+    """
+    _require(mode, "mod_tracker", "counting FLOPs without tracking modules")
+    mode.mod_tracker = _GlobalOnly()
+    return mode
+
+
 def record_memory_history(max_entries: int) -> None:
     """Record CUDA allocations (with stacks), keeping the newest ``max_entries``; 0 stops recording.
 

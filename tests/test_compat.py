@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_mlopt import _compat
 
@@ -135,6 +136,21 @@ def test_torch_and_interpreter_reaches_resolve():
     assert counter.get_total_flops() == 7 and given == [torch.Tensor]  # the tensor itself, not a shape
     # The CUDA memory reaches are exercised on a GPU (tests/test_gpu.py); here: they still exist.
     assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
+
+
+def test_flop_counting_without_module_tracking_gives_the_same_total_and_allows_grad_of_leaf_inputs():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    layer = torch.nn.Linear(8, 8)
+    leaf = torch.ones(4, 8, requires_grad=True)  # what a pipeline stage receives
+    with FlopCounterMode(display=False) as tracked:
+        layer(leaf).sum().backward()
+    with _compat.without_module_tracking(FlopCounterMode(display=False)) as untracked:
+        (grad,) = torch.autograd.grad(layer(leaf).sum(), inputs=[leaf])  # rejected under the module tracker
+    assert untracked.get_total_flops() == tracked.get_total_flops() - 2 * 4 * 8 * 8  # no weight gradient asked
+    torch.testing.assert_close(grad, layer.weight.detach().sum(0).expand(4, 8))
+    with FlopCounterMode(display=False), pytest.raises(RuntimeError, match="leaf node"):
+        torch.autograd.grad(layer(leaf).sum(), inputs=[leaf])
 
 
 def test_argparse_reaches_list_every_key_of_the_cli():

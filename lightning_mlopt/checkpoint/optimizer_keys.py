@@ -126,6 +126,20 @@ settings would merge, and the groups' order would follow the keys'.
 """
 
 
+def flattened_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state for ``module``'s parameters in torch's flattened form, each with its group index.
+
+    What a pipeline stage saves (see :func:`is_flattened`); tensors on the CPU.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(module, optimizer, options=options)
+    for index, names in enumerate(group_names(optimizer, module)):  # which group each parameter was in
+        state.update({f"param_groups.{name}.{GROUP_INDEX}": index for name in names})
+    return state
+
+
 def unflattened(state: Mapping[str, Any]) -> dict[str, Any]:
     """The named form of torch's flattened optimizer state (``{"state": {name: {...}}, "param_groups": [...]}``).
 

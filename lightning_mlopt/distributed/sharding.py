@@ -243,7 +243,7 @@ class SubMeshSharding(TensorSharding):
 
     A parameter left out of the tensor-parallel plan (a norm's weight) is sharded by FSDP over the data mesh
     only, and every tensor-parallel rank holds the same shard: ``world / mesh size`` copies of each piece
-    beyond what its placements say. (A pipeline stage's sub-mesh would not be: that strategy answers for itself.)
+    beyond what its placements say. (A pipeline stage's sub-mesh is not: :class:`PipelineSharding` answers for it.)
     """
 
     def replication_of(self, tensor: DTensor) -> int:
@@ -255,8 +255,9 @@ class PipelineSharding(TensorSharding):
     """Pipeline parallelism: each pipeline rank holds other parameters (its stages'), replicated over the data ranks.
 
     A plain parameter lives on the ``world / pipeline_parallel_size`` ranks that hold its stage; a DTensor (a
-    stage sharded by FSDP over the data dimension) is held as its placements say, never across stages. No
-    rank holds every gradient, so a global norm is always summed over the world.
+    stage sharded by FSDP over the data dimension, or split by a tensor-parallel plan) is held as its placements
+    say within its stage, never across stages. No rank holds every gradient, so a global norm is always summed
+    over the world.
 
     Args:
         pipeline_parallel_size: pipeline ranks.
@@ -268,8 +269,17 @@ class PipelineSharding(TensorSharding):
         self.model_parameter_names = None  # the whole model's, set when the strategy cuts it into stages
 
     def plain_replication(self) -> int:
-        """A plain tensor lives on the data ranks of its stage: ``world / pipeline_parallel_size``."""
+        """A plain tensor lives on the ranks of its stage: ``world / pipeline_parallel_size`` (data x tensor)."""
         return max(1, world_size() // self.pipeline_parallel_size)
+
+    def replication_of(self, tensor: DTensor) -> int:
+        """As its placements say, times the copies of its mesh among its stage's ranks (not across stages).
+
+        Under pipeline x tensor parallelism a parameter left out of the plan, sharded by FSDP over the data
+        ranks only, is held alike by every tensor-parallel rank of its stage.
+        """
+        ranks_of_stage = self.plain_replication()
+        return dtensor_replication(tensor) * max(1, ranks_of_stage // tensor.device_mesh.size())
 
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
         """See :class:`Sharding`: never across pipeline ranks (one of them alone is the whole model only at 1)."""

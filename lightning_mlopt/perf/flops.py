@@ -22,7 +22,7 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-from lightning_mlopt._compat import cpu_attention_ops, raw_flop_formula
+from lightning_mlopt._compat import cpu_attention_ops, raw_flop_formula, without_module_tracking
 
 
 def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -90,7 +90,8 @@ class TrainingFlopCounter:
 
     def __init__(self) -> None:
         self.total = 0
-        self._mode = FlopCounterMode(display=False, custom_mapping=_formulas())
+        # The total only: torch's per-module tracking hooks every module's inputs, which pipeline stages reject.
+        self._mode = without_module_tracking(FlopCounterMode(display=False, custom_mapping=_formulas()))
 
     def __enter__(self) -> TrainingFlopCounter:
         self._mode.__enter__()

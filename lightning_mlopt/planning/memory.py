@@ -146,7 +146,8 @@ def plan_memory(
     recommendation (``strategy: auto`` does not choose TP: it needs a plan). Its activations are
     ``tensor_parallel_activation_bytes`` (one rank's under the plan, see
     :func:`~lightning_mlopt.planning.probe.measure_activations`), else ``activation_bytes``. With ``pipeline``,
-    a row for pipeline parallelism (``ppP``, or ``ppPxfsdpD``) from the busiest pipeline rank's share.
+    a row for pipeline parallelism (``ppP``, ``ppPxfsdpD``, and with tensor parallelism ``ppPxtpT`` or
+    ``ppPxfsdpDxtpT``) from the busiest pipeline rank's share.
 
     Raises:
         ValueError: a non-positive count, world size or memory, or a headroom outside [0, 1).
@@ -227,7 +228,9 @@ class PipelineShare:
 
     ``in_flight``: micro-batches whose activations that rank keeps at once (the schedule's: all ``m`` under
     GPipe, at most the number of pipeline ranks under 1F1B); ``activation_share``: that rank's share of the
-    model's activations per micro-batch (its parameter share, as an estimate).
+    model's activations per micro-batch (its parameter share, as an estimate). Under pipeline x tensor
+    parallelism, ``largest_rank_split`` of that rank's parameters are split ``tensor`` ways (its activations are
+    counted whole: the norms' and the residual stream's are not split).
     """
 
     size: int
@@ -235,19 +238,23 @@ class PipelineShare:
     microbatches: int
     in_flight: int
     activation_share: float
+    tensor: int = 1
+    largest_rank_split: int = 0
 
 
 def _pipeline_row(
     share: PipelineShare, world_size: int, per_parameter: tuple[int, int, int], activation_bytes: float
 ) -> PlanRow:
-    """The busiest pipeline rank's state, divided by FSDP over the data ranks; its in-flight activations."""
-    if share.size < 1 or world_size % share.size:
-        raise ValueError(f"pipeline_parallel_size ({share.size}) must divide the world size ({world_size})")
-    data = world_size // share.size
-    held = share.largest_rank_params / data
+    """The busiest pipeline rank's state, split by TP and divided by FSDP over the data ranks; its activations."""
+    if share.size < 1 or share.tensor < 1 or world_size % (share.size * share.tensor):
+        sizes = f"pipeline_parallel_size ({share.size})" + (f" x tensor ({share.tensor})" if share.tensor > 1 else "")
+        raise ValueError(f"{sizes} must divide the world size ({world_size})")
+    data = world_size // (share.size * share.tensor)
+    split = share.largest_rank_split
+    held = (share.largest_rank_params - split + split / share.tensor) / data
     activations = activation_bytes / share.microbatches * share.in_flight * share.activation_share
     p, g, k = per_parameter
-    name = f"pp{share.size}" if data == 1 else f"pp{share.size}xfsdp{data}"
+    name = f"pp{share.size}" + (f"xfsdp{data}" if data > 1 else "") + (f"xtp{share.tensor}" if share.tensor > 1 else "")
     total = (p + g + k) * held + activations
     return PlanRow(name, p * held, g * held, k * held, activations, 0.0, total, fits=False)  # judged by the caller
 

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from lightning.pytorch import Trainer
@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mlopt.checkpoint.optimizer_keys import GROUP_INDEX, group_names
+from lightning_mlopt.checkpoint.optimizer_keys import flattened_state
 from lightning_mlopt.distributed.sharding import PipelineSharding
 from lightning_mlopt.distributed.state import register_pipeline_stage
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
@@ -41,6 +41,7 @@ from lightning_mlopt.hooks import RunsPipeline
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.data_dimension import DATA, OverDataDimension
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
+from lightning_mlopt.strategies.pp_module_split import trace_module_stages
 from lightning_mlopt.strategies.pp_runner import PipelineRunner, loop_name
 from lightning_mlopt.strategies.pp_schedule import (
     MICROBATCHES_PER_RANK,
@@ -60,19 +61,24 @@ from lightning_mlopt.strategies.pp_split import (
     stage_indices,
     trace_stages,
 )
+from lightning_mlopt.strategies.pp_tensor import parallelize_stages, stage_plan
 from lightning_mlopt.strategies.spec import StrategySpec
+from lightning_mlopt.strategies.tensor_parallel import TENSOR
 
-PIPELINE = "pipeline"  # the mesh's dimensions: (pipeline, data), outermost first (pipelines may span nodes)
+PIPELINE = "pipeline"  # the mesh's dimensions: (pipeline, data[, tensor]), outermost first (pipelines span nodes)
 
 
 class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
     """Pipeline parallelism: consecutive stages of the model on consecutive ranks, micro-batches streamed through.
 
-    The world is a 2-D mesh ``(pipeline, data)``: ``pipeline_parallel_size`` ranks each hold one stage (or
+    The world is a mesh ``(pipeline, data)``: ``pipeline_parallel_size`` ranks each hold one stage (or
     ``stages_per_rank`` for the interleaved schedules), and ``world / pipeline_parallel_size`` pipeline replicas
     each train on their own slice of the data, their stages sharded by FSDP over the data dimension when it is
     > 1. The model is cut at ``split_points`` by torch's tracer (``torch.export``), unmodified; it declares one
     method, ``pipeline_loss(output, target)`` (:class:`~lightning_mlopt.strategies.pp_split.DeclaresPipelineLoss`).
+    With ``tensor_parallel_size`` > 1 the mesh is ``(pipeline, data, tensor)`` (3D): torch.fx's tracer cuts the
+    model instead, keeping its module calls, and each stage's planned layers are split over that many
+    consecutive ranks (:mod:`~lightning_mlopt.strategies.pp_tensor`).
     Batches are ``(inputs, target)`` pairs; every rank of a pipeline loads the same batch (the first stage uses
     the inputs, the last the target).
 
@@ -89,6 +95,10 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             the other loops (``loss`` becomes ``val/loss``). Each pipeline logs its own replica's loss.
         reshard_after_forward: FSDP over the data dimension; False (default here) keeps a stage's parameters
             gathered across its micro-batches instead of gathering them once per micro-batch.
+        tensor_parallel_size: ranks that split each stage's planned layers (1: none); must divide the world
+            with ``pipeline_parallel_size``. Data-parallel size: ``world / (pipeline x tensor)``.
+        tp_plan: as for :class:`~lightning_mlopt.strategies.TensorParallelStrategy` (None: the model's own),
+            without the ``loss_parallel`` styles (the last stage hands ``pipeline_loss`` whole logits).
         timeout_minutes, process_group_backend: as for :class:`~lightning_mlopt.strategies.FSDPStrategy`. The
             run is fp32 (``precision: 32-true``): the stages exchange activations in the traced dtype.
 
@@ -115,10 +125,13 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         stages_per_rank: int | None = None,
         loss_name: str = "train/loss",
         reshard_after_forward: bool = False,
+        tensor_parallel_size: int = 1,
+        tp_plan: Mapping[str, str] | None = None,
         timeout_minutes: float = 30.0,
         process_group_backend: Literal["gloo", "nccl"] | None = None,
     ) -> None:
-        for key, value in (("pipeline_parallel_size", pipeline_parallel_size), ("microbatches", microbatches)):
+        sizes = {"pipeline_parallel_size": pipeline_parallel_size, "microbatches": microbatches}
+        for key, value in {**sizes, "tensor_parallel_size": tensor_parallel_size}.items():
             if value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")
         kind = schedule_named(schedule)
@@ -140,11 +153,14 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         self.schedule: ScheduleKind = kind
         self.stages_per_rank = per_rank
         self.loss_name = loss_name
+        self.tensor_parallel_size = tensor_parallel_size
+        self.tp_plan = dict(tp_plan) if tp_plan is not None else None
         self._runner: PipelineRunner | None = None  # this rank's stages and schedules, built at set-up
         self._stages: list[Any] = []
         self._set_aside: list[tuple[Tensor, Tensor | None]] | None = None  # gradients between step and backward
         self._batch_size: int | None = None  # the loader's, which every batch through the pipeline must have
         self._skipped_batch = False
+        self._split_modules = 0  # this rank's modules the tensor-parallel plan split
 
     @property
     def stages(self) -> int:
@@ -168,8 +184,8 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
 
     @property
     def data_parallel_size(self) -> int:
-        """Pipeline replicas: ``world / pipeline_parallel_size``."""
-        return self.world_size // self.pipeline_parallel_size
+        """Pipeline replicas: ``world / (pipeline_parallel_size x tensor_parallel_size)``."""
+        return self.world_size // (self.pipeline_parallel_size * self.tensor_parallel_size)
 
     @property
     def pipeline_group(self) -> Any:
@@ -179,11 +195,11 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
     @override
     def check_model(self, module: nn.Module) -> None:
         """The split against the model, the sizes against the world, the schedule's rules (before launch)."""
-        size, world = self.pipeline_parallel_size, self.world_size
-        if world % size:
+        size, tensor, world = self.pipeline_parallel_size, self.tensor_parallel_size, self.world_size
+        if world % (size * tensor):
+            sizes = f"pipeline_parallel_size={size}" + (f" x tensor_parallel_size={tensor}" if tensor > 1 else "")
             raise BadInputError(
-                f"pipeline_parallel_size={size} must divide the world size ({world} = devices x nodes); "
-                f"choose a divisor of {world}"
+                f"{sizes} must divide the world size ({world} = devices x nodes); choose sizes whose product divides it"
             )
         if self.schedule.microbatches_at_least_stages and self.microbatches < self.stages:
             raise BadInputError(
@@ -197,6 +213,8 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
                 f"them; choose a multiple of {p}"
             )
         check_split(module, self.split_points, self.stages)
+        if tensor > 1:
+            stage_plan(module, self.tp_plan, tensor)
 
     @override
     def check_batch_size(self, batch_size: int | None) -> None:
@@ -208,8 +226,10 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
 
     @override
     def _build_mesh(self) -> DeviceMesh:
-        shape = (self.pipeline_parallel_size, self.data_parallel_size)
-        return init_device_mesh(self.root_device.type, shape, mesh_dim_names=(PIPELINE, DATA))
+        sizes = {PIPELINE: self.pipeline_parallel_size, DATA: self.data_parallel_size}
+        if self.tensor_parallel_size > 1:
+            sizes[TENSOR] = self.tensor_parallel_size
+        return init_device_mesh(self.root_device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -226,9 +246,10 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             )
         super().setup(trainer)
         rank_stages = ", ".join(str(stage.stage_index) for stage in self._stages)
-        counts = sum(p.numel() for p in self.lightning_module.parameters())
+        line = f"pipeline stage(s) {rank_stages} of {self.stages}: {sum(p.numel() for p in self.model.parameters()):,}"
+        split = f", {self._split_modules} modules split {self.tensor_parallel_size} ways" if self._split_modules else ""
         if self.device_mesh[DATA].get_local_rank() == 0:  # one line per pipeline rank, the first replica's
-            print(f"[rank {self.global_rank}] pipeline stage(s) {rank_stages} of {self.stages}: {counts:,} parameters")
+            print(f"[rank {self.global_rank}] {line} parameters{split}")
 
     @override
     def _shard(self, module: nn.Module) -> None:
@@ -242,13 +263,15 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             fitting = trainer.state.fn == TrainerFn.FITTING
             inputs = example_microbatch_inputs(loader, self.microbatches, self.data_parallel_size, fitting)
             self._batch_size = loader.batch_size
-            pipe = trace_stages(module, inputs, self.split_points, training=True)
+            # Tensor parallelism needs the model's module calls in the stages: torch.fx's tracer keeps them.
+            trace = trace_module_stages if self.tensor_parallel_size > 1 else trace_stages
+            pipe = trace(module, inputs, self.split_points, training=True)
             # Evaluation needs the model traced in eval mode (dropout off, running statistics): the same
             # parameter objects, other graphs. Under FSDP the stages' parameters become FSDP's own, which a
             # second set of stage modules cannot share; there evaluation runs the training graphs.
             mode_dependent = depends_on_mode(module, inputs)
             separate_eval = mode_dependent and self.data_parallel_size == 1
-            eval_pipe = trace_stages(module, inputs, self.split_points, training=False) if separate_eval else None
+            eval_pipe = trace(module, inputs, self.split_points, training=False) if separate_eval else None
             if mode_dependent and not separate_eval and self.global_rank == 0:
                 warnings.warn(
                     "pipeline x data parallel: validation and test run the model as traced for training (dropout "
@@ -258,6 +281,10 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
         indices = stage_indices(pipeline_rank, self.pipeline_parallel_size, self.stages_per_rank)
         group = self.pipeline_group
+        if self.tensor_parallel_size > 1:  # in place, on the module objects the stages (and eval stages) call
+            plan = stage_plan(module, self.tp_plan, self.tensor_parallel_size)
+            held = [pipe.get_stage_module(index) for index in indices]
+            self._split_modules = parallelize_stages(held, self.device_mesh[TENSOR], plan)
         self._stages = [pipe.build_stage(index, self.root_device, group) for index in indices]
         if self.data_parallel_size > 1:
             for stage in self._stages:  # one FSDP unit per stage: the schedule reduces its gradients once a step
@@ -322,15 +349,8 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The stages' optimizer state, flattened (one entry a parameter: the stages' merge in DCP)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         assert self.model is not None
-        plain = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps it
-        options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
-        state = get_optimizer_state_dict(self.model, plain, options=options)
-        for index, names in enumerate(group_names(plain, self.model)):  # which group each parameter was in
-            state.update({f"param_groups.{name}.{GROUP_INDEX}": index for name in names})
-        return state
+        return flattened_state(self.model, getattr(optimizer, "optimizer", optimizer))  # a LightningOptimizer wraps it
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

@@ -104,12 +104,12 @@ def check_split(module: nn.Module, split_points: Sequence[str], stages: int) -> 
             raise BadInputError(
                 f"split_points: {later!r} comes before {earlier!r} in the model; list them in forward order"
             )
-    starts = [position[name] for name in split_points]
+    stage_of = stage_of_modules(module, split_points)
     counts = [0] * stages
     owner_stage: dict[int, tuple[int, str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         owner = name.rpartition(".")[0]
-        stage = bisect.bisect_right(starts, position.get(owner, -1))
+        stage = stage_of.get(owner, 0)  # the LightningModule itself ("") is refused above
         seen = owner_stage.setdefault(id(param), (stage, name))
         if seen[0] != stage:
             raise BadInputError(
@@ -119,6 +119,20 @@ def check_split(module: nn.Module, split_points: Sequence[str], stages: int) -> 
         if seen[1] == name:
             counts[stage] += param.numel()
     return counts
+
+
+def stage_of_modules(module: nn.Module, split_points: Sequence[str]) -> dict[str, int]:
+    """Each submodule's stage by name: the number of split points at or before it in the model's module order.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> stage_of_modules(net, ["2"])
+        {'0': 0, '1': 0, '2': 1}
+    """
+    order = [name for name, _ in module.named_modules() if name]
+    starts = [order.index(name) for name in split_points]
+    return {name: bisect.bisect_right(starts, index) for index, name in enumerate(order)}
 
 
 def trace_stages(module: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[str], training: bool) -> Any:

@@ -22,7 +22,7 @@ from lightning_mlopt.strategies.data_dimension import DATA, OverDataDimension
 from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
 from lightning_mlopt.strategies.spec import StrategySpec
 from lightning_mlopt.strategies.tp_loss import split_logits_loss
-from lightning_mlopt.strategies.tp_plan import ResolvedPlan, resolve
+from lightning_mlopt.strategies.tp_plan import ResolvedPlan, plan_of
 
 TENSOR = "tensor"  # the mesh's dimensions: (data-parallel, tensor-parallel)
 
@@ -133,21 +133,13 @@ class TensorParallelStrategy(OverDataDimension, FSDPStrategy):
                 not fit the model (see :func:`~lightning_mlopt.strategies.tp_plan.resolve`).
 
         """
-        plan = self.tp_plan
-        if plan is None:
-            plan = module.tp_plan if isinstance(module, DeclaresTPPlan) else None
-        if plan is None:
-            raise BadInputError(
-                f"TensorParallelStrategy needs a plan: {type(module).__name__} declares no tp_plan and "
-                "trainer.strategy.init_args.tp_plan is not set (see configs/strategies/tp.yaml)"
-            )
         size, world = self.tensor_parallel_size, self.world_size
         if world % size:
             raise BadInputError(
                 f"tensor_parallel_size={size} must divide the world size ({world} = devices x nodes); "
                 f"choose a divisor of {world}"
             )
-        return resolve(module, plan, size)
+        return plan_of(module, self.tp_plan, size)
 
     @override
     def check_model(self, module: nn.Module) -> None:

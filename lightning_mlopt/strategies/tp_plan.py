@@ -208,15 +208,19 @@ class ResolvedPlan:
 
         A split module's weight always; its bias where the output features are split (column-wise).
         """
+        return sum(self.split_elements_by_module(module).values())
+
+    def split_elements_by_module(self, module: nn.Module) -> dict[str, int]:
+        """:meth:`split_elements` of each planned module, by name (0 for a style that splits no parameter)."""
         modules = dict(module.named_modules())
-        total = 0
+        counts = dict.fromkeys(self.styles, 0)
         for name, style in self.styles.items():
             if STYLES[style].split_dimension is None:
                 continue  # its parameters (a norm's) are replicated
             for kind, param in modules[name].named_parameters(recurse=False):
                 if kind == "weight" or STYLES[style].split_dimension in ("out_features", "embedding_dim"):
-                    total += param.numel()
-        return total
+                    counts[name] += param.numel()
+        return counts
 
     def describe(self) -> list[str]:
         """One line per planned module, e.g. ``model.layers.0.attn.qkv: colwise, out_features 384 -> 192 a rank``."""
@@ -227,6 +231,31 @@ class ResolvedPlan:
             else f"{name}: {style} ({STYLES[style].description})"
             for name, style in self.styles.items()
         ]
+
+
+def plan_of(module: nn.Module, plan: Mapping[str, str] | None, size: int) -> ResolvedPlan:
+    """``plan``, or where it is None the model's own ``tp_plan`` attribute, resolved against ``module``.
+
+    Raises:
+        BadInputError: neither gives a plan, or the plan does not fit the model (:func:`resolve`).
+
+    Example::
+
+        >>> model = nn.Module()
+        >>> model.fc, model.out = nn.Linear(8, 32), nn.Linear(32, 8)
+        >>> model.tp_plan = {"fc": "colwise", "out": "rowwise"}
+        >>> plan_of(model, None, 2).styles
+        {'fc': 'colwise', 'out': 'rowwise'}
+
+    """
+    if plan is None:
+        plan = getattr(module, "tp_plan", None)
+        if not isinstance(plan, Mapping):
+            raise BadInputError(
+                f"tensor parallelism needs a plan: {type(module).__name__} declares no tp_plan and "
+                "trainer.strategy.init_args.tp_plan is not set (see configs/strategies/tp.yaml)"
+            )
+    return resolve(module, plan, size)
 
 
 def resolve(module: nn.Module, plan: Mapping[str, str], size: int) -> ResolvedPlan:

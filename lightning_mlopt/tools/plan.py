@@ -136,7 +136,8 @@ def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tu
 def _pipeline(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[PipelineShare | None, list[str]]:
     """What each pipeline rank holds when the config's strategy is pipeline-parallel, and a line per stage."""
     from lightning_mlopt.strategies import STRATEGIES, PipelineParallelStrategy
-    from lightning_mlopt.strategies.pp_split import check_split, stage_indices
+    from lightning_mlopt.strategies.pp_split import check_split, stage_indices, stage_of_modules
+    from lightning_mlopt.strategies.pp_tensor import stage_plan
 
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith(PipelineParallelStrategy.__name__):
@@ -146,21 +147,37 @@ def _pipeline(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[Pip
     else:
         return None, []
     pp = PipelineParallelStrategy(**init_args)  # the constructor's checks and defaults (no process group)
-    size, stages, m = pp.pipeline_parallel_size, pp.stages, pp.microbatches
+    size, stages, m, tensor = pp.pipeline_parallel_size, pp.stages, pp.microbatches, pp.tensor_parallel_size
     counts = check_split(model, pp.split_points, stages)
     total = sum(counts) or 1
-    per_rank = [sum(counts[s] for s in stage_indices(r, size, pp.stages_per_rank)) for r in range(size)]
-    busiest = max(range(size), key=per_rank.__getitem__)
+    split, placements = [0] * stages, []  # each stage's parameters the tensor-parallel plan splits
+    if tensor > 1:
+        plan = stage_plan(model, pp.tp_plan, tensor)
+        stage_of = stage_of_modules(model, pp.split_points)
+        for name, elements in plan.split_elements_by_module(model).items():
+            split[stage_of[name]] += elements
+        placements = [
+            f"tensor-parallel plan ({tensor} ways, within each stage):",
+            *(f"  {line}" for line in plan.describe()),
+        ]
+    on_rank = [stage_indices(r, size, pp.stages_per_rank) for r in range(size)]
+    per_rank = [sum(counts[s] for s in stages_of) for stages_of in on_rank]
+    split_per_rank = [sum(split[s] for s in stages_of) for stages_of in on_rank]
+    busiest = max(range(size), key=lambda r: per_rank[r] - split_per_rank[r] + split_per_rank[r] / tensor)
     # Micro-batches alive at once on the busiest rank: GPipe keeps all; 1F1B's rank r at most size - r.
     in_flight = m if pp.schedule.name in ("gpipe", "looped_bfs") else min(m, (size - busiest) * pp.stages_per_rank)
     lines = [
         f"pipeline plan ({size} ranks, {stages} stages, {pp.schedule.name}, {m} micro-batches, data-parallel "
-        f"{world_size // size}; bubble {pp.theoretical_bubble:.0%} in theory):"
+        f"{world_size // (size * tensor)}{f', tensor-parallel {tensor}' if tensor > 1 else ''}; "
+        f"bubble {pp.theoretical_bubble:.0%} in theory):"
     ]
     starts = ["(start)", *pp.split_points]
     for stage, count in enumerate(counts):
         rank = stage % size
+        split_part = f", {split[stage]:,} split {tensor} ways" if tensor > 1 else ""
         lines.append(f"  stage {stage} on pipeline rank {rank}, from {starts[stage]}: {count:,} parameters "
-                     f"({count / total:.0%})")  # fmt: skip
-    share = PipelineShare(size, per_rank[busiest], m, in_flight, per_rank[busiest] / total)
-    return share, lines
+                     f"({count / total:.0%}){split_part}")  # fmt: skip
+    share = PipelineShare(
+        size, per_rank[busiest], m, in_flight, per_rank[busiest] / total, tensor, split_per_rank[busiest]
+    )
+    return share, lines + placements

@@ -203,3 +203,26 @@ def test_pipeline_rows_name_each_stage_and_hold_the_busiest_ranks_share(tmp_path
     assert pp2[3] == pytest.approx(ddp[3] * 2 / 8 * 437_504 / (437_504 + 429_568), rel=0.01)
     bad = run_cli([*pp, "--world_size", "3"], cwd=tmp_path)
     assert bad.returncode == 2 and "must divide the world size (3)" in bad.stderr
+
+
+def test_3d_rows_split_each_stages_planned_parameters_and_shard_the_rest(tmp_path):
+    """PP x FSDP x TP = 2 x 2 x 2: the busiest stage's 427,776 planned elements halved by TP, then all by FSDP."""
+    tp2 = tmp_path / "tp2.yaml"
+    tp2.write_text("trainer:\n  strategy:\n    init_args:\n      tensor_parallel_size: 2\n")
+    pp = ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "pp.yaml")]
+    result = run_cli([*pp, "--config", str(tp2), "--world_size", "8"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:4] == [
+        "pipeline plan (2 ranks, 2 stages, 1f1b, 8 micro-batches, data-parallel 2, tensor-parallel 2; bubble 11% in "
+        "theory):",
+        "  stage 0 on pipeline rank 0, from (start): 437,504 parameters (50%), 427,776 split 2 ways",
+        "  stage 1 on pipeline rank 1, from model.layers.2: 429,568 parameters (50%), 427,776 split 2 ways",
+        "tensor-parallel plan (2 ways, within each stage):",
+    ]
+    assert "  model.lm_head: colwise_replicated, out_features 256 -> 128 a rank" in lines
+    (row,) = [line.split() for line in lines if line.startswith("pp2xfsdp2xtp2 ")]
+    held = (437_504 - 427_776 + 427_776 / 2) / 2  # stage 0's: the embedding's rows go to TP, its norms do not
+    assert float(row[1]) == pytest.approx(held * 4 / 1e6, abs=0.01)  # fp32 parameters, in MB
+    bad = run_cli([*pp, "--config", str(tp2), "--world_size", "6"], cwd=tmp_path)
+    assert bad.returncode == 2 and "x tensor (2) must divide the world size (6)" in bad.stderr

@@ -36,6 +36,8 @@ from tests.support.llama_style import write_llama_config
 from tests.support.strategy_runs import TrainedRun, train
 
 STEPS = 6
+CHECKPOINTED = ("--checkpoint.every_n_steps=3",)
+TP2 = "--trainer.strategy.init_args.tensor_parallel_size=2"
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +50,13 @@ def pp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainedRun]:
     validate = ("--trainer.val_check_interval=3", "--trainer.limit_val_batches=2")
     return {
         "one": train(root, "one", "ddp", STEPS + 2, devices=1, extra=(SHARED_RUN_CLIP, *validate)),
-        "1f1b": train(root, "1f1b", "pp", STEPS, extra=(SHARED_RUN_CLIP, "--checkpoint.every_n_steps=3", *validate)),
+        "1f1b": train(root, "1f1b", "pp", STEPS, extra=(SHARED_RUN_CLIP, *CHECKPOINTED, *validate)),
         "gpipe": train(
             root, "gpipe", "pp", STEPS, extra=(SHARED_RUN_CLIP, "--trainer.strategy.init_args.schedule=gpipe")
         ),
         "interleaved": train(root, "interleaved", "pp", STEPS, extra=(SHARED_RUN_CLIP, *interleaved)),
+        # Pipeline x tensor parallel on 4 processes: the demo's own tp_plan splits each stage over 2 ranks.
+        "tp": train(root, "tp", "pp", STEPS, devices=4, extra=(SHARED_RUN_CLIP, *CHECKPOINTED, *validate, TP2)),
     }
 
 
@@ -71,7 +75,7 @@ def _assert_same_parameters(params: dict[str, torch.Tensor], reference: dict[str
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "tp"])
 def test_pp2_trains_the_one_process_model(pp_runs, schedule):
     run = pp_runs[schedule]
     _assert_same_losses(run, pp_runs["one"], slice(0, STEPS))
@@ -79,12 +83,17 @@ def test_pp2_trains_the_one_process_model(pp_runs, schedule):
     one_start = torch.load(pp_runs["one"].run_dir.parents[1] / "one" / "start_params.pt")["params"]
     _assert_same_parameters(start, one_start)
     assert not any(torch.equal(run.params[name], one_start[name]) for name in one_start), "every parameter trained"
+    if schedule == "tp":  # each stage's 4 planned layers per block, and the embedding or the head, split 2 ways
+        output = (run.run_dir.parents[1] / schedule / "output.txt").read_text()
+        assert "[rank 0] pipeline stage(s) 0 of 2: 437,504 parameters, 9 modules split 2 ways" in output, output
+        assert "[rank 3] pipeline stage(s) 1 of 2: 429,568 parameters, 9 modules split 2 ways" in output, output
 
 
 @pytest.mark.multiprocess
-def test_a_pp_checkpoint_trains_on_in_one_process_as_the_one_process_run(tmp_path, pp_runs):
+@pytest.mark.parametrize("layout", ["1f1b", "tp"])
+def test_a_pp_checkpoint_trains_on_in_one_process_as_the_one_process_run(tmp_path, pp_runs, layout):
     # Step 3's, mid-epoch (a final checkpoint marks its epoch done: a relaunch from it starts the next one).
-    saved = dict(CheckpointStore(pp_runs["1f1b"].run_dir / "checkpoints").committed())[3]
+    saved = dict(CheckpointStore(pp_runs[layout].run_dir / "checkpoints").committed())[3]
     run = train(tmp_path, "ddp1", "ddp", STEPS + 2, devices=1, extra=(SHARED_RUN_CLIP, f"--ckpt_path={saved}"))
     assert "converted" in (tmp_path / "ddp1" / "output.txt").read_text()
     _assert_same_losses(run, pp_runs["one"], slice(3, STEPS + 2))  # AdamW's moments came back too
@@ -92,8 +101,9 @@ def test_a_pp_checkpoint_trains_on_in_one_process_as_the_one_process_run(tmp_pat
 
 
 @pytest.mark.multiprocess
-def test_a_pp_checkpoint_consolidates_to_the_full_tensors_and_named_moments(tmp_path, monkeypatch, pp_runs):
-    run = pp_runs["1f1b"]
+@pytest.mark.parametrize("layout", ["1f1b", "tp"])
+def test_a_pp_checkpoint_consolidates_to_the_full_tensors_and_named_moments(tmp_path, monkeypatch, pp_runs, layout):
+    run = pp_runs[layout]
     checkpoints = str(run.run_dir / "checkpoints")
     result = run_tool_here(
         "checkpoint", ["consolidate", checkpoints, str(tmp_path / "one.ckpt")], tmp_path, monkeypatch
@@ -111,11 +121,12 @@ def test_a_pp_checkpoint_consolidates_to_the_full_tensors_and_named_moments(tmp_
 
 
 @pytest.mark.multiprocess
-def test_validation_under_pp_gives_the_one_process_loss(pp_runs):
+@pytest.mark.parametrize("layout", ["1f1b", "tp"])
+def test_validation_under_pp_gives_the_one_process_loss(pp_runs, layout):
     def final_val_loss(run: TrainedRun) -> float:
         return json.loads((run.run_dir / "metrics.json").read_text())["metrics"]["val/loss"]
 
-    assert final_val_loss(pp_runs["1f1b"]) == pytest.approx(final_val_loss(pp_runs["one"]), rel=1e-5)
+    assert final_val_loss(pp_runs[layout]) == pytest.approx(final_val_loss(pp_runs["one"]), rel=1e-5)
 
 
 @pytest.mark.multiprocess
@@ -174,8 +185,17 @@ INTERLEAVED = "--trainer.strategy.init_args.schedule=interleaved_1f1b"
             "pipeline_parallel_size=3 must divide the world size (2",
         ),
         (["--model=tests.support.llama_style.LlamaStyleLM"], "LlamaStyleLM has no pipeline_loss(output, target)"),
+        ([TP2], "pipeline_parallel_size=2 x tensor_parallel_size=2 must divide the world size (2"),
+        (
+            ["--trainer.devices=4", TP2, "--trainer.strategy.init_args.tp_plan={model.lm_head: loss_parallel}"],
+            "tp_plan: model.lm_head is loss_parallel, whose split logits a pipeline's last stage cannot hand to",
+        ),
+        (
+            ["--trainer.devices=4", TP2, "--trainer.strategy.init_args.tp_plan={model.layers.*.ln1: colwise}"],
+            "tp_plan: model.layers.0.ln1 (LayerNorm) cannot be colwise: that style splits an nn.Linear",
+        ),
     ],
-    ids=["unknown", "order", "count", "container", "1f1b", "divide", "world", "no-loss"],
+    ids=["unknown", "order", "count", "container", "1f1b", "divide", "world", "no-loss", "tp-world", "tp-loss", "tp"],
 )
 def test_a_split_or_size_that_does_not_fit_is_refused_before_launch(tmp_path, monkeypatch, capsys, args, expected):
     assert expected in _refused(tmp_path, monkeypatch, capsys, *args)
@@ -244,3 +264,20 @@ def test_validation_under_pp_runs_the_model_in_eval_mode(tmp_path, pp_runs):
         return float(found[1])
 
     assert val_loss("pp", 2) == pytest.approx(val_loss("ddp", 1), rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_3d_pp_x_fsdp_x_tp_on_8_processes_trains_the_ddp_model(tmp_path, strategy_runs):
+    """2 x 2 x 2: two pipelines of two stages, each stage split over 2 tensor ranks and sharded by FSDP over 2
+    data ranks; the same global batch of 2 x 16 as DDP on 2 processes, in the same order (the shared DDP run)."""
+    steps = 3  # 8 processes on this machine's 2 cores: the fewest steps that show two updates
+    run = train(tmp_path, "3d", "pp", steps, devices=8, extra=(SHARED_RUN_CLIP, TP2))
+    ddp = strategy_runs["ddp"]
+    for rank, record in enumerate(run.records):  # rank = (pipeline x 2 + data) x 2 + tensor
+        expected = torch.tensor(ddp.records[rank // 2 % 2]["losses"][:steps])
+        torch.testing.assert_close(torch.tensor(record["losses"]), expected, rtol=1e-5, atol=0)
+    assert run.params.keys() == ddp.params.keys()
+    assert (
+        "[rank 4] pipeline stage(s) 1 of 2: 429,568 parameters, 9 modules split 2 ways"
+        in (tmp_path / "3d" / "output.txt").read_text()
+    )

@@ -1,7 +1,8 @@
-"""Pipeline parallelism's pieces alone: the split check's arithmetic, tied parameters, the bubble clock, theory."""
+"""Pipeline parallelism's pieces alone: the split check, tied parameters, module stages, the bubble clock, theory."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.strategies.pp_module_split import trace_module_stages
 from lightning_mlopt.strategies.pp_schedule import SCHEDULES, BubbleClock, schedule_named
 from lightning_mlopt.strategies.pp_split import check_split, install_stages, stage_indices
 
@@ -84,3 +86,87 @@ def test_theoretical_bubbles_and_schedule_names() -> None:
     assert schedule_named("1F1B") is SCHEDULES["1f1b"]
     with pytest.raises(ValueError, match="schedule: unknown 'zb'; choose one of: gpipe"):
         schedule_named("zb")
+
+
+class _Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, skipped: Tensor, x: Tensor) -> Tensor:
+        return self.out(torch.cat([skipped, x], dim=-1))
+
+
+class _Skips(nn.Module):
+    """Three stages where the first one's output skips the second (a value that must pass through stage 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(4, 4), nn.Linear(4, 4), _Join()
+
+    def forward(self, x: Tensor) -> Tensor:
+        early = self.first(x)
+        return self.third(early, self.second(early.relu()))
+
+
+def test_module_stages_call_the_models_own_modules_and_pass_skipped_values_through() -> None:
+    model, x = _Skips(), torch.randn(3, 4)
+    stages = trace_module_stages(model, (x,), ["second", "third"], training=True)
+    modules = [stages.get_stage_module(index) for index in range(stages.num_stages)]
+    assert [dict(module.named_parameters()).keys() for module in modules] == [
+        {"first.weight", "first.bias"},
+        {"second.weight", "second.bias"},
+        {"third.out.weight", "third.out.bias"},
+    ]
+    assert modules[1].second is model.second  # the same object: a tensor-parallel style hooks it in place
+    sent = modules[0](x)  # the first's output (for the third) and its relu (for the second), as the stage sends them
+    assert isinstance(sent, tuple) and len(sent) == 2
+    passed = modules[1](*sent)
+    assert isinstance(passed, tuple) and len(passed) == 2  # the first's output passed on, and the second's
+    torch.testing.assert_close(modules[2](*passed), model(x))
+
+
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(self.first(x)) if x.sum() > 0 else x
+
+
+class _SendsAnInt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        width = self.first(x).shape[-1]
+        return self.second(x)[..., :width]
+
+
+class _Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.spare = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.first(x)
+
+
+@pytest.mark.parametrize(
+    ("model", "split", "message"),
+    [
+        (
+            _Branches(),
+            ["second"],
+            "traces the forward with torch.fx (module calls kept for the plan's hooks), which failed",
+        ),
+        (_SendsAnInt(), ["second"], "at 'second' the stages would pass a int (only tensors travel between stages)"),
+        (_Unused(), ["spare"], "the forward never calls 'spare'"),
+    ],
+    ids=["branch", "int", "unused"],
+)
+def test_module_stages_refuse_what_a_pipeline_cannot_carry(model: nn.Module, split: list[str], message: str) -> None:
+    with pytest.raises(BadInputError, match=re.escape(message)):
+        trace_module_stages(model, (torch.randn(3, 4),), split, training=True)
