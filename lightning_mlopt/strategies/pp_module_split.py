@@ -115,8 +115,8 @@ def _stage_of_each_node(nodes: Sequence[fx.Node], split_points: list[str]) -> di
                 current = implied
         stage_of[node] = current if node.op != "output" else len(split_points)
     if current != len(split_points):
-        never = split_points[current:] if current < len(split_points) else []
-        raise BadInputError(f"split_points: the forward never calls {never[0]!r}: each split module must be called")
+        missing = split_points[current]  # the first one the forward did not reach
+        raise BadInputError(f"split_points: the forward never calls {missing!r}: each split module must be called")
     return stage_of
 
 

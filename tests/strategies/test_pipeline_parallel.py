@@ -248,22 +248,26 @@ def test_pp_x_dp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
 
 @pytest.mark.multiprocess
 def test_validation_under_pp_runs_the_model_in_eval_mode(tmp_path, pp_runs):
-    """With dropout 0.5, validate gives one process's loss: the stages traced in eval mode run (dropout off)."""
+    """With dropout 0.5, validate gives one process's loss: the stages traced in eval mode run (dropout off), under
+    PP and under PP x TP."""
     saved = CheckpointStore(pp_runs["1f1b"].run_dir / "checkpoints").newest_valid()
     assert saved is not None
 
-    def val_loss(strategy: str, devices: int) -> float:
-        args = ("--model.init_args.dropout=0.5", f"--ckpt_path={saved.path}", "--trainer.limit_val_batches=2")
+    def val_loss(strategy: str, devices: int, *extra: str) -> float:
+        args = ("--model.init_args.dropout=0.5", f"--ckpt_path={saved.path}", "--trainer.limit_val_batches=2", *extra)
+        run_dir = tmp_path / f"{strategy}{devices}"
         result = run_cli(
-            fit_args(*args, strategy=strategy, devices=devices, run_dir=tmp_path / strategy, subcommand="validate"),
-            cwd=tmp_path,
+            fit_args(*args, strategy=strategy, devices=devices, run_dir=run_dir, subcommand="validate"), cwd=tmp_path
         )
         assert result.returncode == 0, failure_report(result)
         found = re.search(r"val/loss\s+([0-9.]+)", result.stdout + result.stderr)
         assert found is not None, (result.stdout + result.stderr)[-2000:]
         return float(found[1])
 
-    assert val_loss("pp", 2) == pytest.approx(val_loss("ddp", 1), rel=1e-5)
+    expected = val_loss("ddp", 1)
+    assert val_loss("pp", 2) == pytest.approx(expected, rel=1e-5)
+    # PP x TP: torch.fx's stages traced again in eval mode, calling the same tensor-parallel modules.
+    assert val_loss("pp", 4, TP2) == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.multiprocess
