@@ -139,6 +139,37 @@ def settle_partial_gradients(params: Iterable[Tensor]) -> None:
             )
 
 
+class PartialGradients:
+    """Sums the gradients backward leaves as partial sums (sequence parallelism's norms) into whole ones, each step.
+
+    A norm under ``sequence_parallel`` holds its weight whole (``Replicate``) but sees this rank's part of the
+    sequence only, so its gradient comes out ``Partial``: each rank's share of the sum. Clipping, the optimizer
+    and every norm of ours read a gradient as what it is on each rank, so it is made whole before anything
+    reads it. Which parameters these are is fixed by the plan: found at the first call, then one all-reduce a
+    step for all of them (none, and no walk over the model, without sequence parallelism).
+
+    Example::
+
+        partial = PartialGradients()
+        loss.backward()
+        partial.settle(model)   # every sequence-parallel norm's gradient is now whole
+    """
+
+    def __init__(self) -> None:
+        self._owners: list[nn.Parameter] | None = None
+
+    def settle(self, module: nn.Module) -> None:
+        """Settle ``module``'s partial gradients in place (the owners found at the first call)."""
+        if self._owners is None:
+            self._owners = [
+                param
+                for param in module.parameters()
+                if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements)
+            ]
+        if self._owners:
+            settle_partial_gradients(self._owners)
+
+
 def synchronized_buffers(module: nn.Module) -> list[Replica]:
     """Buffers every rank keeps identical: all but the running statistics of (non-synchronized) BatchNorm.
 

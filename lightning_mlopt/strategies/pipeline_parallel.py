@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, Literal
 
 from lightning.pytorch import Trainer
@@ -34,7 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt.checkpoint.optimizer_keys import flattened_state
-from lightning_mlopt.distributed.sharding import PipelineSharding
+from lightning_mlopt.distributed.sharding import PartialGradients, PipelineSharding
 from lightning_mlopt.distributed.state import register_pipeline_stage
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.hooks import RunsPipeline
@@ -44,7 +45,6 @@ from lightning_mlopt.strategies.fsdp import FSDPStrategy
 from lightning_mlopt.strategies.pp_module_split import trace_module_stages
 from lightning_mlopt.strategies.pp_runner import PipelineRunner, loop_name
 from lightning_mlopt.strategies.pp_schedule import (
-    MICROBATCHES_PER_RANK,
     BubbleClock,
     ScheduleKind,
     bubble_advice,
@@ -161,6 +161,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         self._batch_size: int | None = None  # the loader's, which every batch through the pipeline must have
         self._skipped_batch = False
         self._split_modules = 0  # this rank's modules the tensor-parallel plan split
+        self._partial_gradients = PartialGradients()  # sequence-parallel norms' (PP x TP): see post_backward
 
     @property
     def stages(self) -> int:
@@ -201,17 +202,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             raise BadInputError(
                 f"{sizes} must divide the world size ({world} = devices x nodes); choose sizes whose product divides it"
             )
-        if self.schedule.microbatches_at_least_stages and self.microbatches < self.stages:
-            raise BadInputError(
-                f"microbatches={self.microbatches}: {self.schedule.name} needs at least one per stage "
-                f"({self.stages}); raise microbatches or use gpipe"
-            )
-        m, p = self.microbatches, self.pipeline_parallel_size
-        if self.schedule.multi_stage and m % max(1, m // p):  # torch's interleaved schedules' rounds
-            raise BadInputError(
-                f"microbatches={m}: {self.schedule.name} runs them in rounds of {max(1, m // p)}, which must divide "
-                f"them; choose a multiple of {p}"
-            )
+        self.schedule.check_microbatches(self.microbatches, self.pipeline_parallel_size, self.stages)
         check_split(module, self.split_points, self.stages)
         if tensor > 1:
             stage_plan(module, self.tp_plan, tensor)
@@ -263,8 +254,10 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             fitting = trainer.state.fn == TrainerFn.FITTING
             inputs = example_microbatch_inputs(loader, self.microbatches, self.data_parallel_size, fitting)
             self._batch_size = loader.batch_size
-            # Tensor parallelism needs the model's module calls in the stages: torch.fx's tracer keeps them.
-            trace = trace_module_stages if self.tensor_parallel_size > 1 else trace_stages
+            trace: Any = trace_stages
+            if self.tensor_parallel_size > 1:  # the plan's hooks need its modules' calls: torch.fx's tracer keeps them
+                plan = stage_plan(module, self.tp_plan, self.tensor_parallel_size)
+                trace = partial(trace_module_stages, kept_calls=plan.styles)
             pipe = trace(module, inputs, self.split_points, training=True)
             # Evaluation needs the model traced in eval mode (dropout off, running statistics): the same
             # parameter objects, other graphs. Under FSDP the stages' parameters become FSDP's own, which a
@@ -282,7 +275,6 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         indices = stage_indices(pipeline_rank, self.pipeline_parallel_size, self.stages_per_rank)
         group = self.pipeline_group
         if self.tensor_parallel_size > 1:  # in place, on the module objects the stages (and eval stages) call
-            plan = stage_plan(module, self.tp_plan, self.tensor_parallel_size)
             held = [pipe.get_stage_module(index) for index in indices]
             self._split_modules = parallelize_stages(held, self.device_mesh[TENSOR], plan)
         self._stages = [pipe.build_stage(index, self.root_device, group) for index in indices]
@@ -296,19 +288,14 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         if eval_pipe is not None:
             eval_stages = [eval_pipe.build_stage(index, self.root_device, group) for index in indices]
         assert isinstance(module, DeclaresPipelineLoss)  # check_split said so
+        peers = [self.device_mesh[TENSOR].get_group()] if self.tensor_parallel_size > 1 else []  # one batch too
+        loss_of, device = module.pipeline_loss, self.root_device
         self._runner = PipelineRunner(
-            self.schedule, self.microbatches, self._stages, eval_stages, module.pipeline_loss, group, self.root_device
+            self.schedule, self.microbatches, self._stages, eval_stages, loss_of, group, device, peers
         )
-        self._warn_if_few_microbatches()
-
-    def _warn_if_few_microbatches(self) -> None:
-        enough = MICROBATCHES_PER_RANK * self.pipeline_parallel_size
-        if self.global_rank == 0 and self.microbatches < enough:
-            warnings.warn(
-                f"pipeline: {self.microbatches} micro-batches for {self.pipeline_parallel_size} pipeline ranks leave "
-                f"a bubble of {self.theoretical_bubble:.0%} in theory; {enough} or more keep it under 20%",
-                stacklevel=2,
-            )
+        advice = self.schedule.few_microbatches(self.pipeline_parallel_size, self.microbatches, self.stages_per_rank)
+        if advice is not None and self.global_rank == 0:
+            warnings.warn(advice, stacklevel=2)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -345,6 +332,12 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """FSDP's, then sequence-parallel norms' partial gradients made whole, as under tensor parallelism."""
+        super().post_backward(closure_loss)
+        self._partial_gradients.settle(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -18,13 +18,14 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
 
 from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.strategies.pp_split import refuse_shared_parameters, trial_forwards
 
 
 class ModuleStages:
@@ -54,23 +55,41 @@ class ModuleStages:
         return PipelineStage(self._modules[index], index, self.num_stages, device, group=group)
 
 
+class _CallsKept(fx.Tracer):
+    """torch.fx's tracer, keeping the named modules as calls too (a plan's hooks act on the module's call)."""
+
+    def __init__(self, kept: Collection[str]) -> None:
+        super().__init__()
+        self._kept = frozenset(kept)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self._kept or super().is_leaf_module(m, module_qualified_name)
+
+
 def trace_module_stages(
-    module: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[str], training: bool
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    split_points: Sequence[str],
+    training: bool,
+    kept_calls: Collection[str] = (),
 ) -> ModuleStages:
     """``module``'s forward traced by torch.fx (torch.nn modules kept as calls) and cut where ``split_points`` begin.
 
     ``training``: the mode the forward is traced in (a Python branch on ``self.training`` is fixed by it; a
     ``nn.Dropout`` module keeps following the mode). ``inputs``: one micro-batch, to check what crosses stages.
+    ``kept_calls``: more modules kept as calls, by whole-model name: the plan's (a subclass of ``nn.Linear``, a
+    block whose input is gathered), whose hooks would otherwise never run.
 
     Raises:
         BadInputError: the forward cannot be traced symbolically (torch's first line), a split module the forward
-            never calls or calls after a later stage's, or a value crossing stages that is not a tensor.
+            never calls or calls after a later stage's, a value crossing stages that is not a tensor, or a
+            parameter two stages use.
 
     """
     was_training = module.training
     module.train(training)
     try:
-        graph = fx.Tracer().trace(module)
+        graph = _CallsKept(kept_calls).trace(module)
     except Exception as error:  # torch.fx's many error types: the reason is what the user needs
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         raise BadInputError(
@@ -85,7 +104,9 @@ def trace_module_stages(
     crossing = _crossing_values(nodes, stage_of, stage_count)
     stages = [_stage_module(module, nodes, stage_of, crossing, index, stage_count) for index in range(stage_count)]
     _check_crossings(stages, inputs, list(split_points), module)
-    return ModuleStages(stages)
+    module_stages = ModuleStages(stages)
+    refuse_shared_parameters(module_stages)
+    return module_stages
 
 
 def _stage_of_each_node(nodes: Sequence[fx.Node], split_points: list[str]) -> dict[fx.Node, int]:
@@ -159,9 +180,9 @@ def _stage_module(
 def _check_crossings(
     stages: Sequence[fx.GraphModule], inputs: tuple[Any, ...], split_points: list[str], module: nn.Module
 ) -> None:
-    """Run the stages in turn on one micro-batch (no gradients, random state kept): every value sent is a tensor."""
+    """Run the stages in turn on one micro-batch (a trial, leaving no trace): every value sent is a tensor."""
     values: Any = inputs
-    with torch.random.fork_rng(), torch.no_grad():
+    with trial_forwards(module):
         for stage, point in zip(stages[:-1], split_points, strict=True):
             values = stage(*values)
             values = values if isinstance(values, tuple) else (values,)

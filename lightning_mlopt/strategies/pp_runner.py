@@ -37,6 +37,7 @@ class PipelineRunner:
         loss_of: one micro-batch's mean loss from the last stage's output and the target (``pipeline_loss``).
         group: the pipeline's process group.
         device: where the loss lives.
+        peer_groups: more groups whose ranks must load this rank's batch (a stage's tensor-parallel ranks).
 
     """
 
@@ -49,9 +50,11 @@ class PipelineRunner:
         loss_of: Callable[[Tensor, Tensor], Tensor],
         group: Any,
         device: torch.device,
+        peer_groups: Sequence[Any] = (),
     ) -> None:
         self.microbatches = microbatches
         self.group = group
+        self._same_batch_groups = [group, *peer_groups]
         self.device = device
         self.clock = BubbleClock(stages)
         self.first = any(stage.is_first for stage in stages)
@@ -81,7 +84,8 @@ class PipelineRunner:
         """
         inputs, target = split_batch(batch)
         if not self._checked_batches:
-            self._check_same_batch(target)
+            self._checked_batches = True
+            check_same_batch(target, self._same_batch_groups)
         self._loss_scale = loss_scale
         losses: list[Tensor] = []
         step = self._train.step if train else self._eval.eval
@@ -99,21 +103,28 @@ class PipelineRunner:
         dist.all_reduce(loss, group=self.group)  # the last stage's value, given to every stage
         return loss / loss_scale / self.microbatches
 
-    def _check_same_batch(self, target: Tensor) -> None:
-        """Once: every rank of the pipeline loaded the same batch (the first stage's inputs, the last's target).
 
-        A dataset seeded by rank (workers seeded with the global rank), or sharded by ``dist.get_rank()``, would
-        give the stages different samples: the loss would pair one sample's inputs with another's target.
-        """
-        self._checked_batches = True
-        fingerprint = target.detach().double().sum()
-        spread = torch.stack([fingerprint, -fingerprint])  # one MAX gives the largest and the smallest
-        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
-        if not torch.isclose(spread[0], -spread[1], rtol=1e-12, atol=0.0):
-            raise BadInputError(
-                "the ranks of a pipeline loaded different batches: each must load the same one (a dataset that "
-                "shuffles or augments by rank, or shards by torch.distributed's rank, cannot feed a pipeline)"
-            )
+def check_same_batch(target: Tensor, groups: Sequence[Any]) -> None:
+    """Every rank of ``groups`` loaded the same batch (the first stage's inputs, the last's target), or refuse.
+
+    A dataset seeded by rank (workers seeded with the global rank), or sharded by ``dist.get_rank()``, would give
+    the stages different samples: the loss would pair one sample's inputs with another's target. A fingerprint of
+    the target is reduced over each group in turn, so the ranks of several groups (pipeline, then tensor) all
+    compare, and every one of them raises alike.
+
+    Raises:
+        BadInputError: the ranks loaded different batches; what causes it.
+
+    """
+    fingerprint = target.detach().double().sum()
+    spread = torch.stack([fingerprint, -fingerprint])  # one MAX gives the largest and the smallest
+    for group in groups:
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
+    if not torch.isclose(spread[0], -spread[1], rtol=1e-12, atol=0.0):
+        raise BadInputError(
+            "the ranks of a pipeline loaded different batches: each must load the same one (a dataset that "
+            "shuffles or augments by rank, or shards by torch.distributed's rank, cannot feed a pipeline)"
+        )
 
 
 def loop_name(loss_name: str, loop: str) -> str:

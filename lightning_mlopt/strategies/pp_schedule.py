@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from functools import wraps
 from typing import Any
 
+from lightning_mlopt.exceptions import BadInputError
+
 MICROBATCHES_PER_RANK = 4
 """Fewer micro-batches than this many per pipeline rank earn a warning: the bubble is then over 20%."""
 
@@ -58,6 +60,36 @@ class ScheduleKind:
         """The idle share of a step with equal stage times and free communication (see the module docstring)."""
         v = stages_per_rank if self.multi_stage else 1
         return (ranks - 1) / (v * microbatches + ranks - 1)
+
+    def few_microbatches(self, ranks: int, microbatches: int, stages_per_rank: int = 1) -> str | None:
+        """A warning when fewer than :data:`MICROBATCHES_PER_RANK` per pipeline rank leave a bubble over 20%."""
+        enough = MICROBATCHES_PER_RANK * ranks
+        if microbatches >= enough:
+            return None
+        bubble = self.theoretical_bubble(ranks, microbatches, stages_per_rank)
+        return (
+            f"pipeline: {microbatches} micro-batches for {ranks} pipeline ranks leave a bubble of {bubble:.0%} in "
+            f"theory; {enough} or more keep it under 20%"
+        )
+
+    def check_microbatches(self, microbatches: int, ranks: int, stages: int) -> None:
+        """Refuse micro-batch counts torch's schedule would refuse mid-step: 1F1B's one per stage, the rounds.
+
+        Raises:
+            BadInputError: the count and the fix, in one line.
+
+        """
+        if self.microbatches_at_least_stages and microbatches < stages:
+            raise BadInputError(
+                f"microbatches={microbatches}: {self.name} needs at least one per stage ({stages}); "
+                "raise microbatches or use gpipe"
+            )
+        rounds = max(1, microbatches // ranks)  # torch's interleaved schedules run them in rounds of this many
+        if self.multi_stage and microbatches % rounds:
+            raise BadInputError(
+                f"microbatches={microbatches}: {self.name} runs them in rounds of {rounds}, which must divide "
+                f"them; choose a multiple of {ranks}"
+            )
 
     def schedule_class(self) -> type[Any]:
         """Torch's class for it."""

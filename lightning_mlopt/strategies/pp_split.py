@@ -29,7 +29,8 @@ import bisect
 import difflib
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -171,23 +172,68 @@ def trace_stages(module: nn.Module, inputs: tuple[Any, ...], split_points: Seque
             f"split_points: cutting at {list(split_points)} gave {pipe.num_stages} stages, not "
             f"{len(split_points) + 1}: each split module must be called once by the forward"
         )
+    refuse_shared_parameters(pipe)
     return pipe
+
+
+def refuse_shared_parameters(stages: Any) -> None:
+    """Refuse a parameter two stages use: each would train its own copy of it, and the copies drift apart.
+
+    ``check_split`` refuses a parameter two stages' modules hold; this catches the one a later stage reads
+    directly, e.g. an LM head written ``F.linear(x, self.embedding.weight)``. ``stages``: a ``Pipe`` or
+    :class:`~lightning_mlopt.strategies.pp_module_split.ModuleStages` (stage modules keep whole-model names).
+
+    Raises:
+        BadInputError: the parameter, its two stages and the fix.
+
+    """
+    first_stage: dict[str, int] = {}
+    for index in range(stages.num_stages):
+        for name, _ in stages.get_stage_module(index).named_parameters():
+            earlier = first_stage.setdefault(name, index)
+            if earlier != index:
+                raise BadInputError(
+                    f"split_points: {name} is used by stages {earlier} and {index} (a weight read twice, e.g. "
+                    "tied through F.linear), and each would train its own copy; untie it or use it in one stage"
+                )
 
 
 _PATCHED = ("forward", "_orig_forward")  # what torch's annotate_split_points sets on each split module
 
 
+@contextmanager
+def trial_forwards(module: nn.Module) -> Iterator[None]:
+    """Forwards of ``module`` that leave no trace: no gradients, the random state and the buffers restored.
+
+    A trial forward in training mode would otherwise move batch norm's running statistics (and count a batch)
+    before the first step, and the run would no longer match one process's.
+
+    Example::
+
+        with trial_forwards(model):
+            model(*inputs)   # model.state_dict() is as before
+    """
+    saved = [buffer.clone() for buffer in module.buffers()]
+    try:
+        with torch.random.fork_rng(), torch.no_grad():
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved, strict=True):
+                buffer.copy_(value)
+
+
 def depends_on_mode(module: nn.Module, inputs: tuple[Any, ...]) -> bool:
     """Whether ``module``'s output on ``inputs`` differs between training and evaluation (dropout, batch norm).
 
-    Two forwards of one micro-batch without gradients, the random state restored around them.
+    Two trial forwards of one micro-batch (:func:`trial_forwards`), each from the same random seed.
     """
     was_training = module.training
     outputs = []
     try:
         for training in (True, False):
             module.train(training)
-            with torch.random.fork_rng(), torch.no_grad():
+            with trial_forwards(module):
                 torch.manual_seed(0)
                 outputs.append(module(*inputs))
     finally:

@@ -35,9 +35,11 @@ def stage_plan(module: nn.Module, plan: Mapping[str, str] | None, size: int) -> 
     resolved = plan_of(module, plan, size)
     split = [name for name, style in resolved.styles.items() if STYLES[style].splits_logits]
     if split:
+        style = resolved.styles[split[0]]
+        whole = "colwise_replicated" + ("_from_sequence" if style.endswith("_from_sequence") else "")
         raise BadInputError(
-            f"tp_plan: {split[0]} is {resolved.styles[split[0]]}, whose split logits a pipeline's last stage cannot "
-            "hand to pipeline_loss; use colwise_replicated for it under pipeline parallelism"
+            f"tp_plan: {split[0]} is {style}, whose split logits a pipeline's last stage cannot hand to "
+            f"pipeline_loss; use {whole} for it under pipeline parallelism"
         )
     return resolved
 

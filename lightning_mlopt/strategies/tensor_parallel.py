@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mlopt.distributed.sharding import SubMeshSharding, settle_partial_gradients
+from lightning_mlopt.distributed.sharding import PartialGradients, SubMeshSharding
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.data_dimension import DATA, OverDataDimension
@@ -110,7 +110,7 @@ class TensorParallelStrategy(OverDataDimension, FSDPStrategy):
             process_group_backend=process_group_backend,
         )
         self._requested_tensor_parallel_size = tensor_parallel_size
-        self._partial_gradient_owners: list[Tensor] | None = None  # see post_backward
+        self._partial_gradients = PartialGradients()  # see post_backward
         self._splits_logits = False  # the plan leaves the logits split into the loss (set when sharding)
         self._in_loss_context = False
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
@@ -149,22 +149,9 @@ class TensorParallelStrategy(OverDataDimension, FSDPStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        """Sum the gradients backward left as partial sums (sequence parallelism's norms) into whole ones.
-
-        A norm under ``sequence_parallel`` holds its weight whole (``Replicate``) but sees this rank's part of
-        the sequence only, so its gradient comes out ``Partial``: each rank's share of the sum. Clipping, the
-        optimizer and every norm of ours read a gradient as what it is on each rank, so it is made whole here,
-        one all-reduce for all of them, before anything reads it.
-        """
+        """FSDP's, then the gradients backward left as partial sums (sequence parallelism's norms) made whole."""
         super().post_backward(closure_loss)
-        if self._partial_gradient_owners is None:  # which they are is fixed by the plan: found once
-            self._partial_gradient_owners = [
-                param
-                for param in self.lightning_module.parameters()
-                if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements)
-            ]
-        if self._partial_gradient_owners:  # none without sequence parallelism: no walk over the model per step
-            settle_partial_gradients(self._partial_gradient_owners)
+        self._partial_gradients.settle(self.lightning_module)
 
     @contextmanager
     def _loss_context(self) -> Iterator[None]:

@@ -115,7 +115,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
 def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[ResolvedPlan | None, list[str]]:
     """The resolved plan when the config's strategy is tensor-parallel, and its placements, a line a module."""
     from lightning_mlopt.strategies import STRATEGIES, TensorParallelStrategy
-    from lightning_mlopt.strategies.tp_plan import resolve
+    from lightning_mlopt.strategies.tp_plan import plan_of
 
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith(TensorParallelStrategy.__name__):
@@ -127,7 +127,7 @@ def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tu
     devices = trainer.get("devices")
     # null: each node's devices; with devices: auto, the world given (one node)
     size = init_args.get("tensor_parallel_size") or (devices if isinstance(devices, int) else world_size)
-    plan = resolve(model, init_args.get("tp_plan") or getattr(model, "tp_plan", None) or {}, size)
+    plan = plan_of(model, init_args.get("tp_plan"), size)  # as the strategy resolves it
     lines = [f"tensor-parallel plan ({size} ways, data-parallel {world_size // size}):"]
     lines += [f"  {line}" for line in plan.describe()]
     return plan, lines

@@ -1,4 +1,4 @@
-"""Run a function in two real processes joined in one gloo group, and collect what each returned."""
+"""Run a function in real processes (two, or more) joined in one gloo group, and collect what each returned."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 
-def _rank_main(rank: int, target: Callable[[int], dict[str, Any]], init_file: str, out: str) -> None:
+def _rank_main(rank: int, target: Callable[[int], dict[str, Any]], init_file: str, out: str, world: int) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     record = target(rank)
     Path(f"{out}.{rank}").write_text(json.dumps(record))
     dist.destroy_process_group()
@@ -24,8 +24,13 @@ def on_two_ranks(target: Callable[[int], dict[str, Any]], folder: Path) -> list[
 
         records = on_two_ranks(_sum_my_rank, tmp_path)   # [{"sum": 1.0}, {"sum": 1.0}]
     """
+    return on_ranks(target, folder, world=2)
+
+
+def on_ranks(target: Callable[[int], dict[str, Any]], folder: Path, world: int) -> list[dict[str, Any]]:
+    """``target(rank)`` on ``world`` ranks, as :func:`on_two_ranks` does; their records, by rank."""
     import torch.multiprocessing as mp
 
     out = folder / "record"
-    mp.spawn(_rank_main, args=(target, str(folder / "init"), str(out)), nprocs=2, join=True)
-    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    mp.spawn(_rank_main, args=(target, str(folder / "init"), str(out), world), nprocs=world, join=True)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world)]

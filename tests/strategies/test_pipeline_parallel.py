@@ -38,6 +38,30 @@ from tests.support.strategy_runs import TrainedRun, train
 STEPS = 6
 CHECKPOINTED = ("--checkpoint.every_n_steps=3",)
 TP2 = "--trainer.strategy.init_args.tensor_parallel_size=2"
+# tp_sp.yaml's plan (sequence parallelism: the norms on half the sequence each, their gradients partial sums made
+# whole), but with an LM head whose logits are gathered (a pipeline's last stage hands pipeline_loss whole logits).
+SP_PLAN = {
+    "model.token_embedding": "embedding_rowwise_sequence",
+    "model.position_embedding": "embedding_rowwise_sequence",
+    "model.layers.*.ln1": "sequence_parallel",
+    "model.layers.*.attn": "gather_sequence",
+    "model.layers.*.attn.qkv": "colwise",
+    "model.layers.*.attn.proj": "rowwise_sequence",
+    "model.layers.*.ln2": "sequence_parallel",
+    "model.layers.*.mlp": "gather_sequence",
+    "model.layers.*.mlp.0": "colwise",
+    "model.layers.*.mlp.2": "rowwise_sequence",
+    "model.ln_f": "sequence_parallel",
+    "model.lm_head": "colwise_replicated_from_sequence",
+}
+TP2_SP = (TP2, f"--trainer.strategy.init_args.tp_plan={json.dumps(SP_PLAN)}")
+
+
+# GradNormMonitor every step, into a CSV log: its global and per-module norms, summed over the stages.
+GRAD_NORMS = (
+    *("--config", str(CONFIGS / "trackers" / "csv.yaml")),
+    *("--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor", "--trainer.callbacks.log_every_n_steps=1"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +73,17 @@ def pp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainedRun]:
     )
     validate = ("--trainer.val_check_interval=3", "--trainer.limit_val_batches=2")
     return {
-        "one": train(root, "one", "ddp", STEPS + 2, devices=1, extra=(SHARED_RUN_CLIP, *validate)),
+        "one": train(root, "one", "ddp", STEPS + 2, devices=1, extra=(SHARED_RUN_CLIP, *validate, *GRAD_NORMS)),
         "1f1b": train(root, "1f1b", "pp", STEPS, extra=(SHARED_RUN_CLIP, *CHECKPOINTED, *validate)),
         "gpipe": train(
             root, "gpipe", "pp", STEPS, extra=(SHARED_RUN_CLIP, "--trainer.strategy.init_args.schedule=gpipe")
         ),
         "interleaved": train(root, "interleaved", "pp", STEPS, extra=(SHARED_RUN_CLIP, *interleaved)),
-        # Pipeline x tensor parallel on 4 processes: the demo's own tp_plan splits each stage over 2 ranks.
-        "tp": train(root, "tp", "pp", STEPS, devices=4, extra=(SHARED_RUN_CLIP, *CHECKPOINTED, *validate, TP2)),
+        # Pipeline x tensor parallel on 4 processes, each stage split over 2 ranks with sequence parallelism (the
+        # demo's own plan runs in the 3D test and in the eval-mode test).
+        "tp": train(
+            root, "tp", "pp", STEPS, devices=4, extra=(SHARED_RUN_CLIP, *CHECKPOINTED, *validate, *TP2_SP, *GRAD_NORMS)
+        ),
     }
 
 
@@ -66,6 +93,21 @@ def _assert_same_losses(run: TrainedRun, reference: TrainedRun, steps: slice) ->
         torch.testing.assert_close(torch.tensor(record["losses"]), expected, rtol=1e-5, atol=0)
     losses = reference.records[0]["losses"]
     assert losses[-1] < losses[0], "the reference trained: agreeing on doing nothing proves nothing"
+
+
+def _assert_same_gradient_norms(run: TrainedRun, reference: TrainedRun, steps: int) -> None:
+    def norms(run: TrainedRun) -> list[dict[str, float]]:
+        (log,) = (run.run_dir / "csv").glob("version_*/metrics.csv")
+        rows = list(csv.DictReader(log.read_text().splitlines()))
+        return [{k: float(v) for k, v in row.items() if k.startswith("grad_norm/") and v} for row in rows]
+
+    expected = [row for row in norms(reference) if row][:steps]
+    assert len(expected) == steps and "grad_norm/total" in expected[0] and len(expected[0]) > 2, expected
+    actual = [row for row in norms(run) if row]
+    assert [row.keys() for row in actual] == [row.keys() for row in expected]
+    for got, want in zip(actual, expected, strict=True):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4), key
 
 
 def _assert_same_parameters(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
@@ -83,10 +125,12 @@ def test_pp2_trains_the_one_process_model(pp_runs, schedule):
     one_start = torch.load(pp_runs["one"].run_dir.parents[1] / "one" / "start_params.pt")["params"]
     _assert_same_parameters(start, one_start)
     assert not any(torch.equal(run.params[name], one_start[name]) for name in one_start), "every parameter trained"
-    if schedule == "tp":  # each stage's 4 planned layers per block, and the embedding or the head, split 2 ways
+    if schedule == "tp":  # each block's 8 planned modules, and the embeddings or the final norm and head
         output = (run.run_dir.parents[1] / schedule / "output.txt").read_text()
-        assert "[rank 0] pipeline stage(s) 0 of 2: 437,504 parameters, 9 modules split 2 ways" in output, output
-        assert "[rank 3] pipeline stage(s) 1 of 2: 429,568 parameters, 9 modules split 2 ways" in output, output
+        assert "[rank 0] pipeline stage(s) 0 of 2: 437,504 parameters, 18 modules split 2 ways" in output, output
+        assert "[rank 3] pipeline stage(s) 1 of 2: 429,568 parameters, 18 modules split 2 ways" in output, output
+        # The sequence-parallel norms' gradients come out as partial sums on each tensor rank: made whole.
+        _assert_same_gradient_norms(run, pp_runs["one"], STEPS)
 
 
 @pytest.mark.multiprocess
@@ -205,29 +249,16 @@ def test_a_split_or_size_that_does_not_fit_is_refused_before_launch(tmp_path, mo
 def test_a_llama_shaped_model_trains_under_pp2_as_in_one_process(tmp_path):
     """Hugging Face's module names and shapes (grouped-query attention, SwiGLU, RMSNorm, the head outside
     ``model``), cut at ``model.layers.1``: the model adds ``pipeline_loss`` and nothing else."""
-    # GradNormMonitor too (every step, into a CSV log): its global and per-module norms, summed over the stages.
     llama = (
         *("--config", write_llama_config(tmp_path, "tests.support.llama_style.PipelinedLlamaStyleLM")),
-        *("--config", str(CONFIGS / "trackers" / "csv.yaml")),
-        *("--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor", "--trainer.callbacks.log_every_n_steps=1"),
+        *GRAD_NORMS,
     )
     pp = train(tmp_path, "pp", "pp", 4, extra=(*llama, "--trainer.strategy.init_args.split_points=[model.layers.1]"))
     one = train(tmp_path, "one", "ddp", 4, devices=1, extra=llama)
     _assert_same_losses(pp, one, slice(0, 4))
     _assert_same_parameters(pp.params, one.params)
 
-    def norms(run: TrainedRun) -> list[dict[str, float]]:
-        (log,) = (run.run_dir / "csv").glob("version_*/metrics.csv")
-        rows = list(csv.DictReader(log.read_text().splitlines()))
-        return [{k: float(v) for k, v in row.items() if k.startswith("grad_norm/") and v} for row in rows]
-
-    expected = [row for row in norms(one) if row]
-    assert len(expected) == 4 and "grad_norm/total" in expected[0] and len(expected[0]) > 2, expected
-    actual = [row for row in norms(pp) if row]
-    assert [row.keys() for row in actual] == [row.keys() for row in expected]
-    for got, want in zip(actual, expected, strict=True):
-        for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-4), key
+    _assert_same_gradient_norms(pp, one, 4)  # GradNormMonitor's, summed over the stages
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,5 @@
-"""Pipeline parallelism's pieces alone: the split check, tied parameters, module stages, the bubble clock, theory."""
+"""Pipeline parallelism's pieces alone: the split check, tied and shared parameters, module stages, the bubble clock,
+theory."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ from torch import Tensor, nn
 
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies.pp_module_split import trace_module_stages
+from lightning_mlopt.strategies.pp_runner import check_same_batch
 from lightning_mlopt.strategies.pp_schedule import SCHEDULES, BubbleClock, schedule_named
-from lightning_mlopt.strategies.pp_split import check_split, install_stages, stage_indices
+from lightning_mlopt.strategies.pp_split import (
+    check_split,
+    depends_on_mode,
+    install_stages,
+    stage_indices,
+    trace_stages,
+)
+from tests.distributed.two_ranks import on_ranks
 
 
 class _Tied(nn.Module):
@@ -170,3 +179,121 @@ class _Unused(nn.Module):
 def test_module_stages_refuse_what_a_pipeline_cannot_carry(model: nn.Module, split: list[str], message: str) -> None:
     with pytest.raises(BadInputError, match=re.escape(message)):
         trace_module_stages(model, (torch.randn(3, 4),), split, training=True)
+
+
+class _HeadReadsTheEmbedding(nn.Module):
+    """An LM head written as ``F.linear`` on the embedding's weight: no module of stage 1 holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.body = nn.Embedding(8, 4), nn.Linear(4, 4)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return nn.functional.linear(self.body(self.embed(tokens)), self.embed.weight)
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.parametrize("trace", [trace_stages, trace_module_stages], ids=["export", "fx"])
+def test_a_weight_two_stages_read_is_refused_by_either_tracer(trace) -> None:
+    model = _HeadReadsTheEmbedding()
+    check_split(model, ["body"], stages=2)  # no module of stage 1 holds it: only the traced graphs show the use
+    with pytest.raises(BadInputError, match=r"embed.weight is used by stages 0 and 1 .* untie it"):
+        trace(model, (torch.randint(0, 8, (2, 3)),), ["body"], training=True)
+
+
+class _ScaledLinear(nn.Linear):
+    """A subclass of nn.Linear, which torch.fx traces into unless told to keep its call."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * 2
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = _ScaledLinear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x).relu()
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _Block(), _Block()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(self.first(x))
+
+
+def test_module_stages_keep_the_plans_modules_as_calls_so_their_hooks_run() -> None:
+    model, x = _TwoBlocks(), torch.randn(3, 4)
+    called: list[str] = []
+    for name in ("first", "second.proj"):  # a block (gather_sequence's kind) and a subclass of nn.Linear
+        model.get_submodule(name).register_forward_pre_hook(lambda module, args, name=name: called.append(name))
+    plain = trace_module_stages(model, (x,), ["second"], training=True)
+    called.clear()  # the tracer itself ran them, on proxies
+    plain.get_stage_module(1)(plain.get_stage_module(0)(x))
+    assert called == [], "traced into: torch.fx inlines both, so their hooks never run"
+    stages = trace_module_stages(model, (x,), ["second"], training=True, kept_calls=["first", "second.proj"])
+    called.clear()
+    out = stages.get_stage_module(1)(stages.get_stage_module(0)(x))
+    assert called == ["first", "second.proj"]
+    torch.testing.assert_close(out, model(x))
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm, self.second = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(self.norm(self.first(x)))
+
+
+def test_the_trial_forwards_before_training_leave_batch_norms_statistics_alone() -> None:
+    model, x = _Normed(), torch.randn(6, 4)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    assert depends_on_mode(model, (x,))  # batch statistics against running ones
+    trace_module_stages(model, (x,), ["second"], training=True)  # runs the stages once on x
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def _compare_batches(rank: int) -> dict[str, object]:
+    """Rank 3 loaded another batch. A 2 x 2 mesh: pipelines {0, 2} and {1, 3}, tensor groups {0, 1} and {2, 3}."""
+    import torch.distributed as dist
+
+    pipelines = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group, in one order
+    tensors = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    target = torch.arange(8.0) + (1 if rank == 3 else 0)
+    refused = {}
+    for name, groups in (
+        ("pipeline", [pipelines[rank % 2]]),
+        ("pipeline_and_tensor", [pipelines[rank % 2], tensors[rank // 2]]),
+    ):
+        try:
+            check_same_batch(target, groups)
+            refused[name] = ""
+        except BadInputError as error:
+            refused[name] = str(error)
+    return refused
+
+
+@pytest.mark.multiprocess
+def test_the_ranks_of_a_pipeline_and_of_its_stages_tensor_groups_must_load_one_batch(tmp_path) -> None:
+    records = on_ranks(_compare_batches, tmp_path, world=4)
+    # Over the pipeline groups alone, rank 3's pipeline (1, 3) sees it; over the tensor groups too, every rank.
+    assert [bool(record["pipeline"]) for record in records] == [False, True, False, True]
+    assert all(record["pipeline_and_tensor"] for record in records)
+    assert "the ranks of a pipeline loaded different batches" in records[0]["pipeline_and_tensor"]
+
+
+def test_fewer_than_four_microbatches_per_pipeline_rank_are_warned_of_with_the_bubble() -> None:
+    one_f_one_b = SCHEDULES["1f1b"]
+    assert one_f_one_b.few_microbatches(ranks=2, microbatches=8) is None
+    assert one_f_one_b.few_microbatches(ranks=2, microbatches=4) == (
+        "pipeline: 4 micro-batches for 2 pipeline ranks leave a bubble of 20% in theory; 8 or more keep it under 20%"
+    )
