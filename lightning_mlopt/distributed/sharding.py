@@ -145,8 +145,10 @@ class PartialGradients:
     A norm under ``sequence_parallel`` holds its weight whole (``Replicate``) but sees this rank's part of the
     sequence only, so its gradient comes out ``Partial``: each rank's share of the sum. Clipping, the optimizer
     and every norm of ours read a gradient as what it is on each rank, so it is made whole before anything
-    reads it. Which parameters these are is fixed by the plan: found at the first call, then one all-reduce a
-    step for all of them (none, and no walk over the model, without sequence parallelism).
+    reads it. Only a parameter with a ``Replicate`` placement can get one: those are found at the first call
+    (the plan fixes them), and their gradients' placements are read at every call, so a norm whose gradient
+    first appears later (a branch unused at the first step) is settled too. One all-reduce a step for all of
+    them; none without sequence parallelism.
 
     Example::
 
@@ -164,10 +166,10 @@ class PartialGradients:
             self._owners = [
                 param
                 for param in module.parameters()
-                if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements)
+                if isinstance(param, DTensor) and any(p.is_replicate() for p in param.placements)
             ]
         if self._owners:
-            settle_partial_gradients(self._owners)
+            settle_partial_gradients(self._owners)  # those whose gradient is Partial now
 
 
 def synchronized_buffers(module: nn.Module) -> list[Replica]:

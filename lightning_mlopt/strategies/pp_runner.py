@@ -85,7 +85,7 @@ class PipelineRunner:
         inputs, target = split_batch(batch)
         if not self._checked_batches:
             self._checked_batches = True
-            check_same_batch(target, self._same_batch_groups)
+            check_same_batch((*inputs, target), self._same_batch_groups)
         self._loss_scale = loss_scale
         losses: list[Tensor] = []
         step = self._train.step if train else self._eval.eval
@@ -104,26 +104,39 @@ class PipelineRunner:
         return loss / loss_scale / self.microbatches
 
 
-def check_same_batch(target: Tensor, groups: Sequence[Any]) -> None:
+def check_same_batch(tensors: Sequence[Any], groups: Sequence[Any]) -> None:
     """Every rank of ``groups`` loaded the same batch (the first stage's inputs, the last's target), or refuse.
 
     A dataset seeded by rank (workers seeded with the global rank), or sharded by ``dist.get_rank()``, would give
-    the stages different samples: the loss would pair one sample's inputs with another's target. A fingerprint of
-    the target is reduced over each group in turn, so the ranks of several groups (pipeline, then tensor) all
-    compare, and every one of them raises alike.
+    the stages different samples: the loss would pair one sample's inputs with another's target, and a stage's
+    tensor ranks would compute on different inputs. Each tensor's fingerprint (its sum, and its sum weighted by
+    position, which a reordering changes) is reduced over each group in turn, so the ranks of several groups
+    (pipeline, then tensor) all compare; then the verdict over the world, so that every rank raises alike and
+    no other replica is left waiting in a collective.
 
     Raises:
         BadInputError: the ranks loaded different batches; what causes it.
 
     """
-    fingerprint = target.detach().double().sum()
-    spread = torch.stack([fingerprint, -fingerprint])  # one MAX gives the largest and the smallest
+    values = []
+    for tensor in tensors:
+        if isinstance(tensor, Tensor):
+            flat = tensor.detach().double().flatten()
+            position = torch.arange(1, flat.numel() + 1, dtype=flat.dtype, device=flat.device)
+            values += [flat.sum(), (flat * position).sum()]
+    fingerprint = torch.stack(values)
+    spread = torch.cat([fingerprint, -fingerprint])  # one MAX gives the largest and the smallest
     for group in groups:
         dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
-    if not torch.isclose(spread[0], -spread[1], rtol=1e-12, atol=0.0):
+    count = len(values)
+    differs = ~torch.isclose(spread[:count], -spread[count:], rtol=1e-12, atol=0.0)
+    verdict = differs.any().to(torch.int32).reshape(1)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # every replica learns it
+    if verdict.item():
         raise BadInputError(
-            "the ranks of a pipeline loaded different batches: each must load the same one (a dataset that "
-            "shuffles or augments by rank, or shards by torch.distributed's rank, cannot feed a pipeline)"
+            "the ranks of a pipeline (or of a stage's tensor-parallel group) loaded different batches: each must "
+            "load the same one (a dataset that shuffles or augments by rank, or shards by torch.distributed's "
+            "rank, cannot feed a pipeline)"
         )
 
 

@@ -180,8 +180,9 @@ def refuse_shared_parameters(stages: Any) -> None:
     """Refuse a parameter two stages use: each would train its own copy of it, and the copies drift apart.
 
     ``check_split`` refuses a parameter two stages' modules hold; this catches the one a later stage reads
-    directly, e.g. an LM head written ``F.linear(x, self.embedding.weight)``. ``stages``: a ``Pipe`` or
-    :class:`~lightning_mlopt.strategies.pp_module_split.ModuleStages` (stage modules keep whole-model names).
+    directly, e.g. an LM head written ``F.linear(x, self.embedding.weight)``. A frozen one may be shared.
+    ``stages``: a ``Pipe`` or :class:`~lightning_mlopt.strategies.pp_module_split.ModuleStages` (stage modules
+    keep whole-model names).
 
     Raises:
         BadInputError: the parameter, its two stages and the fix.
@@ -189,7 +190,9 @@ def refuse_shared_parameters(stages: Any) -> None:
     """
     first_stage: dict[str, int] = {}
     for index in range(stages.num_stages):
-        for name, _ in stages.get_stage_module(index).named_parameters():
+        for name, param in stages.get_stage_module(index).named_parameters():
+            if not param.requires_grad:  # frozen: the copies never change, so nothing drifts
+                continue
             earlier = first_stage.setdefault(name, index)
             if earlier != index:
                 raise BadInputError(
@@ -213,13 +216,18 @@ def trial_forwards(module: nn.Module) -> Iterator[None]:
         with trial_forwards(model):
             model(*inputs)   # model.state_dict() is as before
     """
-    saved = [buffer.clone() for buffer in module.buffers()]
+    saved = [
+        (owner, name, buffer, buffer.clone())
+        for owner in module.modules()
+        for name, buffer in owner.named_buffers(recurse=False)
+    ]
     try:
         with torch.random.fork_rng(), torch.no_grad():
             yield
     finally:
         with torch.no_grad():
-            for buffer, value in zip(module.buffers(), saved, strict=True):
+            for owner, name, buffer, value in saved:
+                setattr(owner, name, buffer)  # the object itself, should the forward have replaced it (a cache)
                 buffer.copy_(value)
 
 

@@ -262,33 +262,40 @@ def test_the_trial_forwards_before_training_leave_batch_norms_statistics_alone()
         assert torch.equal(value, before[name]), name
 
 
-def _compare_batches(rank: int) -> dict[str, object]:
-    """Rank 3 loaded another batch. A 2 x 2 mesh: pipelines {0, 2} and {1, 3}, tensor groups {0, 1} and {2, 3}."""
+def _compare_batches(rank: int) -> dict[str, bool]:
+    """A 2 x 2 mesh: pipelines {0, 2} and {1, 3}, tensor groups {0, 1} and {2, 3}; whether each case is refused."""
     import torch.distributed as dist
 
     pipelines = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group, in one order
     tensors = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    target = torch.arange(8.0) + (1 if rank == 3 else 0)
+    both = [pipelines[rank % 2], tensors[rank // 2]]
+    inputs, target = torch.arange(8.0).reshape(2, 4), torch.arange(2.0)
+    cases = {
+        # Ranks 1 and 3 (one pipeline) load another batch: the pipelines agree within, the tensor groups do not.
+        "tensor_peers_differ_pipeline_only": ((inputs + (rank % 2), target), [pipelines[rank % 2]]),
+        "tensor_peers_differ": ((inputs + (rank % 2), target), both),
+        # Rank 3 has the same samples in another order (the sums agree), inputs only.
+        "reordered": ((inputs.flip(0) if rank == 3 else inputs, target), both),
+        "same": ((inputs, target), both),
+    }
     refused = {}
-    for name, groups in (
-        ("pipeline", [pipelines[rank % 2]]),
-        ("pipeline_and_tensor", [pipelines[rank % 2], tensors[rank // 2]]),
-    ):
+    for name, (batch, groups) in cases.items():
         try:
-            check_same_batch(target, groups)
-            refused[name] = ""
+            check_same_batch(batch, groups)
+            refused[name] = False
         except BadInputError as error:
-            refused[name] = str(error)
+            refused[name] = "loaded different batches" in str(error)
     return refused
 
 
 @pytest.mark.multiprocess
 def test_the_ranks_of_a_pipeline_and_of_its_stages_tensor_groups_must_load_one_batch(tmp_path) -> None:
     records = on_ranks(_compare_batches, tmp_path, world=4)
-    # Over the pipeline groups alone, rank 3's pipeline (1, 3) sees it; over the tensor groups too, every rank.
-    assert [bool(record["pipeline"]) for record in records] == [False, True, False, True]
-    assert all(record["pipeline_and_tensor"] for record in records)
-    assert "the ranks of a pipeline loaded different batches" in records[0]["pipeline_and_tensor"]
+    assert (
+        records
+        == [{"tensor_peers_differ_pipeline_only": False, "tensor_peers_differ": True, "reordered": True, "same": False}]
+        * 4
+    ), "every rank refuses alike, whichever group saw it"
 
 
 def test_fewer_than_four_microbatches_per_pipeline_rank_are_warned_of_with_the_bubble() -> None:
@@ -297,3 +304,37 @@ def test_fewer_than_four_microbatches_per_pipeline_rank_are_warned_of_with_the_b
     assert one_f_one_b.few_microbatches(ranks=2, microbatches=4) == (
         "pipeline: 4 micro-batches for 2 pipeline ranks leave a bubble of 20% in theory; 8 or more keep it under 20%"
     )
+
+
+class _SharesAFrozenWeight(_HeadReadsTheEmbedding):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed.weight.requires_grad_(False)  # frozen: each stage's copy stays the same
+
+
+def test_a_frozen_weight_two_stages_read_is_allowed() -> None:
+    stages = trace_module_stages(_SharesAFrozenWeight(), (torch.randint(0, 8, (2, 3)),), ["body"], training=True)
+    assert stages.num_stages == 2
+
+
+class _Caches(nn.Module):
+    """A forward that replaces a buffer with one of another shape (a cache), and updates another in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(1))
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.cache = x.detach().mean(0)
+        self.count += 1
+        return self.proj(x)
+
+
+def test_trial_forwards_put_back_a_buffer_the_forward_replaced() -> None:
+    model = _Caches()
+    cache = model.cache
+    depends_on_mode(model, (torch.randn(3, 4),))
+    assert model.cache is cache and torch.equal(cache, torch.zeros(1))
+    assert model.count.item() == 0
