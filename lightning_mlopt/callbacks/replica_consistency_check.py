@@ -22,18 +22,19 @@ from lightning_mlopt.strategies.contract import contract_of
 class ReplicaConsistencyCheck(Callback, SaveVetter):
     """Checks that data-parallel replicas are bit-identical, every N steps and before every checkpoint.
 
-    Silent data corruption (a bad memory cell, a flaky link, a bug that lets one replica drift) rarely shows
-    as a NaN; it shows as replicas that no longer agree. Each rank fingerprints, on its device and bit-exactly
-    (``diagnosis/bit_hash.py``), every tensor its strategy says replicas share (``Sharding.replicas``: under
-    DDP the parameters, optimizer state and buffers; under ZeRO-1/2 the parameters and buffers; under HSDP
-    each shard across its replica groups; under tensor parallelism what the plan leaves whole or replicated,
-    never a split's pieces; under full-shard FSDP and ZeRO-3 the buffers only, which the start-up line
-    says), and one all-gather of two int64 per tensor compares them. A mismatch names the step,
-    the tensors and the ranks that differ (the minority, or with two replicas both) and the newest checkpoint
-    saved before the last clean check; ``on_mismatch: stop`` ends every rank together (the same verdict
-    everywhere) without saving the diverged state, ``warn`` goes on. The check also runs right before
-    every FaultTolerantCheckpoint save (its ``before_checkpoint`` hook) and at the end of training. For
-    tests and set-up checks, ``LIGHTNING_MLOPT_INJECT`` flips a bit on purpose (``diagnosis/inject.py``).
+    Silent data corruption (a bad memory cell, a flaky link, a bug that lets one replica drift) rarely shows as a
+    NaN; it shows as replicas that no longer agree. Each rank fingerprints, on its device and bit-exactly
+    (``diagnosis/bit_hash.py``), every tensor its strategy says replicas share (``Sharding.replicas``: under DDP the
+    parameters, optimizer state and buffers; under ZeRO-1/2 the parameters and buffers; under HSDP each shard across
+    its replica groups; under tensor parallelism what the plan leaves whole or replicated, never a split's pieces;
+    under full-shard FSDP and ZeRO-3 the buffers only, which the start-up line says; under pipeline x tensor
+    parallelism the same within each stage, among its ranks), and one all-gather of two int64 per tensor compares
+    them (per stage under pipelines, whose verdicts then reach every rank). A mismatch names the step, the tensors
+    and the ranks that differ (the minority, or with two replicas both) and the newest checkpoint saved before the
+    last clean check; ``on_mismatch: stop`` ends every rank together (the same verdict everywhere) without saving
+    the diverged state, ``warn`` goes on. The check also runs right before every FaultTolerantCheckpoint save (its
+    ``before_checkpoint`` hook) and at the end of training. For tests and set-up checks, ``LIGHTNING_MLOPT_INJECT``
+    flips a bit on purpose (``diagnosis/inject.py``).
 
     Args:
         every_n_steps: check after every N optimizer steps (and before every save, and at the end of training).
@@ -97,15 +98,27 @@ class ReplicaConsistencyCheck(Callback, SaveVetter):
         step = self._last_checked = trainer.global_step
         if trainer.world_size < 2:
             return
-        replicas = contract_of(trainer.strategy).sharding.replicas(pl_module, trainer.optimizers).replicas
+        replica_set = contract_of(trainer.strategy).sharding.replicas(pl_module, trainer.optimizers)
+        replicas, process_group = replica_set.replicas, replica_set.process_group
+        members = (
+            list(range(trainer.world_size)) if process_group is None else dist.get_process_group_ranks(process_group)
+        )
         device = trainer.strategy.root_device
         groups = torch.tensor([replica.group for replica in replicas], dtype=torch.int64, device=device)
         local = torch.cat([groups, bit_hashes([replica.tensor for replica in replicas], device)])
-        gathered = torch.empty(trainer.world_size * local.numel(), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(gathered, local)
-        rows = gathered.view(trainer.world_size, -1).tolist()  # the one host read
+        gathered = torch.empty(len(members) * local.numel(), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(gathered, local, group=process_group)
+        rows = gathered.view(len(members), -1).tolist()  # the one host read
         self.checks += 1
-        found = disagreements([replica.name for replica in replicas], rows)
+        found = [
+            item._replace(ranks=[members[i] for i in item.ranks], replicas=[members[i] for i in item.replicas])
+            for item in disagreements([replica.name for replica in replicas], rows)
+        ]
+        if process_group is not None:  # compared within groups (pipeline stages): every rank takes every verdict
+            everyone: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(everyone, found)
+            by_tensor = {(item.name, tuple(item.replicas)): item for items in everyone for item in items}
+            found = list(by_tensor.values())  # each group's members found the same: once each
         if not found:
             self.last_clean_step = step
             return

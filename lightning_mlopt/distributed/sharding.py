@@ -53,10 +53,15 @@ class Replica(NamedTuple):
 
 @dataclass
 class ReplicaSet:
-    """What a strategy keeps replicated across data-parallel ranks, and a line saying so for the start-up log."""
+    """What a strategy keeps replicated across data-parallel ranks, and a line saying so for the start-up log.
+
+    ``process_group``: the ranks that compare these (None: the world). Pipeline stages hold other tensors, so
+    each stage's ranks compare among themselves; every rank of one group lists the same tensors.
+    """
 
     replicas: list[Replica] = field(default_factory=list)
     description: str = "nothing"
+    process_group: Any = None
 
 
 @runtime_checkable
@@ -300,6 +305,7 @@ class PipelineSharding(TensorSharding):
     def __init__(self, pipeline_parallel_size: int = 1) -> None:
         self.pipeline_parallel_size = pipeline_parallel_size
         self.model_parameter_names = None  # the whole model's, set when the strategy cuts it into stages
+        self.stage_group: Any = None  # the ranks holding this rank's stages, when more than one: set at set-up
 
     def plain_replication(self) -> int:
         """A plain tensor lives on the ranks of its stage: ``world / pipeline_parallel_size`` (data x tensor)."""
@@ -319,13 +325,16 @@ class PipelineSharding(TensorSharding):
         return self.pipeline_parallel_size == 1 and super().gradients_replicated(params)
 
     def replicas(self, module: nn.Module, optimizers: Sequence[Any]) -> ReplicaSet:
-        """See :class:`Sharding`: nothing to compare under pipeline parallelism.
+        """See :class:`Sharding`: what the ranks of one stage share, compared among them (``stage_group``).
 
-        Each stage's parameters live once per pipeline (sharded by FSDP over its data ranks beyond one pipeline);
-        the stages' buffers differ from rank to rank and are not compared.
+        Under pipeline x tensor parallelism a stage's tensor ranks hold copies of what the plan leaves whole or
+        replicated (a norm, a row-wise layer's bias), as :meth:`TensorSharding.replicas` lists them, counted
+        within the stage. With one rank a stage there is nothing to compare.
         """
-        return ReplicaSet([], "nothing (pipeline stages: each parameter is held once per pipeline, sharded by FSDP "
-                              "over the data ranks)")  # fmt: skip
+        if self.stage_group is None:
+            return ReplicaSet([], "nothing (each pipeline stage is held by one rank)")
+        within = super().replicas(module, optimizers)
+        return ReplicaSet(within.replicas, f"within each pipeline stage, {within.description}", self.stage_group)
 
 
 def _shard_group(tensor: DTensor) -> int:

@@ -58,6 +58,7 @@ from lightning_mlopt.strategies.pp_split import (
     example_microbatch_inputs,
     install_stages,
     split_batch,
+    stage_group,
     stage_indices,
     trace_stages,
 )
@@ -282,6 +283,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             for stage in self._stages:  # one FSDP unit per stage: the schedule reduces its gradients once a step
                 fully_shard(stage.submod, **self._shard_options())
         self.sharding.model_parameter_names = tuple(name for name, _ in module.named_parameters())
+        self.sharding.stage_group = stage_group(self.device_mesh, pipeline_rank)  # ReplicaConsistencyCheck's
         install_stages(module, [stage.submod for stage in self._stages])
         register_pipeline_stage(module, group)
         eval_stages = self._stages

@@ -302,6 +302,20 @@ def stage_indices(pipeline_rank: int, ranks: int, stages_per_rank: int) -> list[
     return [pipeline_rank + ranks * turn for turn in range(stages_per_rank)]
 
 
+def stage_group(mesh: Any, pipeline_rank: int) -> Any:
+    """The process group of the ranks that hold ``pipeline_rank``'s stages (data x tensor), or None for one rank.
+
+    ``mesh``: the strategy's ``(pipeline, ...)`` device mesh. Every rank creates every stage's group, in one
+    order (torch's rule for ``new_group``), and keeps its own.
+    """
+    import torch.distributed as dist
+
+    ranks_of_stages = mesh.mesh.reshape(mesh.size(0), -1).tolist()
+    if len(ranks_of_stages[0]) == 1:
+        return None
+    return [dist.new_group(ranks) for ranks in ranks_of_stages][pipeline_rank]
+
+
 def split_batch(batch: Any) -> tuple[tuple[Any, ...], Any]:
     """``(inputs, target)`` of a batch: the first stage's positional inputs, and the loss's target.
 

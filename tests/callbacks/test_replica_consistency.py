@@ -125,6 +125,27 @@ def test_under_tp_what_the_plan_leaves_whole_or_replicated_is_compared_and_the_s
 
 
 @pytest.mark.multiprocess
+def test_under_pp_x_tp_each_stages_tensor_ranks_compare_and_a_flip_stops_every_rank(tmp_path):
+    # Pipeline x tensor 2 x 2: ranks 0, 1 hold stage 0 (split between them), ranks 2, 3 stage 1. What the plan
+    # leaves whole (the norms) or replicated is held by both tensor ranks of a stage: compared within the stage,
+    # and the verdict reaches the other stage's ranks too. Rank 1's norm, flipped after step 2, has drifted its
+    # stage's replicated tensors by the check at step 5 (before that step's save).
+    flip = "bitflip:rank=1,step=2,param=layers.0.ln1.weight"
+    pp_x_tp = ("--model.n_layer=4", "--trainer.devices=4", "--trainer.strategy.init_args.tensor_parallel_size=2")
+    result = _run(tmp_path, "pp", 6, flip, *pp_x_tp)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "ReplicaConsistencyCheck: every 5 steps, 4 ranks compare within each pipeline stage, " in output, (
+        failure_report(result)
+    )
+    assert output.count("ReplicaMismatchError: replica mismatch at step 5: ") == 4, "every rank stopped"
+    assert "model.layers.0.attn.proj.bias: ranks 0 and 1 disagree" in output
+    assert not list((tmp_path / "run" / "checkpoints").glob("step-*")), "the diverged state was not saved"
+    for split in ("attn.qkv.weight", "mlp.0.weight", "lm_head"):
+        assert split not in output, split
+
+
+@pytest.mark.multiprocess
 # ZeRO-1 is left out: it holds whole parameters on every rank exactly as ZeRO-2 does (the stages differ only in
 # gradient partitioning), so the fingerprints compared are the same, and the suite's time is spent elsewhere.
 @pytest.mark.parametrize(
