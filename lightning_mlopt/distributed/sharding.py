@@ -246,6 +246,10 @@ class TensorSharding:
         """See :class:`Sharding`: no parameter is a DTensor."""
         return not any(isinstance(p, DTensor) for p in params)
 
+    def compared_buffers(self, module: nn.Module) -> list[Replica]:
+        """The buffers every rank holding them keeps identical (:func:`synchronized_buffers`)."""
+        return synchronized_buffers(module)
+
     def replicas(self, module: nn.Module, optimizers: Sequence[Any]) -> ReplicaSet:
         """See :class:`Sharding`. Plain tensors (DDP): parameters, optimizer state and buffers, on every rank.
 
@@ -254,7 +258,7 @@ class TensorSharding:
         none under full sharding), never one split's different pieces. Plain parameters beside them (those a
         tensor-parallel plan leaves out) are held whole on every rank: compared with their optimizer state.
         """
-        buffers = synchronized_buffers(module)
+        buffers = self.compared_buffers(module)
         named = list(module.named_parameters())
         whole = [(name, param) for name, param in named if not isinstance(param, DTensor)]
         replicas = [Replica(name, param, 0) for name, param in whole] + _optimizer_state(whole, optimizers)
@@ -305,7 +309,10 @@ class PipelineSharding(TensorSharding):
     def __init__(self, pipeline_parallel_size: int = 1) -> None:
         self.pipeline_parallel_size = pipeline_parallel_size
         self.model_parameter_names = None  # the whole model's, set when the strategy cuts it into stages
-        self.stage_group: Any = None  # the ranks holding this rank's stages, when more than one: set at set-up
+        self.stage_group: Any = None  # a stage's tensor-parallel ranks (x data under 3D): set at set-up
+        #: Buffers each rank updates from its own batch (batch norm's running statistics), by whole-model name:
+        #: the traced stages keep the buffers but not the norm modules that would tell them apart.
+        self.local_statistics: frozenset[str] = frozenset()
 
     def plain_replication(self) -> int:
         """A plain tensor lives on the ranks of its stage: ``world / pipeline_parallel_size`` (data x tensor)."""
@@ -329,12 +336,18 @@ class PipelineSharding(TensorSharding):
 
         Under pipeline x tensor parallelism a stage's tensor ranks hold copies of what the plan leaves whole or
         replicated (a norm, a row-wise layer's bias), as :meth:`TensorSharding.replicas` lists them, counted
-        within the stage. With one rank a stage there is nothing to compare.
+        within the stage. Without tensor parallelism there is nothing to compare: a stage's data ranks hold
+        FSDP's different shards.
         """
         if self.stage_group is None:
-            return ReplicaSet([], "nothing (each pipeline stage is held by one rank)")
+            return ReplicaSet([], "nothing (pipeline stages: each parameter is held once per pipeline)")
         within = super().replicas(module, optimizers)
-        return ReplicaSet(within.replicas, f"within each pipeline stage, {within.description}", self.stage_group)
+        description = f"within each pipeline stage, among its ranks (stage 0: {within.description})"
+        return ReplicaSet(within.replicas, description, self.stage_group)
+
+    def compared_buffers(self, module: nn.Module) -> list[Replica]:
+        """See :meth:`TensorSharding.compared_buffers`, without the ``local_statistics``."""
+        return [buffer for buffer in super().compared_buffers(module) if buffer.name not in self.local_statistics]
 
 
 def _shard_group(tensor: DTensor) -> int:

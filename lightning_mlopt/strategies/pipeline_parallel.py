@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt.checkpoint.optimizer_keys import flattened_state
-from lightning_mlopt.distributed.sharding import PartialGradients, PipelineSharding
+from lightning_mlopt.distributed.sharding import PartialGradients, PipelineSharding, synchronized_buffers
 from lightning_mlopt.distributed.state import register_pipeline_stage
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.hooks import RunsPipeline
@@ -247,6 +247,8 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
     def _shard(self, module: nn.Module) -> None:
         """Trace and cut the model, keep this rank's stages, FSDP them over the data dimension, build the schedule."""
         self.check_model(module)
+        compared = {buffer.name for buffer in synchronized_buffers(module)}  # told apart by module, before the cut
+        self.sharding.local_statistics |= {name for name, _ in module.named_buffers() if name not in compared}
         trainer = self.lightning_module.trainer
         with said_by_rank_zero(self.global_rank):
             loader = example_loader(trainer)
@@ -283,7 +285,8 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             for stage in self._stages:  # one FSDP unit per stage: the schedule reduces its gradients once a step
                 fully_shard(stage.submod, **self._shard_options())
         self.sharding.model_parameter_names = tuple(name for name, _ in module.named_parameters())
-        self.sharding.stage_group = stage_group(self.device_mesh, pipeline_rank)  # ReplicaConsistencyCheck's
+        if self.tensor_parallel_size > 1:  # ReplicaConsistencyCheck's: a stage's tensor ranks hold copies
+            self.sharding.stage_group = stage_group(self.device_mesh, pipeline_rank)
         install_stages(module, [stage.submod for stage in self._stages])
         register_pipeline_stage(module, group)
         eval_stages = self._stages

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_mlopt.distributed.grad_norm import global_grad_norm
 from lightning_mlopt.distributed.packed import Packed
-from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
+from lightning_mlopt.distributed.sharding import PipelineSharding, Sharding, TensorSharding
 from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning_mlopt.strategies.contract import contract_of
 from lightning_mlopt.strategies.sharding import ZeroSharding
@@ -80,3 +80,17 @@ def test_packed_slots_are_read_back_by_name_and_checked():
         packed.add("a", torch.tensor(0.0))
     with pytest.raises(ValueError, match="4 values for 3 slots"):
         packed.unpack([0.0] * 4)
+
+
+def test_pipeline_stages_compare_nothing_alone_and_leave_out_local_statistics_by_name():
+    # What torch.export leaves of a BatchNorm in a stage: its buffers on a plain module, no BatchNorm to tell them.
+    stage = torch.nn.Module()
+    stage.norm = torch.nn.Module()
+    stage.norm.register_buffer("running_mean", torch.zeros(4))
+    stage.norm.register_buffer("mask", torch.ones(4))
+    sharding = PipelineSharding(pipeline_parallel_size=2)
+    sharding.local_statistics = frozenset({"norm.running_mean"})
+    assert [buffer.name for buffer in sharding.compared_buffers(stage)] == ["norm.mask"]
+    nothing = sharding.replicas(stage, [])  # no stage group: a stage's ranks hold nothing alike (no TP)
+    assert nothing.replicas == [] and nothing.process_group is None
+    assert nothing.description.startswith("nothing (pipeline stages")
