@@ -162,13 +162,17 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     rank counted in batches ``COUNTED_STEPS`` (``collectives-rank<N>.json`` beside the records). Sharing saves
     five launches of the suite's budget.
     """
-    from tests.support.strategy_runs import train
+    from tests.support.shared_session import built_once
+    from tests.support.strategy_runs import train, trained_run
 
-    root = tmp_path_factory.mktemp("strategy_runs")
-    return {
-        name: train(root, name, name, SHARED_RUN_STEPS, extra=(SHARED_RUN_CLIP, *_count_collectives(root / name)))
-        for name in ["ddp", "fsdp", "zero1", "zero2", "zero3"]
-    }
+    names = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+
+    def build(root: Path) -> None:
+        for name in names:
+            train(root, name, name, SHARED_RUN_STEPS, extra=(SHARED_RUN_CLIP, *_count_collectives(root / name)))
+
+    root = built_once(tmp_path_factory, "strategy_runs", build)  # once, not once per pytest-xdist worker
+    return {name: trained_run(root, name) for name in names}
 
 
 # The batches whose collectives the shared runs record (tests/strategies/test_collective_budget.py): warm,

@@ -48,6 +48,12 @@ def train(
     )
     assert result.returncode == 0, f"{name} failed (exit {result.returncode}):\n{failure_report(result)}"
     (out / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, for tests to read
+    return trained_run(tmp_path, name, devices)
+
+
+def trained_run(tmp_path: Path, name: str, devices: int = 2) -> TrainedRun:
+    """What :func:`train` returns, read back from ``tmp_path`` (a run another test worker trained)."""
+    out = tmp_path / name
     records = read_records(out)
     assert [r["rank"] for r in records] == list(range(devices))
     return TrainedRun(records, torch.load(out / "params.pt"), tmp_path / "runs" / name)
