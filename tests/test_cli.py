@@ -191,7 +191,12 @@ def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path)
         result = run_cli(
             [
                 *common,
-                f"--trainer.strategy={strategy}",
+                # auto by its overlay file, which test_configs.py leaves to this test
+                *(
+                    ["--config", str(CONFIGS / "strategies" / "auto.yaml")]
+                    if strategy == "auto"
+                    else ["--trainer.strategy=ddp"]
+                ),
                 f"--run_dir={out}",
                 "--trainer.callbacks+=tests.support.helpers.RecordTraining",
                 f"--trainer.callbacks.out_dir={out / 'record'}",

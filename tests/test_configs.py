@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from lightning_mlopt.cli import main
-from tests.conftest import CONFIGS, SMOKE, run_cli
+from tests.conftest import CONFIGS, SMOKE
 
 BASE_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
 OVERLAYS = sorted(CONFIGS.glob("strategies/*.yaml"))  # trackers/ are run and read back in test_tracking.py
@@ -21,6 +21,9 @@ TRAINED_BY_SHARED_RUNS = {"ddp", "fsdp", "zero1", "zero2", "zero3"}
 TRAINED_BY_TP_TESTS = {"tp", "fsdp_tp", "tp_hf", "tp_sp"}
 # ... and tests/strategies/test_pipeline_parallel.py pp.yaml, against one process (the overlay by its file).
 TRAINED_BY_PP_TESTS = {"pp"}
+# ... tests/checkpoint/test_conversion.py zero3_offload.yaml (a ZeRO-2 checkpoint resumed under it, 2 processes), and
+# tests/test_cli.py auto.yaml (the strategy it chose, against that strategy's own run).
+TRAINED_BY_OTHER_TESTS = {"zero3_offload", "auto"}
 TRACKERS = sorted(CONFIGS.glob("trackers/*.yaml"))
 
 
@@ -59,28 +62,7 @@ def test_the_overlays_the_shared_runs_train_ran_from_their_files(strategy_runs):
         assert len(strategy_runs[name].records) == 2, f"{name}: both ranks trained"
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "overlay",
-    [o for o in OVERLAYS if o.stem not in TRAINED_BY_SHARED_RUNS | TRAINED_BY_TP_TESTS | TRAINED_BY_PP_TESTS],
-    ids=lambda p: f"{p.parent.name}/{p.name}",
-)
-def test_overlay_fits_two_steps_on_two_cpu_processes(overlay: Path, tmp_path: Path):
-    result = run_cli(
-        [
-            "fit",
-            "--config",
-            str(CONFIGS / "gpt.yaml"),
-            "--config",
-            str(overlay),
-            "--trainer.accelerator=cpu",
-            "--trainer.devices=2",
-            *SMOKE,
-        ],
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "max_steps=2` reached" in result.stderr + result.stdout
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    assert run_dir.name.startswith(f"gpt-{overlay.stem}-")
-    assert (run_dir / "config.yaml").is_file()
+def test_every_strategy_overlay_is_trained_from_its_file_by_some_test():
+    # A new overlay needs a test that trains it; a name left here after its file went is stale.
+    trained = TRAINED_BY_SHARED_RUNS | TRAINED_BY_TP_TESTS | TRAINED_BY_PP_TESTS | TRAINED_BY_OTHER_TESTS
+    assert {overlay.stem for overlay in OVERLAYS} == trained

@@ -247,8 +247,9 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
     def _shard(self, module: nn.Module) -> None:
         """Trace and cut the model, keep this rank's stages, FSDP them over the data dimension, build the schedule."""
         self.check_model(module)
-        compared = {buffer.name for buffer in synchronized_buffers(module)}  # told apart by module, before the cut
-        self.sharding.local_statistics |= {name for name, _ in module.named_buffers() if name not in compared}
+        if self.tensor_parallel_size > 1:  # ReplicaConsistencyCheck's, told apart by module before the cut
+            compared = {buffer.name for buffer in synchronized_buffers(module)}
+            self.sharding.local_statistics |= {name for name, _ in module.named_buffers() if name not in compared}
         trainer = self.lightning_module.trainer
         with said_by_rank_zero(self.global_rank):
             loader = example_loader(trainer)

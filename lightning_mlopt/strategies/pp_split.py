@@ -303,16 +303,17 @@ def stage_indices(pipeline_rank: int, ranks: int, stages_per_rank: int) -> list[
 
 
 def stage_group(mesh: Any, pipeline_rank: int) -> Any:
-    """The process group of the ranks that hold ``pipeline_rank``'s stages (data x tensor), or None for one rank.
+    """The process group of the ranks that hold ``pipeline_rank``'s stages: its data x tensor ranks.
 
-    ``mesh``: the strategy's ``(pipeline, ...)`` device mesh. Every rank creates every stage's group, in one
-    order (torch's rule for ``new_group``), and keeps its own.
+    ``mesh``: the strategy's ``(pipeline, data, tensor)`` device mesh. With one data rank a stage's ranks are its
+    tensor ranks, whose group the mesh has already. Otherwise every rank creates every stage's group, in one order
+    (torch's rule for ``new_group``), and keeps its own.
     """
     import torch.distributed as dist
 
+    if mesh.size(1) == 1:
+        return mesh[mesh.mesh_dim_names[2]].get_group()
     ranks_of_stages = mesh.mesh.reshape(mesh.size(0), -1).tolist()
-    if len(ranks_of_stages[0]) == 1:
-        return None
     return [dist.new_group(ranks) for ranks in ranks_of_stages][pipeline_rank]
 
 

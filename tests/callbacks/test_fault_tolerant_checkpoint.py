@@ -114,7 +114,10 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
     final = CheckpointStore(run_dir / "checkpoints").newest_valid()
     assert final is not None and final.step == 12 and final.manifest.final
 
-    # A run marked final does not train again: no step runs, no checkpoint is written.
+    # A run marked final does not train again: no step runs, no checkpoint is written. One layout is enough: the
+    # launch ends before any Trainer or strategy exists (lightning_mlopt/cli/support.py: finished_run).
+    if strategy != "fsdp":
+        return
     record_written = (run_dir / "record" / "rank0.json").stat().st_mtime_ns
     again = _run(command, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -162,10 +162,9 @@ def test_the_gpt_demo_at_gpu_size_plans_near_what_an_h200_held():
     assert 16.0e9 <= ddp.total <= 16.0e9 * 1.3, ddp.total  # on the safe side, within 30%
 
 
-@pytest.mark.slow
-def test_tensor_parallel_rows_place_each_module_and_divide_as_the_plan_does(tmp_path):
-    fsdp_tp = ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "fsdp_tp.yaml")]
-    result = run_cli([*fsdp_tp, "--world_size", "4"], cwd=tmp_path)
+def test_tensor_parallel_rows_place_each_module_and_divide_as_the_plan_does(tmp_path, monkeypatch):
+    fsdp_tp = ["--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "fsdp_tp.yaml")]
+    result = run_tool_here("plan", [*fsdp_tp, "--world_size", "4"], tmp_path, monkeypatch)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "tensor-parallel plan (2 ways, data-parallel 2):"
@@ -180,13 +179,13 @@ def test_tensor_parallel_rows_place_each_module_and_divide_as_the_plan_does(tmp_
     # test_tensor_parallel.py): the heads and the MLP's hidden width split, the rest whole.
     assert 0.5 < tp[3] / ddp[3] < 0.75
     # A plan that does not fit the model is bad input here too.
-    bad = run_cli([*fsdp_tp, "--world_size", "3"], cwd=tmp_path)
+    bad = run_tool_here("plan", [*fsdp_tp, "--world_size", "3"], tmp_path, monkeypatch)
     assert bad.returncode == 2 and "must divide the world size (3)" in bad.stderr
 
 
-def test_pipeline_rows_name_each_stage_and_hold_the_busiest_ranks_share(tmp_path):
-    pp = ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "pp.yaml")]
-    result = run_cli([*pp, "--world_size", "4"], cwd=tmp_path)
+def test_pipeline_rows_name_each_stage_and_hold_the_busiest_ranks_share(tmp_path, monkeypatch):
+    pp = ["--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "pp.yaml")]
+    result = run_tool_here("plan", [*pp, "--world_size", "4"], tmp_path, monkeypatch)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[:3] == [
@@ -201,16 +200,16 @@ def test_pipeline_rows_name_each_stage_and_hold_the_busiest_ranks_share(tmp_path
     assert pp2[0] == pytest.approx(437_504 * 4 / 2 / 1e6, abs=0.01)  # fp32 stage 0, halved by FSDP, in MB
     # 1F1B keeps at most 2 of the 8 micro-batches alive on rank 0, each with its stage's share of activations.
     assert pp2[3] == pytest.approx(ddp[3] * 2 / 8 * 437_504 / (437_504 + 429_568), rel=0.01)
-    bad = run_cli([*pp, "--world_size", "3"], cwd=tmp_path)
+    bad = run_tool_here("plan", [*pp, "--world_size", "3"], tmp_path, monkeypatch)
     assert bad.returncode == 2 and "must divide the world size (3)" in bad.stderr
 
 
-def test_3d_rows_split_each_stages_planned_parameters_and_shard_the_rest(tmp_path):
+def test_3d_rows_split_each_stages_planned_parameters_and_shard_the_rest(tmp_path, monkeypatch):
     """PP x FSDP x TP = 2 x 2 x 2: the busiest stage's 427,776 planned elements halved by TP, then all by FSDP."""
     tp2 = tmp_path / "tp2.yaml"
     tp2.write_text("trainer:\n  strategy:\n    init_args:\n      tensor_parallel_size: 2\n")
-    pp = ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "pp.yaml")]
-    result = run_cli([*pp, "--config", str(tp2), "--world_size", "8"], cwd=tmp_path)
+    pp = ["--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "pp.yaml")]
+    result = run_tool_here("plan", [*pp, "--config", str(tp2), "--world_size", "8"], tmp_path, monkeypatch)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[:4] == [
@@ -224,5 +223,5 @@ def test_3d_rows_split_each_stages_planned_parameters_and_shard_the_rest(tmp_pat
     (row,) = [line.split() for line in lines if line.startswith("pp2xfsdp2xtp2 ")]
     held = (437_504 - 427_776 + 427_776 / 2) / 2  # stage 0's: the embedding's rows go to TP, its norms do not
     assert float(row[1]) == pytest.approx(held * 4 / 1e6, abs=0.01)  # fp32 parameters, in MB
-    bad = run_cli([*pp, "--config", str(tp2), "--world_size", "6"], cwd=tmp_path)
+    bad = run_tool_here("plan", [*pp, "--config", str(tp2), "--world_size", "6"], tmp_path, monkeypatch)
     assert bad.returncode == 2 and "x tensor (2) must divide the world size (6)" in bad.stderr

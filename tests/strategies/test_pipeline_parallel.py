@@ -306,13 +306,20 @@ def test_3d_pp_x_fsdp_x_tp_on_8_processes_trains_the_ddp_model(tmp_path, strateg
     """2 x 2 x 2: two pipelines of two stages, each stage split over 2 tensor ranks and sharded by FSDP over 2
     data ranks; the same global batch of 2 x 16 as DDP on 2 processes, in the same order (the shared DDP run)."""
     steps = 3  # 8 processes on this machine's 2 cores: the fewest steps that show two updates
-    run = train(tmp_path, "3d", "pp", steps, devices=8, extra=(SHARED_RUN_CLIP, TP2))
+    # ReplicaConsistencyCheck at every step: a stage's 4 ranks (2 data x 2 tensor) compare what they hold alike,
+    # each FSDP shard among the ranks that hold it, and find nothing to report in a clean run.
+    check = (
+        "--trainer.callbacks+=lightning_mlopt.callbacks.ReplicaConsistencyCheck",
+        "--trainer.callbacks.every_n_steps=1",
+    )
+    run = train(tmp_path, "3d", "pp", steps, devices=8, extra=(SHARED_RUN_CLIP, TP2, *check))
     ddp = strategy_runs["ddp"]
     for rank, record in enumerate(run.records):  # rank = (pipeline x 2 + data) x 2 + tensor
         expected = torch.tensor(ddp.records[rank // 2 % 2]["losses"][:steps])
         torch.testing.assert_close(torch.tensor(record["losses"]), expected, rtol=1e-5, atol=0)
     assert run.params.keys() == ddp.params.keys()
-    assert (
-        "[rank 4] pipeline stage(s) 1 of 2: 429,568 parameters, 9 modules split 2 ways"
-        in (tmp_path / "3d" / "output.txt").read_text()
-    )
+    output = (tmp_path / "3d" / "output.txt").read_text()
+    assert "[rank 4] pipeline stage(s) 1 of 2: 429,568 parameters, 9 modules split 2 ways" in output
+    compared = "ReplicaConsistencyCheck: every 1 steps, 8 ranks compare within each pipeline stage, among its ranks "
+    assert compared + "(stage 0: 13 parameter shards, each across its replicas; and buffers: 13 tensors)" in output
+    assert "replica mismatch" not in output

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lightning_mlopt.checkpoint import CheckpointStore
-from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
+from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_tool_here
 from tests.support.slurm_cluster import SlurmCluster, missing_requirement
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
@@ -34,10 +34,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         started.stop()
 
 
-def _write_script(tmp_path: Path, *extra: str, time_limit: str = "00:10:00", signal_seconds: int = 120) -> Path:
-    generated = run_cli(
+def _write_script(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *extra: str,
+    time_limit: str = "00:10:00",
+    signal_seconds: int = 120,
+) -> Path:
+    generated = run_tool_here(  # the script is only written: no process needed
+        "slurm",
         [
-            "slurm",
             "--config",
             str(CONFIGS / "gpt.yaml"),
             "--trainer.accelerator=cpu",
@@ -65,7 +71,8 @@ def _write_script(tmp_path: Path, *extra: str, time_limit: str = "00:10:00", sig
             f"--run_dir={tmp_path / 'run'}",
             *extra,
         ],
-        cwd=tmp_path,
+        tmp_path,
+        monkeypatch,
     )
     assert generated.returncode == 0, generated.stderr
     script = tmp_path / "run" / "job.sbatch"
@@ -105,9 +112,9 @@ def _first_checkpoint(run_dir: Path) -> None:
     _wait_for(lambda: bool(list((run_dir / "checkpoints").glob("step-*"))), 180, "the first checkpoint")
 
 
-def test_usr1_to_the_whole_job_saves_requeues_and_resumes(cluster, tmp_path):
+def test_usr1_to_the_whole_job_saves_requeues_and_resumes(cluster, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    job_id = _submit(cluster, _write_script(tmp_path))
+    job_id = _submit(cluster, _write_script(tmp_path, monkeypatch))
     _first_checkpoint(run_dir)
     time.sleep(1)
     # --full: the batch shell gets it too (it used to die of it, ending the job FAILED without a requeue).
@@ -120,11 +127,11 @@ def test_usr1_to_the_whole_job_saves_requeues_and_resumes(cluster, tmp_path):
     assert final is not None and final.step == 40 and final.manifest.final
 
 
-def test_a_requeue_of_the_running_job_saves_on_slurms_sigterm_and_resumes(cluster, tmp_path):
+def test_a_requeue_of_the_running_job_saves_on_slurms_sigterm_and_resumes(cluster, tmp_path, monkeypatch):
     # What preemption with PreemptMode=REQUEUE does: SLURM sends SIGTERM to every process of the job, waits
     # KillWait seconds, then kills what is left, and queues the job again.
     run_dir = tmp_path / "run"
-    job_id = _submit(cluster, _write_script(tmp_path))
+    job_id = _submit(cluster, _write_script(tmp_path, monkeypatch))
     _first_checkpoint(run_dir)
     time.sleep(1)
     cluster.run("scontrol", "requeue", job_id, check=True)
@@ -136,11 +143,12 @@ def test_a_requeue_of_the_running_job_saves_on_slurms_sigterm_and_resumes(cluste
     assert final is not None and final.step == 40 and final.manifest.final
 
 
-def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path):
+def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path, monkeypatch):
     # --signal=USR1@115 on a 2-minute limit: SLURM sends USR1 5 to 65 s into the job (its timer is coarse).
     run_dir = tmp_path / "run"
     script = _write_script(
         tmp_path,
+        monkeypatch,
         "--trainer.max_steps=100000",
         "--trainer.callbacks+=tests.support.helpers.Pace",
         f"--trainer.callbacks.out_dir={tmp_path / 'pace'}",
@@ -160,7 +168,7 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path):
         os.environ.pop("SLURM_CONF", None)
 
 
-def test_a_sweep_as_a_job_array_runs_every_trial_and_the_results_are_read_back(cluster, tmp_path):
+def test_a_sweep_as_a_job_array_runs_every_trial_and_the_results_are_read_back(cluster, tmp_path, monkeypatch):
     (tmp_path / "sweep.yaml").write_text(
         "method: grid\nmetric: {name: train/loss, goal: minimize}\nparameters:\n"
         "  model.init_args.lr: {values: [0.0001, 0.1]}\n"
@@ -182,19 +190,19 @@ def test_a_sweep_as_a_job_array_runs_every_trial_and_the_results_are_read_back(c
     allocation = ["--nodes", "1", "--gpus_per_node", "0", "--cpu_workers", "2", "--max_parallel", "1"]
     # A cluster's set-up lines (module load, conda activate) run in each array task before its trial.
     setup = ["--setup", f"echo $SLURM_ARRAY_TASK_ID > {tmp_path}/setup-ran-$SLURM_ARRAY_TASK_ID"]
-    emitted = run_cli([*sweep_args, "--slurm", *allocation, *setup], cwd=tmp_path)
+    emitted = run_tool_here("sweep", [*sweep_args[1:], "--slurm", *allocation, *setup], tmp_path, monkeypatch)
     assert emitted.returncode == 0, emitted.stderr
     job_id = _submit(cluster, tmp_path / "sweep" / "sweep.sbatch")
     _wait_for(lambda: not cluster.run("squeue", "-h", "-j", job_id).stdout.strip(), 300, "the array to finish")
     assert sorted(path.name for path in tmp_path.glob("setup-ran-*")) == ["setup-ran-0", "setup-ran-1"]
-    table = run_cli([*sweep_args, "--results"], cwd=tmp_path)
+    table = run_tool_here("sweep", [*sweep_args[1:], "--results"], tmp_path, monkeypatch)
     assert table.returncode == 0, table.stderr
     rows = table.stdout[table.stdout.index("rank  trial") :].splitlines()[1:3]
     assert [row.split()[0] for row in rows] == ["1", "2"] and all(row.split()[-1] == "done" for row in rows), rows
 
 
-def test_an_allocation_that_does_not_match_the_run_is_refused_before_training(cluster, tmp_path):
-    script = _write_script(tmp_path)
+def test_an_allocation_that_does_not_match_the_run_is_refused_before_training(cluster, tmp_path, monkeypatch):
+    script = _write_script(tmp_path, monkeypatch)
     cluster.env.update({"PYTHONPATH": REPO_PYTHONPATH})
     submitted = cluster.run("sbatch", "--parsable", "--ntasks-per-node=1", str(script))  # overrides the script's 2
     assert submitted.returncode == 0, submitted.stderr
