@@ -7,6 +7,7 @@ launches) is built by the first worker to ask, under a file lock, and read by th
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,8 +18,8 @@ from filelock import FileLock
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
     """The folder ``name``, shared by every worker of the session, after ``build(folder)`` ran in one of them.
 
-    A build that raised leaves no mark: the next worker to ask builds again (and fails the same way, in its own
-    tests).
+    A build that raised leaves no mark: the next worker to ask builds again from an empty folder (and fails the
+    same way, in its own tests), never on top of what the failed build left (a run would resume from it).
 
     Example::
 
@@ -30,7 +31,8 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     root = base / name
     with FileLock(str(root) + ".lock"):
         if not (root / ".built").exists():
-            root.mkdir(exist_ok=True)
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
             build(root)
             (root / ".built").touch()
     return root
