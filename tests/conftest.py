@@ -24,6 +24,15 @@ CONFIGS = REPO / "configs"
 REPO_PYTHONPATH = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """A test marked ``solo`` runs with no test of the other xdist worker beside it (``tests/support/solo.py``)."""
+    from tests.support.solo import room
+
+    with room(solo=item.get_closest_marker("solo") is not None):
+        return (yield)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

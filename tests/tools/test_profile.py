@@ -65,6 +65,7 @@ def _profile(tmp_path, *arguments: str):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.solo  # its compute/input verdict is measured: another worker beside it skews it
 def test_gpt_demo_is_compute_bound(tmp_path):
     run_dir = tmp_path / "run"
     _profile(tmp_path, "--trainer.devices=2")
@@ -76,6 +77,7 @@ def test_gpt_demo_is_compute_bound(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # its data-wait fraction is measured: another worker beside it skews it
 def test_slow_dataset_is_input_bound(tmp_path):
     slow_data = ["--data=tests.support.helpers.SlowCollateTokens", "--data.collate_sleep_s=0.05"]
     result = _profile(tmp_path, "--trainer.devices=1", *slow_data, "--model.n_layer=1", "--model.d_model=64")
