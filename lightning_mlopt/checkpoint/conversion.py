@@ -55,7 +55,7 @@ def convert_to_one_file(source: Path, destination: Path, layout: CheckpointLayou
         CheckpointInvalidError: its manifest is malformed, or its layout cannot be read whole.
 
     """
-    manifest = Manifest.from_json((source / MANIFEST_NAME).read_text())
+    manifest = Manifest.from_json((source / MANIFEST_NAME).read_bytes())
     full = layout.read(source / STATE_NAME, trust_pickles)
     staging = destination.parent / f".staging-{destination.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -150,7 +150,7 @@ def converted_copy(
 def _identity(source: Path) -> str:
     """What names one checkpoint: its path and its manifest's commit time (a step saved again is another)."""
     try:
-        created = Manifest.from_json((source / MANIFEST_NAME).read_text()).created
+        created = Manifest.from_json((source / MANIFEST_NAME).read_bytes()).created
     except (OSError, CheckpointInvalidError):
         created = 0.0
     return f"{source.resolve()} (committed {created})"

@@ -75,10 +75,12 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        """Parse a manifest; raises CheckpointInvalidError on anything malformed."""
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse a manifest (text, or its file's bytes); raises CheckpointInvalidError on anything malformed."""
         try:
-            data: dict[str, Any] = json.loads(text)
+            data: dict[str, Any] = json.loads(text)  # bytes that are not UTF-8: a ValueError too
+            if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+                raise TypeError("a JSON object with a 'files' object is expected")
             if data.get("format_version", 1) == 1:  # SHA-256 under "sha256"
                 data["checksum"] = "sha256"
                 data["files"] = {name: {"size": e["size"], "digest": e["sha256"]} for name, e in data["files"].items()}
@@ -86,7 +88,7 @@ class Manifest:
             manifest = cls(**data)
             new_hasher(manifest.checksum)  # an unknown algorithm is a malformed manifest
             return manifest
-        except (ValueError, TypeError, KeyError) as error:
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
             raise CheckpointInvalidError(f"manifest is malformed: {error}") from None
 
 
@@ -179,7 +181,7 @@ def verify(directory: Path) -> Manifest:
     manifest_path = directory / MANIFEST_NAME
     if not manifest_path.is_file():
         raise CheckpointInvalidError(f"{directory.name}: no {MANIFEST_NAME} (an interrupted save?)")
-    manifest = Manifest.from_json(manifest_path.read_text())
+    manifest = Manifest.from_json(manifest_path.read_bytes())
     for name, entry in manifest.files.items():
         path = directory / name
         if not path.is_file():

@@ -115,6 +115,8 @@ def choose_checkpoint(
     be read fails the resume (else the local tier is used, with a warning). None when there is nothing to
     resume from.
     """
+    for restored in store.restore_replaced():
+        rank_zero_info(f"Put back {restored}: a save of the same step was interrupted while replacing it")
     for leftover in store.clean_staging():
         rank_zero_info(f"Removed an interrupted save: {leftover}")
     skipped: list[Any] = []

@@ -34,7 +34,7 @@ from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.checkpoint.settings import Resume
 from lightning_mlopt.checkpoint.store import CheckpointStore
-from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, said_by_rank_zero
+from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, first_line, said_by_rank_zero
 
 
 class RemembersResume(Protocol):
@@ -79,14 +79,18 @@ class Resumption:
         """Collective: rank zero chooses the checkpoint to resume from; every rank gets its choice or refusal."""
         choice = None
         if self.settings.auto and trainer.is_global_zero:
-            choice = choose_checkpoint(
-                store,
-                strategy,
-                self.settings.trust_pickles,
-                self.settings.final,
-                remote,
-                remote_required=self.remote_required,
-            )
+            try:
+                choice = choose_checkpoint(
+                    store,
+                    strategy,
+                    self.settings.trust_pickles,
+                    self.settings.final,
+                    remote,
+                    remote_required=self.remote_required,
+                )
+            except Exception as error:  # every rank waits in the broadcast below: it carries the error to them
+                failure = f"choosing a checkpoint in {store.root} failed: {type(error).__name__}: {first_line(error)}"
+                choice = ResumeChoice(None, failure=failure)
             if choice is not None and choice.manifest is not None:
                 saver.note_resumed(choice.manifest)
         choice = trainer.strategy.broadcast(choice) or ResumeChoice(None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -44,7 +45,8 @@ class RetentionPolicy:
         keep = set(steps[-self.keep_last :]) | set(protected)
         if self.keep_every_n_steps:
             keep |= {step for step in steps if step % self.keep_every_n_steps == 0}
-        scored = [(value, step) for step, value in checkpoints if value is not None]
+        # A NaN would break the sort's order, and an infinite loss is no one's best: both count as no value.
+        scored = [(value, step) for step, value in checkpoints if value is not None and math.isfinite(value)]
         if self.keep_best and scored:
             scored.sort(reverse=self.mode == "max")
             keep |= {step for _, step in scored[: self.keep_best]}

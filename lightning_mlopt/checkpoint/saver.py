@@ -452,7 +452,7 @@ class CheckpointSaver:
         paths = {}
         for step, path in self.store.committed():
             try:
-                manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
+                manifest = Manifest.from_json((path / MANIFEST_NAME).read_bytes())
             except (OSError, ValueError, Exception):
                 continue
             metric = manifest.metric

@@ -28,6 +28,9 @@ LATEST_NAME = "latest"
 STATE_NAME = "state.ckpt"  # what the strategy writes: a file (DDP) or a folder of shards (FSDP, DeepSpeed)
 _COMMITTED = re.compile(r"^step-(\d{9})$")
 _STAGING_PREFIX = ".staging-"
+# A committed folder moved aside while the same step is saved again. Not a staging name: a kill between the
+# two renames leaves it as the step's only committed copy, which the next launch puts back, not removes.
+_REPLACED = re.compile(r"^replaced-(step-\d{9})$")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -121,9 +124,10 @@ class CheckpointStore:
         fsync_directory(staging)
         target = self.root / self.name_for(manifest.step)
         if target.exists():
-            # Saving the same step twice (e.g. a signal right after a periodic save): the new one replaces
-            # it. Move the old aside first, so a kill between the renames still leaves a committed copy.
-            aside = self.root / f"{_STAGING_PREFIX}replaced-{target.name}"
+            # Saving the same step twice (e.g. the final save after an epoch's last): the new one replaces
+            # it. Move the old aside first, so a kill between the renames still leaves a committed copy
+            # (restore_replaced puts it back).
+            aside = self.root / f"replaced-{target.name}"
             if aside.exists():
                 shutil.rmtree(aside)
             os.replace(target, aside)
@@ -140,6 +144,27 @@ class CheckpointStore:
     def discard(self, staging: Path) -> None:
         """Remove a staging folder whose save failed or was abandoned."""
         shutil.rmtree(staging, ignore_errors=True)
+
+    def restore_replaced(self) -> list[Path]:
+        """Put back a committed folder a kill left moved aside mid-replacement; return what was put back.
+
+        A copy whose replacement landed is the older one: it is removed instead.
+        """
+        if not self.root.is_dir():
+            return []
+        restored = []
+        for aside in sorted(self.root.iterdir()):
+            if not (found := _REPLACED.match(aside.name)):
+                continue
+            target = self.root / found.group(1)
+            if target.exists():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(aside, target)
+                restored.append(target)
+        if restored:
+            fsync_directory(self.root)
+        return restored
 
     def clean_staging(self) -> list[Path]:
         """Remove staging folders left by interrupted saves; return what was removed."""
@@ -192,7 +217,7 @@ class CheckpointStore:
         """
         for _, path in reversed(self.committed()):
             try:
-                manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
+                manifest = Manifest.from_json((path / MANIFEST_NAME).read_bytes())
             except (OSError, CheckpointInvalidError):
                 continue
             if manifest.run_ids.get(tracker):

@@ -87,7 +87,7 @@ def _unreadable_layout(config: Namespace, step_folder: Path) -> Any:
     from lightning_mlopt.strategies.zero_checkpoint import loads_as_it_is_under_zero
 
     try:
-        manifest = Manifest.from_json((step_folder / MANIFEST_NAME).read_text())
+        manifest = Manifest.from_json((step_folder / MANIFEST_NAME).read_bytes())
     except (OSError, ValueError):
         return None  # not one of our step folders: Lightning reads it as it is
     trainer = config.as_dict().get("trainer") or {}

@@ -162,7 +162,7 @@ def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
         return None
     step, path = committed[-1]
     try:
-        manifest = Manifest.from_json((path / MANIFEST_NAME).read_text())
+        manifest = Manifest.from_json((path / MANIFEST_NAME).read_bytes())
     except (OSError, ValueError):
         return None
     if not manifest.final or not strategy_resumes(config.get("trainer") or {}, manifest):

@@ -140,7 +140,7 @@ def convert(checkpoint: Path, output: Path, to: str, world_size: int | None, tru
     if state.name != STATE_NAME:
         return bad_input(ValueError(f"{checkpoint}: not a step folder of ours (no manifest); nothing written"))
     check_trusted(state.parent, trust_pickles)
-    manifest = Manifest.from_json((state.parent / MANIFEST_NAME).read_text())
+    manifest = Manifest.from_json((state.parent / MANIFEST_NAME).read_bytes())
     layout = layout_named(manifest.layout) if manifest.layout else layout_of_folder(state, LAYOUTS.values())
     output.parent.mkdir(parents=True, exist_ok=True)
     described = convert_to_one_file(state.parent, output, layout, trust_pickles)
@@ -161,7 +161,7 @@ def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, 
 
     check_trusted(state, trust_pickles)
     manifest = state.parent / MANIFEST_NAME
-    recorded = Manifest.from_json(manifest.read_text()).layout if manifest.is_file() else None
+    recorded = Manifest.from_json(manifest.read_bytes()).layout if manifest.is_file() else None
     try:
         layout = layout_named(recorded) if recorded else layout_of_folder(state, LAYOUTS.values())
     except FileNotFoundError as error:

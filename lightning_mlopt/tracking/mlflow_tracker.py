@@ -225,7 +225,7 @@ class MLflowTracker(Logger, RunTracker, CheckpointUploader, ResumeListener):
             self._holds = True
             outbox.resumed(step)
         if path is not None and (path / MANIFEST_NAME).is_file():
-            self.log_checkpoint_artifact(path, Manifest.from_json((path / MANIFEST_NAME).read_text()))
+            self.log_checkpoint_artifact(path, Manifest.from_json((path / MANIFEST_NAME).read_bytes()))
 
     @rank_zero_only
     def log_checkpoint_artifact(self, path: Path, manifest: Manifest) -> None:

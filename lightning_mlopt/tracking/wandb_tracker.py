@@ -159,7 +159,7 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
         for folder in artifacts:
             manifest_file = folder / MANIFEST_NAME
             if manifest_file.is_file():  # retention may have removed it since
-                self.log_checkpoint_artifact(folder, Manifest.from_json(manifest_file.read_text()))
+                self.log_checkpoint_artifact(folder, Manifest.from_json(manifest_file.read_bytes()))
 
     def _open_journal(self, run: Run) -> None:
         """Journal every row this launch logs (``<save_dir>/wandb/journal-<run id>.jsonl``), closed at exit."""

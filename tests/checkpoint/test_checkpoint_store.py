@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +43,10 @@ def test_commit_writes_manifest_renames_and_moves_latest(tmp_path):
         (lambda f: (f / "rng" / "rank-0.pt").unlink(), "rng/rank-0.pt is missing"),
         (lambda f: (f / "manifest.json").unlink(), "no manifest.json"),
         (lambda f: (f / "manifest.json").write_text("{"), "manifest is malformed"),
+        # Shapes that once escaped as AttributeError / UnicodeDecodeError, past the resume's fallback.
+        (lambda f: (f / "manifest.json").write_text("[]"), "manifest is malformed"),
+        (lambda f: (f / "manifest.json").write_text('{"files": 5}'), "manifest is malformed"),
+        (lambda f: (f / "manifest.json").write_bytes(b'{"step": \xff}'), "manifest is malformed"),
     ],
 )
 def test_verification_names_the_damage_and_resume_falls_back(tmp_path, damage, problem):
@@ -69,6 +77,49 @@ def test_saving_the_same_step_again_replaces_it(tmp_path):
     _commit(store, 3, payload=b"newer")
     assert (tmp_path / "step-000000003" / "state.ckpt").read_bytes() == b"newer"
     assert verify(tmp_path / "step-000000003").step == 3
+
+
+@pytest.mark.parametrize("killed_while", ["renaming the new copy into place", "removing the old copy"])
+def test_a_kill_while_replacing_a_step_keeps_a_committed_copy(tmp_path, monkeypatch, killed_while):
+    """Killed between the renames, the old copy comes back; after them, the new one stays and the old one goes."""
+    store = CheckpointStore(tmp_path)
+    _commit(store, 3, payload=b"old")
+    target = tmp_path / "step-000000003"
+    real_replace, real_rmtree = os.replace, shutil.rmtree
+
+    def replace(source, destination, *args, **kwargs):
+        if killed_while.startswith("renaming") and Path(destination) == target:
+            raise KeyboardInterrupt  # the process dies here: nothing after it runs
+        real_replace(source, destination, *args, **kwargs)
+
+    def rmtree(path, *args, **kwargs):
+        if killed_while.startswith("removing") and Path(path).name == "replaced-step-000000003":
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        _commit(store, 3, payload=b"newer")
+    monkeypatch.undo()
+    assert (tmp_path / "replaced-step-000000003").is_dir()
+
+    relaunched = CheckpointStore(tmp_path)
+    restored = relaunched.restore_replaced()
+    relaunched.clean_staging()
+    entry = relaunched.newest_valid()
+    assert entry is not None and entry.path == target
+    old_copy_back = killed_while.startswith("renaming")
+    assert (target / "state.ckpt").read_bytes() == (b"old" if old_copy_back else b"newer")
+    assert restored == ([target] if old_copy_back else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000000003"]
+
+
+def test_retention_ranks_a_non_finite_metric_last():
+    """A NaN sorts anywhere; counted as no metric, it can neither be 'best' nor push the best out."""
+    checkpoints = [(100, math.nan), (200, 0.5), (300, 0.9), (400, math.inf)]
+    assert RetentionPolicy(keep_last=1, keep_best=1).to_delete(checkpoints) == [100, 300]
+    assert RetentionPolicy(keep_last=1, keep_best=1, mode="max").to_delete(checkpoints) == [100, 200]
 
 
 def test_retention_keeps_last_every_nth_and_best():

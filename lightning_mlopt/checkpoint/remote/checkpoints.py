@@ -104,7 +104,7 @@ class RemoteCheckpoints:
         step saved again with other contents (the final save right after a periodic one) replaces the commit
         by compare-and-swap: a reader sees the old commit or the new one, never neither.
         """
-        manifest = Manifest.from_json((local / MANIFEST_NAME).read_text())
+        manifest = Manifest.from_json((local / MANIFEST_NAME).read_bytes())
         name = CheckpointStore.name_for(manifest.step)
         manifest_key, folder = f"{name}/{MANIFEST_NAME}", data_folder(manifest)
         if not self._attached:
@@ -252,9 +252,9 @@ class RemoteCheckpoints:
         try:
             with ThreadPoolExecutor(self.store.concurrency, thread_name_prefix="s3-files") as pool:
                 problems = [p for p in pool.map(fetch, sorted(manifest.files)) if p is not None]
-        except ObjectStoreError as error:
+        except (ObjectStoreError, OSError):  # the store failed, or the local disk did (full): no partial copy stays
             local.discard(staging)
-            raise error
+            raise
         if problems:
             local.discard(staging)
             return CheckpointEntry(local.root / name, step, None, problems[0])
@@ -282,7 +282,7 @@ class RemoteCheckpoints:
 def _saved_again(local: Path, started_with: Manifest) -> bool:
     """Whether the local checkpoint's manifest is no longer the one a copy started from (or is gone)."""
     try:
-        return Manifest.from_json((local / MANIFEST_NAME).read_text()).to_json() != started_with.to_json()
+        return Manifest.from_json((local / MANIFEST_NAME).read_bytes()).to_json() != started_with.to_json()
     except (OSError, ValueError):
         return True
 
@@ -290,6 +290,6 @@ def _saved_again(local: Path, started_with: Manifest) -> bool:
 def _parse(data: bytes) -> Manifest | None:
     """A manifest read from the store; None when it is malformed (not a commit a reader may take)."""
     try:
-        return Manifest.from_json(data.decode())
-    except (CheckpointInvalidError, UnicodeDecodeError):
+        return Manifest.from_json(data)
+    except CheckpointInvalidError:
         return None
