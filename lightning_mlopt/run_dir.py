@@ -4,6 +4,7 @@ What it holds is named here and nowhere else::
 
     <run_dir>/
         config.yaml      the resolved configuration of the fit (config.<subcommand>.yaml for the others)
+        earlier_configs/ what config.yaml said before a relaunch with other settings (1-config.yaml, ...)
         checkpoints/     FaultTolerantCheckpoint's committed checkpoints (step-<N>/ folders)
         health/          NCCLHealthCheck's hang dumps (one file per rank)
         perf/            PerformanceMonitor's summary.json, profiler traces, out-of-memory snapshots
@@ -19,12 +20,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_mlopt.exceptions import BadInputError
+
 DEFAULT_RUNS_ROOT = "runs"
 CONFIG_NAME = "config.yaml"
+EARLIER_CONFIGS_DIR = "earlier_configs"
+# The first line of every config LightningCLI saves (its dump header): a config.yaml without it is someone's own.
+_SAVED_CONFIG_HEADER = "# lightning.pytorch=="
 CHECKPOINTS_DIR = "checkpoints"
 HEALTH_DIR = "health"
 PERF_DIR = "perf"
@@ -84,3 +91,47 @@ def resolve_run_dir(config: Mapping[str, Any], config_files: Iterable[str | Path
         return Path(config["run_dir"])
     root = (config.get("trainer") or {}).get("default_root_dir") or DEFAULT_RUNS_ROOT
     return default_run_dir(root, config_files, config)
+
+
+def config_name(subcommand: str | None) -> str:
+    """The file a subcommand's resolved config is saved to: ``config.yaml`` for ``fit``, else ``config.<it>.yaml``."""
+    return CONFIG_NAME if subcommand in (None, "fit") else f"config.{subcommand}.yaml"
+
+
+def refuse_foreign_config(run_dir: Path, name: str) -> None:
+    """Raise BadInputError when ``run_dir/name`` exists and was not saved by a run (a config of the user's own).
+
+    Every launch saves its resolved config there: a hand-written file (``--run_dir`` pointing at a project folder)
+    would be replaced by it.
+
+    Example::
+
+        refuse_foreign_config(Path("runs/gpt-1a2b3c4d"), "config.yaml")  # a run's own: fine
+    """
+    path = run_dir / name
+    if not path.is_file():
+        return
+    with path.open("rb") as handle:
+        first = handle.readline()
+    if not first.startswith(_SAVED_CONFIG_HEADER.encode()):
+        raise BadInputError(
+            f"run_dir: {path} was not saved by a run (a config of your own?) and each launch saves its resolved "
+            "config there; give --run_dir a folder of the run's own (e.g. runs/<name>), or move the file"
+        )
+
+
+def keep_earlier_config(path: Path, replacement: Path) -> Path | None:
+    """Put ``replacement`` (a new save of a run's config) at ``path``; what ``path`` said, if other, is kept.
+
+    Returns where the earlier config went: ``earlier_configs/<n>-<name>`` beside it, n counting up. A relaunch
+    with other settings (a larger max_steps, a mistyped model size) must not erase what the run was.
+    """
+    earlier = None
+    if path.is_file() and path.read_bytes() != replacement.read_bytes():
+        folder = path.parent / EARLIER_CONFIGS_DIR
+        folder.mkdir(exist_ok=True)
+        number = 1 + sum(1 for each in folder.iterdir() if each.name.endswith(f"-{path.name}"))
+        earlier = folder / f"{number}-{path.name}"
+        os.replace(path, earlier)
+    os.replace(replacement, path)
+    return earlier

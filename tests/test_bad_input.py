@@ -283,3 +283,54 @@ def test_a_flat_health_check_key_of_0_1_names_its_grouped_key(tmp_path, monkeypa
     message = _fails(tmp_path, monkeypatch, capsys, "--config", name)
     assert "NCCLHealthCheck: straggler_factor is now stragglers.factor" in message
     assert len(message.strip().splitlines()) == 2, message  # the cause, not the union's other tries
+
+
+def _run_of_before(tmp_path: Path) -> Path:
+    """A run folder as an earlier fit left it: its saved config and a checkpoint folder (step 66)."""
+    run = tmp_path / "runs" / "quickstart-6ae16f55"
+    (run / "checkpoints" / "step-000000066").mkdir(parents=True)
+    (run / "config.yaml").write_text("# lightning.pytorch==2.6.6\nseed_everything: 1234\n")
+    return run
+
+
+def _fails_in(run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> str:
+    """``fit`` into the earlier run ``run`` exits 2 in one line, and leaves the run folder as it was."""
+    before = {path: path.read_bytes() if path.is_file() else None for path in run.rglob("*")}
+    monkeypatch.chdir(run.parent.parent)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "quickstart.yaml"), f"--run_dir={run}", *args])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert message.startswith("error: ") and len(message.strip().splitlines()) == 1, message
+    assert {path: path.read_bytes() if path.is_file() else None for path in run.rglob("*")} == before
+    return message
+
+
+def test_a_mistyped_ckpt_path_names_the_step_folder_meant(tmp_path, monkeypatch, capsys):
+    run = _run_of_before(tmp_path)
+    message = _fails_in(run, monkeypatch, capsys, f"--ckpt_path={run}/checkpoints/step-66")
+    assert f"ckpt_path: {run}/checkpoints/step-66 does not exist" in message
+    assert f"(did you mean {run}/checkpoints/step-000000066?)" in message
+
+
+def test_a_ckpt_path_that_is_no_checkpoint_is_refused_without_torchs_unsafe_advice(tmp_path, monkeypatch, capsys):
+    run = _run_of_before(tmp_path)
+    message = _fails_in(run, monkeypatch, capsys, f"--ckpt_path={CONFIGS / 'quickstart.yaml'}")
+    assert "is not a checkpoint torch.load reads with weights_only=True (UnpicklingError)" in message
+    assert "weights_only=False" not in message
+    (run / "lightning_logs").mkdir()  # a folder, but no checkpoint: the configured strategy loads one file
+    message = _fails_in(run, monkeypatch, capsys, f"--ckpt_path={run / 'lightning_logs'}")
+    assert "is a folder with no checkpoint of ours in it" in message
+
+
+def test_a_run_dir_holding_a_config_of_the_users_own_is_refused(tmp_path, monkeypatch, capsys):
+    project = tmp_path / "runs" / "project"
+    project.mkdir(parents=True)
+    (project / "config.yaml").write_text("# my experiment, by hand\nmodel: {}\n")
+    message = _fails_in(project, monkeypatch, capsys)
+    assert f"run_dir: {project / 'config.yaml'} was not saved by a run" in message
+
+
+def test_a_value_the_trainer_rejects_by_type_is_bad_input(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--trainer.devices=two")
+    assert "`devices` selected with `CPUAccelerator` should be an int > 0" in message

@@ -164,6 +164,10 @@ def test_relaunching_from_the_saved_or_printed_config_lands_in_the_same_run(tmp_
     assert "set checkpoint.resume.final: true" in caplog.text
     main([*relaunch, "--checkpoint.resume.final=true"])
     assert list((tmp_path / "runs").iterdir()) == [run_dir], "no second run directory"
+    # The relaunch's settings replace config.yaml; what the run was is kept (one copy: the same settings add none).
+    assert [p.name for p in (run_dir / "earlier_configs").iterdir()] == ["1-config.yaml"]
+    assert yaml.safe_load((run_dir / "earlier_configs" / "1-config.yaml").read_text())["trainer"]["max_steps"] == 2
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["max_steps"] == 4
     assert (run_dir / "checkpoints" / "step-000000004").is_dir()
     merged = json.loads((run_dir / "metrics.json").read_text())
     assert merged["global_step"] == 4
@@ -278,3 +282,17 @@ def test_the_model_summary_has_flops_only_where_they_were_measured(caplog):
     assert "| Params | Mode  | FLOPs" in measured
     flops = next(line for line in measured.splitlines() if line.endswith("Total Flops"))
     assert flops.split()[0] == "512"  # a 32 -> 2 linear layer on 4 samples: 2 FLOPs x 4 x 32 x 2 multiply-adds
+
+
+def test_a_relaunch_with_other_settings_keeps_the_earlier_config(tmp_path):
+    from lightning_mlopt.run_dir import keep_earlier_config
+
+    config = tmp_path / "config.yaml"
+    for number, text in enumerate(["max_steps: 2\n", "max_steps: 2\n", "max_steps: 4\n", "max_steps: 8\n"]):
+        new = tmp_path / f".config.yaml.new{number}"
+        new.write_text(text)
+        keep_earlier_config(config, new)
+    assert config.read_text() == "max_steps: 8\n"
+    earlier = tmp_path / "earlier_configs"
+    assert sorted(p.name for p in earlier.iterdir()) == ["1-config.yaml", "2-config.yaml"]  # the same text: no copy
+    assert [(earlier / f"{n}-config.yaml").read_text() for n in (1, 2)] == ["max_steps: 2\n", "max_steps: 4\n"]

@@ -18,6 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+import math
+import re
 from pathlib import Path
 
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
@@ -57,6 +60,43 @@ def resolve_checkpoint_path(value: str, own_dir: Path | None, mode: str = "min")
     return value, None
 
 
+# What Lightning's own ckpt_path takes besides a path: ModelCheckpoint's last/best, SLURM's hpc, a model registry.
+_LIGHTNING_NAMES = ("last", "best", "hpc")
+_STEP_NAME = re.compile(r"^step-0*(\d+)$")
+
+
+def refuse_missing(value: str) -> None:
+    """Raise BadInputError when ``ckpt_path`` names a local path that does not exist, with the likely one.
+
+    Left to Lightning: its names (``last``, ``best``, ``hpc``, ``registry:...``) and URLs. Before any file of
+    the run is written: a mistyped path must not relaunch a run (and replace its config.yaml) only to fail.
+
+    Example::
+
+        >>> refuse_missing("last")
+        >>> refuse_missing("/no/such/run/checkpoints/step-66")
+        Traceback (most recent call last):
+        ...
+        lightning_mlopt.exceptions.BadInputError: ckpt_path: /no/such/run/checkpoints/step-66 does not exist; ...
+    """
+    if value in _LIGHTNING_NAMES or value.startswith("registry") or "://" in value:
+        return
+    path = Path(value)
+    if path.exists():
+        return
+    hint = ""
+    if path.parent.is_dir():
+        names = sorted(child.name for child in path.parent.iterdir())
+        numbered = _STEP_NAME.match(path.name)
+        padded = CheckpointStore.name_for(int(numbered.group(1))) if numbered else None
+        close = [padded] if padded in names else difflib.get_close_matches(path.name, names, n=1)
+        hint = f" (did you mean {path.parent / close[0]}?)" if close else ""
+    raise BadInputError(
+        f"ckpt_path: {value} does not exist{hint}; name a checkpoint file, a step folder (step-000000500), a "
+        "checkpoints folder, a run folder, or last/best"
+    )
+
+
 def _verified(folder: Path) -> CheckpointEntry:
     try:
         manifest = verify(folder)
@@ -78,7 +118,7 @@ def _best(folder: Path, mode: str) -> CheckpointEntry:
     scored = []
     for entry in CheckpointStore(folder).entries():
         metric = entry.manifest.metric if entry.valid and entry.manifest is not None else None
-        if metric is not None:
+        if metric is not None and math.isfinite(float(metric["value"])):  # a NaN is no one's best
             scored.append((float(metric["value"]), entry))
     if not scored:
         raise BadInputError(

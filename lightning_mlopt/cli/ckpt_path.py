@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,32 @@ from jsonargparse import Namespace
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.remote.tiers import checkpoint_folder
 from lightning_mlopt.checkpoint.settings import configured
+
+
+def read_by_lightning(value: Any, read: Callable[[], None]) -> None:
+    """Run LightningCLI's own ``ckpt_path`` reading (``read``: the hyperparameters of a file) on a path checked first.
+
+    Lightning reads a file before anything of ours runs: a path that does not exist, or a file that is no
+    checkpoint, is refused here in one line (exit 2), before any file of the run is written.
+
+    Raises:
+        BadInputError: naming the path and what ``ckpt_path`` takes.
+
+    """
+    from lightning_mlopt.checkpoint.locate import refuse_missing
+    from lightning_mlopt.exceptions import BadInputError
+
+    if value:
+        refuse_missing(str(value))
+    try:
+        read()
+    except BadInputError:
+        raise
+    except Exception as error:  # torch.load could not read it; its advice to unpickle anything is not passed on
+        raise BadInputError(
+            f"ckpt_path: {value} is not a checkpoint torch.load reads with weights_only=True "
+            f"({type(error).__name__}); name a checkpoint file, a step folder, a checkpoints folder or a run folder"
+        ) from None
 
 
 def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
@@ -32,6 +59,7 @@ def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
     from lightning_mlopt.checkpoint.locate import resolve_checkpoint_path
     from lightning_mlopt.checkpoint.store import STATE_NAME
     from lightning_mlopt.checkpoint.trust import check_trusted
+    from lightning_mlopt.exceptions import BadInputError
 
     value = config.get("ckpt_path")
     if not value:
@@ -49,7 +77,20 @@ def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
         return _convert_for_this_strategy(config, target, readable, own, trust)
     if described is not None:
         config["ckpt_path"] = path
+    elif target.is_dir() and _loads_one_file(config):
+        raise BadInputError(
+            f"ckpt_path: {value} is a folder with no checkpoint of ours in it (no step-*/ folder, no manifest.json), "
+            "and the configured strategy loads one file; name a checkpoint file, a step folder or a run folder"
+        )
     return described
+
+
+def _loads_one_file(config: Namespace) -> bool:
+    """Whether the configured strategy loads a checkpoint from one file (not a strategy's folder of shards)."""
+    from lightning_mlopt.checkpoint.layout import ONE_FILE
+
+    layout = _configured_layout(config.as_dict().get("trainer") or {})
+    return layout is not None and layout.name == ONE_FILE
 
 
 def _convert_for_this_strategy(config: Namespace, step_folder: Path, layout: Any, into: Path, trust: bool) -> str:

@@ -34,7 +34,7 @@ from lightning_mlopt.callbacks import (
     UnevenInputs,
 )
 from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error
-from lightning_mlopt.cli.ckpt_path import resolve_ckpt_path
+from lightning_mlopt.cli.ckpt_path import read_by_lightning, resolve_ckpt_path
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, tools_help
 from lightning_mlopt.cli.quiet import silence_known_noise
 from lightning_mlopt.cli.renamed_keys import RENAMED
@@ -57,7 +57,7 @@ from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
-from lightning_mlopt.run_dir import CONFIG_NAME, DEFAULT_RUNS_ROOT, resolve_run_dir
+from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, config_name, refuse_foreign_config, resolve_run_dir
 from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
 
 DEFAULT_SEED = 1234
@@ -155,6 +155,11 @@ class MLOptCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     @override
+    def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        read_by_lightning(self.config[subcommand].get("ckpt_path") if subcommand else None, super()._parse_ckpt_path)
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self._get_section()
         if startup_guard.armed:  # armed by the entry point; the config's limit replaces the default
@@ -173,7 +178,7 @@ class MLOptCLI(LightningCLI):
             raise RunFinished(finished)
         # Recorded in the saved config.yaml, so relaunching from that file lands in this run, whatever its name.
         config["run_dir"] = str(self.run_dir.resolve())
-        trainer["default_root_dir"] = str(self.run_dir)
+        trainer["default_root_dir"] = config["run_dir"]  # absolute, as in a relaunch from the saved config
         _fill_run_dir(config, str(self.run_dir))
         described = resolve_ckpt_path(config, self.run_dir)
         if described is not None:
@@ -214,7 +219,9 @@ class MLOptCLI(LightningCLI):
         return self.config[self.subcommand] if self.subcommand else self.config
 
     def _resolve_run_dir(self, config: Namespace) -> Path:
-        return resolve_run_dir(config.as_dict(), [str(path) for path in (config.get("config") or [])])
+        run_dir = resolve_run_dir(config.as_dict(), [str(path) for path in (config.get("config") or [])])
+        refuse_foreign_config(run_dir, config_name(self.subcommand))  # each launch saves its config there
+        return run_dir
 
     @override
     def instantiate_classes(self) -> None:
@@ -227,7 +234,7 @@ class MLOptCLI(LightningCLI):
                     overridden = rf"`{re.escape(replaced.__name__)}\.configure_optimizers` will be overridden"
                     warnings.filterwarnings("ignore", message=overridden)
                 super().instantiate_classes()
-        except (ValueError, FileNotFoundError, MisconfigurationException) as error:
+        except (ValueError, TypeError, FileNotFoundError, MisconfigurationException) as error:  # e.g. devices=two
             message = explain_parser_error(str(error), _known_keys(self.parser), _Parser.argv, RENAMED)
             raise BadInputError(message) from None
         if replaced is not None and (unused := unused_model_arguments(self._get_section(), replaced)):
@@ -236,7 +243,7 @@ class MLOptCLI(LightningCLI):
     @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
         assert self.run_dir is not None
-        name = CONFIG_NAME if self.subcommand in (None, "fit") else f"config.{self.subcommand}.yaml"
+        name = config_name(self.subcommand)
         section = self.config.get(str(self.subcommand), self.config)
         callbacks = [
             *callbacks,

@@ -35,14 +35,15 @@ from lightning_mlopt.hooks import DescribesOutputs, RunTracker, callbacks_with, 
 from lightning_mlopt.process.notices import NOTICES_BY_LAUNCHER_ENV, PreemptionNotices, start_polling
 from lightning_mlopt.process.signals import preemption
 from lightning_mlopt.process.startup import startup_guard
-from lightning_mlopt.run_dir import METRICS_NAME
+from lightning_mlopt.run_dir import METRICS_NAME, keep_earlier_config
 
 
 class SaveResolvedConfig(SaveConfigCallback):
     """Writes the resolved config into the run directory (not a per-version log folder), rank zero only.
 
-    Overwriting is deliberate: the run directory is derived from the config, so a relaunch writes the same
-    content, and a fresh version folder per relaunch would scatter one run across many.
+    One file per run, not one per version folder: the run directory is derived from the config, so a relaunch
+    writes the same content. A relaunch with other settings (an explicit ``run_dir``, ``resume.final`` with a
+    larger ``max_steps``) keeps what the file said before in ``earlier_configs/``.
     """
 
     def __init__(self, parser: LightningArgumentParser, config: Namespace, run_dir: Path, name: str) -> None:
@@ -52,7 +53,11 @@ class SaveResolvedConfig(SaveConfigCallback):
     @override
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.parser.save(self.config, self.run_dir / self.config_filename, skip_none=False, overwrite=True)
+        written = self.run_dir / f".{self.config_filename}.new"
+        self.parser.save(self.config, written, skip_none=False, overwrite=True, multifile=False)
+        earlier = keep_earlier_config(self.run_dir / self.config_filename, written)
+        if earlier is not None:
+            rank_zero_info(f"This launch's settings differ from the run's earlier ones; those are kept in {earlier}")
         # Trackers that keep the full configuration (WandbTracker) get it once, from rank zero (this hook).
         for tracker in loggers_with(trainer, RunTracker):
             tracker.log_run_config(self.config.clone().as_dict())
