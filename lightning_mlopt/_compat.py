@@ -730,6 +730,8 @@ PRIVATE_OVERRIDES = {
     ("lightning.pytorch.cli", "LightningCLI", "_instantiate_trainer"),
     # _ParseOnlyCLI (``check_arguments``): parses and validates only, so it does not seed.
     ("lightning.pytorch.cli", "LightningCLI", "_set_seed"),
+    # MLOptCLI: checks ``ckpt_path`` before Lightning reads a file's hyperparameters from it (torch.load).
+    ("lightning.pytorch.cli", "LightningCLI", "_parse_ckpt_path"),
     # DDPStrategy: none (comm hooks go through the public configure_ddp).
     # DeepSpeedStrategy: engine set-up on CPU, inference set-up on CPU, the preset-built config.
     ("lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy", "_setup_model_and_optimizer"),

@@ -334,3 +334,24 @@ def test_a_run_dir_holding_a_config_of_the_users_own_is_refused(tmp_path, monkey
 def test_a_value_the_trainer_rejects_by_type_is_bad_input(tmp_path, monkeypatch, capsys):
     message = _fails(tmp_path, monkeypatch, capsys, "--trainer.devices=two")
     assert "`devices` selected with `CPUAccelerator` should be an int > 0" in message
+
+
+@pytest.mark.slow
+def test_a_relaunch_whose_checkpoint_does_not_fit_the_model_stops_in_one_line_and_keeps_the_runs_config(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    quiet = ["--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"]
+    common = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), f"--run_dir={run}", *quiet]
+    main([*common, "--trainer.max_steps=2"])
+    saved = (run / "config.yaml").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # the same run_dir, a narrower model: its checkpoint cannot load
+        main([*common, "--trainer.max_steps=4", "--model.init_args.width=8", "--checkpoint.resume.final=true"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("error: ") and "step-000000002 does not fit this model: " in message, message
+    assert "net.stem.0.weight: saved [16, 1, 3, 3], model [8, 1, 3, 3]" in message
+    assert (run / "config.yaml").read_bytes() == saved and not (run / "earlier_configs").exists()
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-000000002"]

@@ -233,6 +233,38 @@ def preload(trainer: Any, folder: Path, trust_pickles: bool) -> str:
     return str(state)
 
 
+def refuse_misfit(trainer: Any, folder: Path) -> None:
+    """Every rank, after :func:`preload` of one file: a checkpoint whose weights do not fit the model, refused.
+
+    Lightning would fail later, in its restore, with a traceback of every mismatched tensor. The usual cause is
+    a relaunch into a run with other model settings (an explicit ``run_dir``, a changed width).
+
+    Raises:
+        BadInputError: naming the first mismatches and the fix (said by rank zero; every rank read the same file).
+
+    """
+    module = trainer.lightning_module
+    saved = (loaded_checkpoint(trainer) or {}).get("state_dict")
+    current = module.state_dict() if module is not None and getattr(module, "strict_loading", True) else {}
+    if not saved or not current or any(tensor.is_meta for tensor in current.values()):  # not built yet: no check
+        return
+    problems = [
+        f"{key}: saved {list(saved[key].shape)}, model {list(tensor.shape)}"
+        for key, tensor in current.items()
+        if key in saved and hasattr(saved[key], "shape") and saved[key].shape != tensor.shape
+    ]
+    problems += [f"{key}: not in the checkpoint" for key in current if key not in saved]
+    problems += [f"{key}: not in the model" for key in saved if key not in current]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        with said_by_rank_zero(trainer.global_rank):
+            raise BadInputError(
+                f"{folder} does not fit this model: {'; '.join(problems[:3])}{more}. It was saved with other model "
+                "settings: relaunch with the ones it was saved with (the run's config.yaml), or give this model a "
+                "run_dir of its own"
+            )
+
+
 def number_optimizer_states(trainer: Any) -> None:
     """Before Lightning restores the optimizers: a named optimizer state (a conversion's) numbered for them.
 

@@ -29,6 +29,7 @@ from lightning_mlopt.checkpoint.resume import (
     number_optimizer_states,
     position_in_epoch,
     preload,
+    refuse_misfit,
 )
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
@@ -113,6 +114,8 @@ class Resumption:
         """
         if self.resumed_from is not None and trainer.strategy.restore_checkpoint_after_setup == after_setup:
             self._preloaded_path = preload(trainer, self.resumed_from, self.settings.trust_pickles)
+            if not after_setup:  # one file, loaded whole: its weights can be checked against the model before use
+                refuse_misfit(trainer, self.resumed_from)
         if after_setup:
             number_optimizer_states(trainer)
 

@@ -51,13 +51,24 @@ class SaveResolvedConfig(SaveConfigCallback):
         self.run_dir = run_dir
 
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            super().setup(trainer, pl_module, stage)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Not at setup: a relaunch whose checkpoint does not fit the model stops there (bad input), and must leave
+        # config.yaml saying what the run is, not what the mistaken launch asked for.
+        super().setup(trainer, pl_module, "fit")
+
+    @override
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         written = self.run_dir / f".{self.config_filename}.new"
         self.parser.save(self.config, written, skip_none=False, overwrite=True, multifile=False)
         earlier = keep_earlier_config(self.run_dir / self.config_filename, written)
         if earlier is not None:
-            rank_zero_info(f"This launch's settings differ from the run's earlier ones; those are kept in {earlier}")
+            rank_zero_info(f"config.yaml now holds this launch's settings; the run's earlier ones: {earlier}")
         # Trackers that keep the full configuration (WandbTracker) get it once, from rank zero (this hook).
         for tracker in loggers_with(trainer, RunTracker):
             tracker.log_run_config(self.config.clone().as_dict())
