@@ -10,6 +10,7 @@ takes a folder or an object-store URL (``s3://bucket/run``, ``s3://bucket/run/st
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -23,11 +24,14 @@ from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, verify
 from lightning_mlopt.checkpoint.remote.object_store import ObjectURL, is_object_url
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore, refuse_url
 from lightning_mlopt.checkpoint.trust import check_trusted
-from lightning_mlopt.exceptions import CheckpointInvalidError, ObjectStoreError, UntrustedCheckpointError
+from lightning_mlopt.exceptions import BadInputError, CheckpointInvalidError, ObjectStoreError
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.run_dir import CONFIG_NAME
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
 from lightning_mlopt.tools.checkpoint_store import LIST_HEADER, list_remote, list_row, local_copy, verify_remote
+
+_EXAMPLE_FOLDER = "runs/<run name>/checkpoints"
+_WHAT_TO_NAME = "name a checkpoint file, a step folder or a checkpoints folder (see: checkpoint list)"
 
 
 def _size(path: Path) -> int:
@@ -43,11 +47,21 @@ def _human(size: float) -> str:
 
 
 def list_checkpoints(directory: Path) -> int:
-    """Print step, time, size and validity of every checkpoint under ``directory``; 0 if any is valid."""
+    """Print step, time, size and validity of every checkpoint under ``directory``; 0 if any is valid.
+
+    Raises:
+        BadInputError: ``directory`` is not a folder.
+
+    """
+    if not directory.is_dir():
+        said = "is a file" if directory.exists() else "does not exist"
+        raise BadInputError(f"{directory} {said}; give a run's checkpoints folder, e.g. {_EXAMPLE_FOLDER}")
     store = CheckpointStore(directory)
     entries = store.entries()
-    if not entries:
-        print(f"no checkpoints in {directory}")
+    if not entries:  # a folder, maybe of a run that has not saved yet: nothing valid (1), not bad input
+        inside = directory / "checkpoints"
+        fix = f"list {inside}" if inside.is_dir() else f"give a run's checkpoints folder, e.g. {_EXAMPLE_FOLDER}"
+        print(f"error: no checkpoints in {directory}; {fix}", file=sys.stderr)
         return 1
     latest = store.latest_name()
     print(LIST_HEADER)
@@ -113,6 +127,10 @@ def export(checkpoint: Path, out_dir: Path, max_shard_bytes: int, trust_pickles:
     """Write any checkpoint's model weights as safetensors (sharded above ``max_shard_bytes``) plus its config."""
     from lightning_mlopt.checkpoint.export import write_model_config, write_safetensors
 
+    if out_dir.exists() and not out_dir.is_dir():
+        return bad_input(
+            FileExistsError(f"{out_dir} is a file; give a new folder for the export (nothing overwritten)")
+        )
     state = _state_to_read(checkpoint, "exporting")
     if out_dir.exists() and any(out_dir.iterdir()):
         print(f"error: {out_dir} is not empty; choose a new folder (nothing is overwritten)", file=sys.stderr)
@@ -156,6 +174,10 @@ def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, 
 
     Every pickle in it is checked against the allowlist first (raises UntrustedCheckpointError), unless
     ``trust_pickles``; then the strategy that writes its layout consolidates it.
+
+    Raises:
+        BadInputError: ``state`` is not a checkpoint: no layout's files, or a file torch.load cannot read.
+
     """
     from lightning_mlopt.strategies import LAYOUTS, layout_named
 
@@ -165,8 +187,19 @@ def load_full_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, 
     try:
         layout = layout_named(recorded) if recorded else layout_of_folder(state, LAYOUTS.values())
     except FileNotFoundError as error:
-        raise CheckpointInvalidError(str(error)) from None
-    return layout.read(state, trust_pickles)
+        inside = state / "checkpoints"  # a run folder, named for its checkpoints
+        raise BadInputError(f"{error}; {f'name {inside}' if inside.is_dir() else _WHAT_TO_NAME}") from None
+    try:
+        return layout.read(state, trust_pickles)
+    # What torch.load raises for a file that is no checkpoint (YAML, truncated, empty). Its own advice, to load
+    # with weights_only=False, would run whatever the file holds: it is not passed on.
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError) as error:
+        if not state.is_file():  # a folder in a known layout: the checkpoint's own problem, traceback and all
+            raise
+        raise BadInputError(
+            f"{state}: not a checkpoint torch.load reads with weights_only=True ({type(error).__name__}); "
+            f"{_WHAT_TO_NAME}"
+        ) from None
 
 
 def _byte_size(text: str) -> int:
@@ -243,7 +276,7 @@ def main(argv: Sequence[str]) -> int:
     except ObjectStoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return exit_codes.CHECKPOINT_WRITE  # 74, EX_IOERR: the store could not be read
-    except UntrustedCheckpointError as error:
+    except BadInputError as error:  # an untrusted checkpoint among them
         return bad_input(error)
     except CheckpointInvalidError as error:
         print(f"error: {error}", file=sys.stderr)

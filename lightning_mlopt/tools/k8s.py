@@ -28,7 +28,14 @@ import yaml
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.redaction import redact
 from lightning_mlopt.run_dir import CONFIG_NAME, config_fingerprint
-from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments, without_options
+from lightning_mlopt.tools._preamble import (
+    WRITTEN_BY,
+    ToolArgumentParser,
+    bad_input,
+    check_output,
+    fit_arguments,
+    without_options,
+)
 from lightning_mlopt.tools.k8s_manifests import (
     ManifestSpec,
     config_map_manifest,
@@ -102,7 +109,8 @@ def main(argv: Sequence[str]) -> int:
         return bad_input(error)
     text = yaml.dump_all(documents, Dumper=_BlockDumper, sort_keys=False, width=120)
     if options.output:
-        Path(options.output).write_text(text)
+        # The header marks the file as ours: a rerun with the same --output may replace it, nothing else.
+        Path(options.output).write_text(f"{WRITTEN_BY}; apply with: kubectl apply -f {options.output}\n{text}")
         sys.stderr.write(
             f"Wrote {options.output}: {_summary(options, spec)}. Apply with: kubectl apply -f {options.output}\n"
         )
@@ -135,6 +143,8 @@ def _check_options(options: argparse.Namespace) -> None:
             raise BadInputError(f"--secret_env {reference!r}: give VAR=SECRET:KEY, e.g. WANDB_API_KEY=wandb:api-key")
     if options.output and not Path(options.output).parent.is_dir():
         raise BadInputError(f"--output {options.output}: the folder {Path(options.output).parent} does not exist")
+    if options.output:
+        check_output(Path(options.output), "--output", "manifest.yaml")
 
 
 def _checked_config(fit_args: list[str], options: argparse.Namespace) -> dict[str, Any]:

@@ -132,6 +132,7 @@ def _torchrun_arguments(argv: Sequence[str]) -> argparse.Namespace:
         )
     if options.module or options.no_python or options.run_path:
         raise ValueError("launch runs `python -m lightning_mlopt` itself: drop -m/--module, --no-python, --run-path")
+    _check_nproc_per_node(options.nproc_per_node)
     if not 0 < options.preempted_exit_code < 256:
         raise ValueError(f"--preempted-exit-code must be in 1..255, got {options.preempted_exit_code}")
     providers_for(options.preemption_notices)  # a bad name is bad input
@@ -144,6 +145,27 @@ def _torchrun_arguments(argv: Sequence[str]) -> argparse.Namespace:
     if options.shutdown_timeout < 1:
         raise ValueError(f"--shutdown-timeout must be >= 1 s (the workers' grace), got {options.shutdown_timeout}")
     return options
+
+
+def _check_nproc_per_node(value: str) -> None:
+    """A count of workers, or a device kind torchrun counts; torchrun fails on others with a traceback, not a line.
+
+    Raises:
+        ValueError: naming the option and what it takes.
+
+    """
+    import torch
+
+    kinds = ["auto", "cpu", "gpu", "xpu"]
+    if value in kinds or (value.isdigit() and int(value) >= 1):
+        return
+    accelerator = torch.accelerator.current_accelerator()  # torchrun also takes a plug-in device's name (npu, ...)
+    if accelerator is not None and value == accelerator.type:
+        return
+    raise ValueError(
+        f"--nproc-per-node must be a number of workers >= 1, or one of {', '.join(kinds)}; got {value!r} "
+        "(e.g. --nproc-per-node=2)"
+    )
 
 
 def _worker_environment(options: argparse.Namespace, reports: str) -> None:

@@ -11,18 +11,32 @@ from typing import Any
 import torch
 import yaml
 
+from lightning_mlopt.cli.bad_input import check_config_files
+from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.planning.memory import PipelineShare, format_table, parse_count, parse_size, plan_memory
 from lightning_mlopt.planning.probe import instantiate, measure_activations, optimizer_kind
+from lightning_mlopt.strategies import resolve_strategy
 from lightning_mlopt.strategies.tp_plan import ResolvedPlan
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
 
 
 def _merged_config(paths: Sequence[str]) -> dict[str, Any]:
+    """The config files merged in order, each checked as ``fit`` checks it (a file, valid YAML, a mapping).
+
+    Raises:
+        BadInputError: a file is missing or not a YAML mapping, or ``trainer.strategy`` names no strategy.
+
+    """
+    check_config_files(paths)
     merged: dict[str, Any] = {}
     for path in paths:
-        if not Path(path).is_file():
-            raise ValueError(f"config file not found: {path}")
-        merged = _merge(merged, yaml.safe_load(Path(path).read_text()) or {})
+        merged = _merge(merged, yaml.safe_load(Path(path).read_text()))
+    strategy = (merged.get("trainer") or {}).get("strategy")
+    if isinstance(strategy, str):  # a name the plan would otherwise ignore, and `fit` refuse
+        try:
+            resolve_strategy(strategy)
+        except ValueError as error:
+            raise BadInputError(f"trainer.strategy: {error}") from None
     return merged
 
 

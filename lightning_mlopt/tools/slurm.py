@@ -25,7 +25,7 @@ from lightning_mlopt.cli.bad_input import config_paths
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.run_dir import SBATCH_NAME, resolve_run_dir
-from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments, without_options
+from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, check_output, fit_arguments, without_options
 from lightning_mlopt.tools.slurm_script import SlurmJob, sbatch_script  # the script itself
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
@@ -232,8 +232,14 @@ def requeue_exit_code(config: dict[str, Any]) -> int:
     return int(configured(config.get("checkpoint"), "preemption.exit_code", exit_codes.REQUEUE))
 
 
-def write_script(path: Path, text: str) -> None:
-    """Write an executable script, creating its folder."""
+def write_script(path: Path, text: str, option: str = "--output") -> None:
+    """Write an executable script, creating its folder; never over a folder or a file that no tool wrote.
+
+    Raises:
+        BadInputError: ``path`` is a folder, or a file of the user's (``option`` chose the path, for the fix).
+
+    """
+    check_output(path, option, SBATCH_NAME)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.chmod(0o755)
@@ -261,18 +267,19 @@ def main(argv: Sequence[str]) -> int:
         check_slurm_flags(options)  # the flags alone first: cheap, before parsing the config
         config = check_arguments(fit_args).as_dict()
         job = slurm_job(options, config.get("trainer") or {}, stems)
+        trainer = config.get("trainer") or {}
+        resolved = {**config, "trainer": {**trainer, "num_nodes": job.nodes, "devices": job.tasks_per_node}}
+        run_dir = resolve_run_dir(resolved, config_paths(fit_args)).resolve()
+        target = Path(options.output) if options.output else run_dir / SBATCH_NAME
+        check_output(target, "--output", SBATCH_NAME)  # before the run directory is made
     except BadInputError as error:
         return bad_input(error)
-    trainer = config.get("trainer") or {}
-    resolved = {**config, "trainer": {**trainer, "num_nodes": job.nodes, "devices": job.tasks_per_node}}
-    run_dir = resolve_run_dir(resolved, config_paths(fit_args)).resolve()
     command = job.command(
         "fit",
         *without_options(fit_args, ["--run_dir"]),  # the script names it explicitly
         *job.trainer_arguments(),
         f"--run_dir={run_dir}",
     )
-    target = Path(options.output) if options.output else run_dir / SBATCH_NAME
     run_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens the --output file there before the job starts
     script = sbatch_script(command, run_dir, job, requeue_exit_code=requeue_exit_code(config), script_path=target)
     write_script(target, script)

@@ -17,6 +17,7 @@ from lightning_mlopt.cli.commands import command_line
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.process.grace import GRACE_ENV
 from lightning_mlopt.run_dir import SBATCH_NAME
+from lightning_mlopt.tools._preamble import WRITTEN_BY
 
 SLURM_KILL_WAIT_S = 30  # slurm.conf KillWait's default: SIGTERM to SIGKILL when a job is cancelled or preempted
 
@@ -121,7 +122,7 @@ def sbatch_script(
     written_by = " (the one that wrote this script)" if job.python == sys.executable else ""
     lines = [
         "#!/bin/bash",
-        "# Written by lightning_mlopt; submit with: sbatch " + shlex.quote(str(where)),
+        f"{WRITTEN_BY}; submit with: sbatch {shlex.quote(str(where))}",  # a rerun may replace this file
         *[f"#SBATCH {directive}" for directive in directives],
         "",
         "# Where it runs: the job changes to this folder and starts this interpreter, by these paths, on the",

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from lightning_mlopt.checkpoint import CheckpointStore
+from lightning_mlopt.tools._preamble import WRITTEN_BY
 from lightning_mlopt.tools.k8s_manifests import (
     PYTORCHJOB_PREEMPTED_EXIT,
     QUEUE_LABEL,
@@ -277,7 +278,8 @@ def test_the_tool_writes_a_valid_manifest_from_the_same_yaml(tmp_path, monkeypat
 )
 def test_bad_arguments_exit_2_with_a_short_message_and_write_nothing(tmp_path, monkeypatch, args, says):
     output = tmp_path / "manifest.yaml"
-    output.write_text("kept\n")
+    kept = f"{WRITTEN_BY}; a manifest of an earlier run, which bad input must not replace\n"
+    output.write_text(kept)
     code, out, err = _k8s(
         tmp_path,
         monkeypatch,
@@ -290,7 +292,7 @@ def test_bad_arguments_exit_2_with_a_short_message_and_write_nothing(tmp_path, m
     )
     assert code == 2, err
     assert says in err and err.startswith("error: ") and len(err.strip().splitlines()) <= 2, err
-    assert output.read_text() == "kept\n" and out == ""
+    assert output.read_text() == kept and out == ""
 
 
 # ---------------------------------------------------------------------- the container's command as PID 1

@@ -81,6 +81,12 @@ def load_sweep(path: str | Path) -> SweepSpec:
             raise BadInputError(f"{where}: parameters.{key}: write nested keys dotted (model.init_args.lr)")
         if not isinstance(spec, dict) or not ({"value", "values", "distribution", "min"} & spec.keys()):
             raise BadInputError(f"{where}: parameters.{key} needs value, values, or a distribution with min/max")
+        if "values" in spec and (not isinstance(spec["values"], list) or not spec["values"]):
+            # An empty grid axis makes zero trials, and random search has nothing to draw from.
+            raise BadInputError(
+                f"{where}: parameters.{key}.values must be a non-empty list, got {spec['values']!r}; "
+                "give at least one, e.g. values: [0.001, 0.01] (or value: 0.01 to hold it fixed)"
+            )
     run_cap = raw.get("run_cap")
     if run_cap is not None and (not isinstance(run_cap, int) or run_cap < 1):
         raise BadInputError(f"{where}: run_cap must be a positive integer; got {run_cap!r}")

@@ -139,6 +139,11 @@ def main(argv: Sequence[str]) -> int:
         # Every rank of an array task runs this check too: it is cheap, and a bad argument stops all of them.
         check_trials(base_args, spec, trials)
         sweep_dir = Path(options.sweep_dir) if options.sweep_dir else _default_sweep_dir(options.sweep, base_args, spec)
+        if options.results and not sweep_dir.is_dir():
+            raise BadInputError(
+                f"--results: no sweep folder {sweep_dir}; give --sweep_dir the folder the sweep ran in (its start "
+                "line named it), with the same --config and --sweep"
+            )
         # The array's script is made (its flags checked against the config) before anything runs.
         script = slurm_array(argv, options, base_args, trials, sweep_dir) if options.slurm else None
         status = _check_metric(options, base_args, spec, trials or [{}], sweep_dir)
@@ -156,7 +161,7 @@ def main(argv: Sequence[str]) -> int:
         if script is not None:
             path, text = script
             sweep_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens the --output files there before a task
-            write_script(path, text)
+            write_script(path, text, option="--sweep_dir")
             print(f"Wrote {path}: a job array of {len(trials)} trials. Submit with: sbatch {path}")
             print(f"Results so far: python -m lightning_mlopt sweep <same arguments> --sweep_dir={sweep_dir} --results")
             return 0
