@@ -16,8 +16,8 @@ its workers, gets a stream of its own from (seed, epoch); evaluation loaders get
 training step draws from. Creating an iterator then draws nothing from the global RNG at all.
 
 What cannot be made exact this way is said, one line per loader (:func:`exactness_notes`): an iterable-style
-dataset with no ``state_dict``, a sampler whose order depends on hidden state, workers that keep their random
-state across epochs.
+dataset with no ``state_dict``, a sampler whose order depends on hidden state, samples that draw from a global
+random generator as they load (augmentation), workers that keep their random state across epochs.
 
 Example::
 
@@ -124,6 +124,15 @@ def exactness_notes(loaders: Iterable[Any]) -> list[str]:
                     "does not hold; give it set_epoch(epoch) and draw from (seed, epoch), as DistributedSampler "
                     "does, or use torchdata's StatefulDataLoader"
                 )
+        # With workers the sample is not read here: a dataset that opens its files lazily, in each worker (h5py),
+        # must not have them opened in the main process before the workers fork.
+        if loader.num_workers == 0 and _draws_random_numbers(loader):
+            notes.append(
+                f"{name} loads samples that draw from a global random generator (torch's, Python's or NumPy's: "
+                "augmentation, masking), whose draws after a mid-epoch resume differ from the uninterrupted run's "
+                "(the same distribution, not the same bits); drawing each sample's randomness from a generator "
+                "seeded with (seed, epoch, index) makes it exact"
+            )
         if loader.num_workers > 0 and loader.persistent_workers:
             notes.append(
                 f"{name} keeps its {loader.num_workers} workers across epochs (persistent_workers), and their "
@@ -163,6 +172,33 @@ def _samplers(loader: DataLoader) -> list[Any]:
     if inner is not None and inner is not loader.sampler:
         found.append(inner)
     return found
+
+
+def _draws_random_numbers(loader: DataLoader) -> bool:
+    """Whether loading and collating the dataset's first sample moves a global RNG (every RNG is put back).
+
+    The batches after a resume would draw from another point of that generator's stream. One sample is read
+    to find out, in the process that loads them (``num_workers=0``).
+    """
+    from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
+
+    before = capture_rng_state()
+    try:
+        loader.collate_fn([loader.dataset[next(iter(range(len(loader.dataset))))]])  # type: ignore[arg-type]
+    except Exception:  # an empty dataset, or one that loads otherwise: nothing can be told
+        return False
+    finally:
+        after = capture_rng_state()
+        restore_rng_state(before)
+    return not (
+        torch.equal(before["torch"], after["torch"])
+        and before["python"] == after["python"]
+        and all(_same(a, b) for a, b in zip(before["numpy"], after["numpy"], strict=True))
+    )
+
+
+def _same(first: Any, second: Any) -> bool:
+    return bool((first == second).all()) if hasattr(first, "all") else first == second
 
 
 def _restores_itself(obj: Any) -> bool:

@@ -127,6 +127,20 @@ class _EpochOrder(_HiddenOrder):
         self.epoch = epoch
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """Noise added to each sample: from the global RNG, or (``seeded``) from the sample's own generator."""
+
+    def __init__(self, seeded: bool = False) -> None:
+        self.seeded = seeded
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(index) if self.seeded else None
+        return torch.full((4,), float(index)) + torch.randn(4, generator=generator)
+
+
 def test_loaders_that_cannot_resume_exactly_are_named_with_the_remedy():
     data = list(range(10))
     exact = [
@@ -146,6 +160,11 @@ def test_loaders_that_cannot_resume_exactly_are_named_with_the_remedy():
     assert "over _Stream" in stream and "StatefulDataLoader" in stream
     assert "_HiddenOrder" in hidden and "set_epoch" in hidden
     assert "persistent_workers: false makes it exact" in persistent
+    state = torch.get_rng_state()
+    (augmented,) = exactness_notes([DataLoader(_Augmented(), batch_size=2, shuffle=True)])
+    assert "draw from a global random generator" in augmented and "(seed, epoch, index)" in augmented
+    assert torch.equal(torch.get_rng_state(), state), "finding out draws nothing from the run's RNG"
+    assert exactness_notes([DataLoader(_Augmented(seeded=True), batch_size=2)]) == []
     (plain,) = exactness_notes([[torch.zeros(2)] * 3])
     assert "is not a DataLoader" in plain
 
