@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
 from lightning_mlopt.checkpoint.resume import (
@@ -60,6 +60,8 @@ class Resumption:
         self.events = events
         self.stays_final = False  # resumed from a finished run that stays finished
         self._preloaded_path: str | None = None
+        self._store: CheckpointStore | None = None
+        self._remote: RemoteCheckpoints | None = None
         self._pending_rng: dict[str, Any] | None = None
         # The loaded checkpoint's data position (FaultTolerantCheckpoint.on_load_checkpoint sets it).
         self.saved_position: dict[str, Any] | None = None
@@ -78,6 +80,7 @@ class Resumption:
         saver: CheckpointSaver,
     ) -> None:
         """Collective: rank zero chooses the checkpoint to resume from; every rank gets its choice or refusal."""
+        self._store, self._remote = store, remote
         choice = None
         if self.settings.auto and trainer.is_global_zero:
             try:
@@ -124,7 +127,10 @@ class Resumption:
         explicit = trainer.ckpt_path
         if self.resumed_from is not None and explicit and str(explicit) != self._preloaded_path:
             rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
-            self.events.resumed_from = None
+            # The run trains from the explicit checkpoint: a finished auto-choice no longer holds its final save.
+            self.events.resumed_from, self.stays_final = None, False
+        if explicit and str(explicit) != self._preloaded_path and trainer.is_global_zero:
+            self._set_aside_rolled_back(Path(str(explicit)).parent)
         if self.resumed_from is not None and self.stays_final:
             return False
         rng_state = None
@@ -136,6 +142,25 @@ class Resumption:
         resumed = self.resumed_from is not None or bool(explicit)
         self._pending_rng = position_in_epoch(trainer, rng_state, resumed, self.saved_position)
         return True
+
+    def _set_aside_rolled_back(self, folder: Path) -> None:
+        """Rank zero, before any save: a restart from an older step folder of this run moves the newer ones aside."""
+        step = self._store.step_of(folder) if self._store is not None else None
+        if step is None or self._store is None:
+            return
+        moved = self._store.set_aside_newer_than(step)
+        if moved:
+            rank_zero_info(
+                f"Rolled back to step {step}: the {len(moved)} newer checkpoints of this run were moved to "
+                f"{moved[0].parent}, so auto-resume and retention see only this branch."
+            )
+        newer_remote = [each for each in (self._remote.committed() if self._remote else []) if each > step]
+        if newer_remote:
+            rank_zero_warn(
+                f"Rolled back to step {step}, but {self._remote.url if self._remote else ''} still holds newer "
+                f"checkpoints of this run (steps {', '.join(map(str, newer_remote))}): until this branch saves past "
+                "them, an auto-resume from the store would take them. Move them away in the store."
+            )
 
     def restore_rng_once(self) -> None:
         """The first batch: every RNG where the uninterrupted run had it (after Lightning's own restore)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from lightning_mlopt.checkpoint.manifest import (
 from lightning_mlopt.exceptions import CheckpointInvalidError
 
 LATEST_NAME = "latest"
+ROLLED_BACK_DIR = "rolled_back"  # rolled_back/<time>/step-N: a branch a restart from an older checkpoint left
 STATE_NAME = "state.ckpt"  # what the strategy writes: a file (DDP) or a folder of shards (FSDP, DeepSpeed)
 _COMMITTED = re.compile(r"^step-(\d{9})$")
 _STAGING_PREFIX = ".staging-"
@@ -140,6 +142,30 @@ class CheckpointStore:
         for listener in self._commit_listeners:
             listener(manifest, target)
         return target
+
+    def step_of(self, folder: Path) -> int | None:
+        """The step of ``folder`` when it is one of this store's committed folders, else None."""
+        found = _COMMITTED.match(folder.name)
+        return int(found.group(1)) if found and folder.parent.resolve() == self.root.resolve() else None
+
+    def set_aside_newer_than(self, step: int) -> list[Path]:
+        """Move committed checkpoints newer than ``step`` into ``rolled_back/<time>/``; return where they went.
+
+        A run restarted from an older checkpoint of its own (an explicit ``ckpt_path``: a rollback past a loss
+        spike) would otherwise leave the abandoned branch's checkpoints in place: the next auto-resume would take
+        the newest of them, and retention would count them among the last K and delete the new branch's. They
+        are moved, never deleted; ``latest`` names ``step``'s folder.
+        """
+        newer = [path for found, path in self.committed() if found > step]
+        if not newer:
+            return []
+        folder = self.root / ROLLED_BACK_DIR / time.strftime("%Y%m%d-%H%M%S")
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in newer:
+            os.replace(path, folder / path.name)
+        fsync_directory(self.root)
+        write_atomically(self.root / LATEST_NAME, self.name_for(step) + "\n")
+        return [folder / path.name for path in newer]
 
     def discard(self, staging: Path) -> None:
         """Remove a staging folder whose save failed or was abandoned."""

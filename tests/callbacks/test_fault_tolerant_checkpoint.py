@@ -508,3 +508,21 @@ def test_a_background_save_that_cannot_finish_in_the_grace_is_abandoned_and_neve
     assert done.returncode == 75, done.stderr[-3000:]
     assert [step for step, _ in CheckpointStore(tmp_path / "run" / "checkpoints").committed()] == [2]
     assert "step-000000002 (step 2; 3 step(s) redone)" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_restart_from_an_older_checkpoint_sets_the_abandoned_branch_aside(tmp_path, monkeypatch, caplog):
+    """A rollback past a loss spike: a later crash must resume this branch, and retention must keep its saves."""
+    monkeypatch.chdir(tmp_path)
+    _quickstart(tmp_path, "--trainer.max_steps=8", "--checkpoint.keep.last=2")  # keeps steps 6 and 8
+    checkpoints = tmp_path / "run" / "checkpoints"
+    store = CheckpointStore(checkpoints)
+    assert [step for step, _ in store.committed()] == [6, 8]
+    # From step 6, to step 7 (as if the new branch crashed there). Auto-resume chose the finished step 8 first:
+    # the explicit checkpoint wins, and its run is saved at its end all the same.
+    _quickstart(tmp_path, f"--ckpt_path={checkpoints / 'step-000000006'}", "--trainer.max_steps=7")
+    assert [step for step, _ in store.committed()] == [6, 7], "step 8 of the abandoned branch is out of the way"
+    (rolled_back,) = (checkpoints / "rolled_back").iterdir()
+    assert [p.name for p in rolled_back.iterdir()] == ["step-000000008"] and verify(rolled_back / "step-000000008")
+    assert "Rolled back to step 6: the 1 newer checkpoints of this run were moved to" in caplog.text
+    assert store.newest_valid().step == 7 and store.latest_name() == "step-000000007"
