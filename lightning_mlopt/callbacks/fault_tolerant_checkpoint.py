@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt._compat import callback_state_key
@@ -103,6 +104,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         self._restored_last_saved: Path | None = None
         self._last_save_step = -1
         self._training_started = False
+        self._mid_update = False  # between the optimizer step's start and the batch's end
         self._state_key: tuple[tuple[Any, ...], str] | None = None  # (the settings it was made from, the key)
 
     @property
@@ -210,7 +212,12 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
                     self._vote.stop(trainer)
 
     @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._mid_update = True  # an exception from here to the batch's end may leave the parameters half-updated
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._mid_update = False
         # All of it, the per-step vote included, is what fault tolerance costs: a step's checkpoint time.
         with phase("checkpoint"):
             self._at_step_boundary(trainer)
@@ -258,8 +265,16 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
             if self.saver is not None:  # every rank raised it at the same step boundary: the save may be collective
                 self.saver.save_for_stop(trainer, exception, self._training_started)
             return
-        # An error while setting up or resuming, or right after a save, leaves nothing new worth saving.
+        # An error while setting up or resuming, or right after a save, leaves nothing new worth saving; one inside
+        # the optimizer step (out of memory for its state, a scheduler's error) may leave some parameters updated
+        # and others not, which a resume would silently train on: the newest clean checkpoint is the one to resume.
         if self.save_on.exception and self._training_started and trainer.global_step != self._last_save_step:
+            if self._mid_update:
+                rank_zero_warn(
+                    "No checkpoint after the exception: it came inside the optimizer step, which may have "
+                    "updated some parameters and not others; the newest checkpoint is the one to resume."
+                )
+                return
             assert self.saver is not None  # made at setup
             self.saver.save_after_exception(trainer, exception)  # rank zero alone: no collective may run
 

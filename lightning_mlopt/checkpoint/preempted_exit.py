@@ -24,6 +24,7 @@ from lightning_mlopt._compat import log_this_steps_metrics
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.checkpoint.settings import Preemption
 from lightning_mlopt.checkpoint.step_vote import Agreed
+from lightning_mlopt.exceptions import CheckpointWriteError
 from lightning_mlopt.process import launch_report
 from lightning_mlopt.process.grace import ANY_SIGNAL, SaveBudget, graces_from_environment, safety_margin_s
 from lightning_mlopt.process.signals import preemption
@@ -75,7 +76,17 @@ class PreemptedExit:
         # This batch's row goes to the loggers before the save: the run ends in this hook, where Lightning's loop
         # would log it next, and the checkpoint releases it to loggers that hold rows until one commits.
         log_this_steps_metrics(trainer)
-        saved = save()
+        try:
+            saved = save()
+        except CheckpointWriteError as error:  # every rank agreed on it
+            # The node is going away anyway: requeued, the job resumes from its newest commit. A disk that stays
+            # full stops the relaunch at its start-up probe instead (74), with nothing more lost.
+            step, path = self._newest_committed(trainer)
+            rank_zero_warn(
+                f"Preemption: the save of step {trainer.global_step} failed ({error}); a relaunch resumes from "
+                f"{path or 'the start'} (step {step}). Exiting with status {self.settings.exit_code}."
+            )
+            self.exit(trainer, path, resume_step=step)
         step = trainer.global_step
         rank_zero_warn(f"Preemption signal: saved step {step}; exiting with status {self.settings.exit_code}.")
         self.exit(trainer, saved, resume_step=step)
@@ -87,8 +98,7 @@ class PreemptedExit:
             self.saver.finish_in_flight_within(trainer, budget.seconds_left)
         else:
             self.saver.abandon_in_flight()
-        committed = self.saver.store.committed() if trainer.is_global_zero else []
-        step, path = committed[-1] if committed else (0, None)
+        step, path = self._newest_committed(trainer)
         redo = trainer.global_step - step
         resumes = (
             f"a relaunch resumes from {path} (step {step}; {redo} step(s) redone)"
@@ -101,6 +111,11 @@ class PreemptedExit:
             f"{resumes}. Exiting with status {self.settings.exit_code}."
         )
         self.exit(trainer, path, resume_step=step)
+
+    def _newest_committed(self, trainer: Any) -> tuple[int, Path | None]:
+        """Rank zero: the step and folder a relaunch resumes from ((0, None): none); other ranks: (0, None)."""
+        committed = self.saver.store.committed() if trainer.is_global_zero else []
+        return committed[-1] if committed else (0, None)
 
     def exit(self, trainer: Any, resume_from: Path | None, resume_step: int) -> NoReturn:
         """End this rank with the preemption status, telling ``launch`` what a relaunch resumes from.

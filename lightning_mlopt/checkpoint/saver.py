@@ -204,6 +204,8 @@ class CheckpointSaver:
         """
         if self.strategy.checkpoint_layout != ONE_FILE or not trainer.is_global_zero:
             return
+        if trainer.world_size > 1 and any(hasattr(each, "consolidate_state_dict") for each in trainer.optimizers):
+            return  # a ZeroRedundancyOptimizer's state is gathered from every rank: rank zero alone would hang
         try:
             self._writer.wait()
             staging = self.store.stage(trainer.global_step)

@@ -11,9 +11,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from lightning_mlopt.callbacks import CheckpointWriteError, FaultTolerantCheckpoint, Preemption, Resume
 from lightning_mlopt.checkpoint import CheckpointStore, verify
@@ -526,3 +528,83 @@ def test_a_restart_from_an_older_checkpoint_sets_the_abandoned_branch_aside(tmp_
     assert [p.name for p in rolled_back.iterdir()] == ["step-000000008"] and verify(rolled_back / "step-000000008")
     assert "Rolled back to step 6: the 1 newer checkpoints of this run were moved to" in caplog.text
     assert store.newest_valid().step == 7 and store.latest_name() == "step-000000007"
+
+
+class _FailsAt(torch.optim.SGD):
+    """SGD that updates the first parameter of step ``fails_at``, then raises (as an out-of-memory for its state)."""
+
+    fails_at = 3
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        self.steps = getattr(self, "steps", 0) + 1
+        group = self.param_groups[0]
+        for index, parameter in enumerate(group["params"]):
+            if self.steps == self.fails_at and index == 1:
+                raise RuntimeError("out of memory (in the optimizer step)")
+            parameter.data.add_(parameter.grad, alpha=-group["lr"])
+        return loss
+
+
+@pytest.mark.parametrize("raised_in", ["training_step", "optimizer step"])
+def test_an_exception_inside_the_optimizer_step_saves_no_half_updated_state(tmp_path, raised_in):
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Model(BoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if raised_in == "training_step" and batch_idx == 2:
+                raise RuntimeError("out of memory (in the forward pass)")
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self) -> Any:
+            return (
+                _FailsAt(self.parameters(), lr=0.1) if raised_in == "optimizer step" else super().configure_optimizers()
+            )
+
+    callback = FaultTolerantCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_steps=100, async_save=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[callback],
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.fit(Model())
+    committed = CheckpointStore(tmp_path / "ckpt").committed()
+    if raised_in == "training_step":  # before any update of step 3: the state of step 2 is whole
+        assert [step for step, _ in committed] == [2] and verify(committed[0][1]).reason == "exception"
+    else:
+        assert committed == [], "the weight was updated for step 3, the bias not: no checkpoint of that"
+
+
+class _FillTheDiskThenSigterm(Callback):
+    """At step 3's end: another job fills the checkpoint disk, then the scheduler sends SIGTERM."""
+
+    def __init__(self, disk: Path) -> None:
+        self.disk = disk
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == 3:
+            with contextlib.suppress(OSError), (self.disk / "filler").open("wb", buffering=0) as handle:
+                while True:
+                    handle.write(b"\0" * 2**16)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_preemption_whose_save_fails_still_exits_for_a_requeue_from_the_last_commit(tmp_path, tmpfs, recwarn):
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    disk = tmpfs("disk", size="2m")
+    callback = FaultTolerantCheckpoint(dirpath=str(disk / "ckpt"), every_n_steps=2, async_save=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[_FillTheDiskThenSigterm(disk), callback],
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.fit(BoringModel())
+    assert exit_info.value.code == 75, "requeued: the node was going away, and step 2 is committed"
+    said = [str(w.message) for w in recwarn if "Preemption" in str(w.message)]
+    assert len(said) == 1 and "the save of step 3 failed (" in said[0] and "No space left on device" in said[0]
+    assert f"a relaunch resumes from {disk / 'ckpt' / 'step-000000002'} (step 2)" in said[0]
+    assert [step for step, _ in CheckpointStore(disk / "ckpt").committed()] == [2]
