@@ -355,3 +355,26 @@ def test_a_relaunch_whose_checkpoint_does_not_fit_the_model_stops_in_one_line_an
     assert "net.stem.0.weight: saved [16, 1, 3, 3], model [8, 1, 3, 3]" in message
     assert (run / "config.yaml").read_bytes() == saved and not (run / "earlier_configs").exists()
     assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-000000002"]
+
+
+def test_a_class_argument_of_the_wrong_type_is_named_in_full_with_where_it_was_set(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--model.init_args.lr=abc")
+    assert message.startswith("error: model.init_args.lr (set on the command line):"), message
+    assert "expected float" in message and "NestedArg" not in message
+    name = _write(tmp_path, "lr.yaml", "model:\n  init_args:\n    lr: abc\n")
+    assert "error: model.init_args.lr (set in lr.yaml):" in _fails(tmp_path, monkeypatch, capsys, "--config", name)
+
+
+def test_a_negative_startup_timeout_is_refused_not_taken_for_no_limit(tmp_path, monkeypatch, capsys):
+    message = _fails(tmp_path, monkeypatch, capsys, "--startup_timeout=-1")
+    assert "startup_timeout (set on the command line)" in message and "expected a number >=0" in message
+
+
+def test_a_mistyped_subcommand_names_the_one_meant_and_every_tool(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fti", "--config", str(CONFIGS / "quickstart.yaml")])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert message.startswith("error: unknown subcommand 'fti' (did you mean fit?); subcommands: fit, validate")
+    assert "checkpoint" in message and "sweep" in message and list(tmp_path.iterdir()) == []

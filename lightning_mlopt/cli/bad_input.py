@@ -41,6 +41,7 @@ _NOISE = re.compile(
 _CLASS = re.compile(r"<class '([\w.]+)'>")
 _UNKNOWN = re.compile(r"(?:does not accept option|unrecognized arguments:)\s+'?-*([\w.]+)")
 _NOT_ACCEPTED = re.compile(r"Option '(\w+)' is not accepted")
+_RESTRICTION = re.compile(r"Not of type \w+: does not conform to restriction v\s*(.+)")  # NonNegativeFloat, ...
 _BAD_CLASS = re.compile(r"Problem with given class_path '([\w.]+)'")
 _RENAMED_LINE = re.compile(r"\bis now \S+ \(renamed in 0\.2; see CHANGELOG\.md\)")
 _WHERE = re.compile(r" \(set (?:in [^)]*|on the command line)\)")
@@ -127,7 +128,7 @@ def explain_parser_error(
     known = list(known_keys)
     kept = [line for line in message.splitlines() if line.strip() and not _NOISE.match(line)]
     lines = [_CLASS.sub(r"\1", line).replace("Expected a ", "expected ") for line in kept]
-    lines = [_shorten_value(line) for line in lines]
+    lines = [_RESTRICTION.sub(r"expected a number \1", _shorten_value(line)) for line in lines]
     if len(lines) == 1:
         lines = [lines[0].strip().removeprefix("- ")]
     unknown = _UNKNOWN.search(message)
@@ -141,6 +142,11 @@ def explain_parser_error(
     else:
         key_match = re.match(r'Parser key "([\w.]+)"', lines[0]) if lines else None
         key = key_match.group(1) if key_match else ""
+        nested = [found.group(1) for line in lines[1:] if (found := re.match(r"\s*- (\w+):\s*$", line))]
+        if key and "." not in key and len(set(nested)) == 1:  # a class's init argument: name it, and where it is set
+            lines = [line for line in lines[1:] if not re.match(r"\s*(- \w+:\s*$|got: NestedArg\()", line)]
+            key = f"{key}.init_args.{nested[0]}"
+            lines.insert(0, "")
         if key:
             lines[0] = f"{key}{_where(key, argv)}:"
         section = key.split(".")[0]

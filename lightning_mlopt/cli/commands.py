@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -47,6 +48,27 @@ def tools_help(below: bool = False) -> str:
     lines = [f"Trainer runs: {', '.join(TRAINER_RUNS)}{' (below)' if below else ''}. Tools, each with its own --help:"]
     lines += [f"  {name:<11} {summary}" for name, (_, summary) in TOOLS.items()]
     return "\n".join(lines) + "\n"
+
+
+def refuse_unknown_subcommand(name: str) -> None:
+    """Raise BadInputError for a mistyped subcommand, naming the one likely meant and all of them.
+
+    Example::
+
+        >>> refuse_unknown_subcommand("fit")
+        >>> refuse_unknown_subcommand("fti")
+        Traceback (most recent call last):
+        ...
+        lightning_mlopt.exceptions.BadInputError: unknown subcommand 'fti' (did you mean fit?); ...
+    """
+    from lightning_mlopt.exceptions import BadInputError
+
+    known = [*TRAINER_RUNS, *TOOLS]
+    if name in known or name.startswith("-"):
+        return
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise BadInputError(f"unknown subcommand {name!r}{hint}; subcommands: {', '.join(known)}")
 
 
 def run_tool(name: str, argv: Sequence[str]) -> int:

@@ -1,10 +1,9 @@
 """``python -m lightning_mlopt fit|validate|test|predict --config FILE [--config OVERLAY ...]``.
 
-A LightningCLI subclass that adds to Lightning's: our strategies by short name (``trainer.strategy: zero2``)
-and a planner-backed ``strategy: auto``; a run directory that is stable across relaunches of the same
-command (the resolved config is written there); FaultTolerantCheckpoint on by default (``checkpoint:``), so
-a relaunch resumes; and bad input that ends in a short message and exit status 2 instead of a page of usage
-text, before anything is written. Tools (``plan``, ``checkpoint``, ...) never reach it: see ``commands.py``.
+A LightningCLI subclass that adds to Lightning's: our strategies by short name (``trainer.strategy: zero2``) and a
+planner-backed ``strategy: auto``; a run directory that is stable across relaunches of the same command (the
+resolved config is written there); FaultTolerantCheckpoint on by default (``checkpoint:``), so a relaunch resumes;
+and bad input that ends in a short message and exit 2, before anything is written. Tools: see ``commands.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jsonargparse import Namespace, set_parsing_settings
+from jsonargparse.typing import NonNegativeFloat
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
@@ -35,7 +35,7 @@ from lightning_mlopt.callbacks import (
 )
 from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error
 from lightning_mlopt.cli.ckpt_path import read_by_lightning, resolve_ckpt_path
-from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, tools_help
+from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, refuse_unknown_subcommand, tools_help
 from lightning_mlopt.cli.quiet import silence_known_noise
 from lightning_mlopt.cli.renamed_keys import RENAMED
 from lightning_mlopt.cli.support import (
@@ -131,7 +131,7 @@ class MLOptCLI(LightningCLI):
         parser.add_class_arguments(PreemptionNotices, "preemption")
         parser.add_argument(
             "--startup_timeout",
-            type=float | None,
+            type=NonNegativeFloat | None,
             default=DEFAULT_STARTUP_TIMEOUT_S,
             help=(
                 "Seconds a run may take from launch to its first batch (rendezvous, DeepSpeed op builds, resume) "
@@ -371,6 +371,7 @@ def main(args: Sequence[str] | None = None) -> None:
         print(tools_help(below=True))
     silence_known_noise()
     try:
+        refuse_unknown_subcommand(argv[0])
         check_config_files(config_paths(argv))
         _Parser.argv = argv
         if argv[0] in TRAINER_RUNS and any(arg.split("=")[0] == "--print_config" for arg in argv):
