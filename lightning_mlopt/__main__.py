@@ -23,7 +23,9 @@ def run() -> None:
         from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, startup_guard
 
         if subcommand == "fit":
-            preemption.install()
+            from lightning_mlopt.process.grace import graces_from_environment  # stdlib only
+
+            preemption.install(graces=graces_from_environment())  # a signal in start-up: its deadline within them
         startup_guard.arm(DEFAULT_STARTUP_TIMEOUT_S)  # the config's startup_timeout replaces it once parsed
         if "LOCAL_RANK" in os.environ:  # started by a launcher (Lightning's, for ranks 1.., or torchrun)
             startup_guard.watch_parent()

@@ -105,6 +105,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         self._last_save_step = -1
         self._training_started = False
         self._mid_update = False  # between the optimizer step's start and the batch's end
+        self._training_ended = False  # on_train_end ran: the run finished (and saved)
         self._state_key: tuple[tuple[Any, ...], str] | None = None  # (the settings it was made from, the key)
 
     @property
@@ -141,6 +142,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._mid_update = self._training_ended = False  # this Trainer's fit, not an earlier one's
         # Every rank must write to and resume from the same place: rank zero's path decides.
         store = CheckpointStore(Path(trainer.strategy.broadcast(str(self.checkpoint_dir(trainer)))))
         contract = contract_of(trainer.strategy)
@@ -207,6 +209,8 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
                 self.saver.close()
         finally:
             if stage == "fit":
+                if self._training_ended:  # finished and saved: a signal from then on must not turn it into a kill
+                    preemption.acknowledge()
                 preemption.release()
                 if self._vote is not None:
                     self._vote.stop(trainer)
@@ -250,12 +254,20 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         if store_url(self.dirpath) is not None:  # every rank knows: the final checkpoint is in the store before the end
             self.saver.finish_copies(trainer)
         self._tell_loggers(trainer)
+        self._training_ended = True
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # The exception decides how the process ends; a signal received meanwhile must not end it again.
+        # The exception decides how the process ends; a signal received meanwhile must not end it again. The
+        # signals are given back only after the save below: one arriving during it must not kill the rank mid-write.
         preemption.acknowledge()
-        preemption.release()
+        try:
+            self._save_after_exception(trainer, exception)
+        finally:
+            preemption.acknowledge()
+            preemption.release()
+
+    def _save_after_exception(self, trainer: pl.Trainer, exception: BaseException) -> None:
         exiting = self._exit is not None and self._exit.exiting
         if exiting or isinstance(exception, (CheckpointWriteError, KeyboardInterrupt)):
             return

@@ -60,6 +60,7 @@ class PreemptionSignals:
 
     def __init__(self) -> None:
         self._previous: dict[int, Any] = {}  # signal number -> the handler before ours
+        self._given_back: dict[int, Any] = {}  # signal number -> the handler release() gave it back to
         self._received: int | None = None
         self._received_at = 0.0
         self._notice: str | None = None  # what raised the flag when it was not a signal (a cloud notice)
@@ -105,10 +106,12 @@ class PreemptionSignals:
         for number in [n for n in self._previous if n not in wanted]:
             self._give_back(number)
         for number in sorted(wanted - set(self._previous)):
-            self._previous[number] = signal.getsignal(number)
+            previous = signal.getsignal(number)  # ours, where Lightning's teardown put it back after a release
+            self._previous[number] = signal.SIG_DFL if previous == self._on_signal else previous
             signal.signal(number, self._on_signal)
         if self._previous:
             self._start_watcher()
+            self._wake_watcher()  # a signal already received: its deadline may have moved (a grace now known)
         return sorted(self._previous)
 
     def own_for_run(
@@ -128,7 +131,10 @@ class PreemptionSignals:
         the first step boundary.
         """
         names = list(names)
-        if not names or threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
+            return []
+        if not names:  # the config wants none: what the entry point took from its first second goes back
+            self.release()
             return []
         from lightning_mlopt._compat import keep_lightning_off_signals, skip_per_batch_sigterm_broadcast
 
@@ -177,7 +183,11 @@ class PreemptionSignals:
             self._notice = description
             known = grace_for(self.graces, "SIGTERM")
             self.graces["SIGTERM"] = seconds_left if known is None else min(known, seconds_left)
-        if self._pipe is not None:  # wake the watcher: its deadline starts now
+        self._wake_watcher()  # its deadline starts now
+
+    def _wake_watcher(self) -> None:
+        """Make the watcher compute its deadline again (a zero byte: no signal number)."""
+        if self._pipe is not None:
             with contextlib.suppress(OSError):
                 os.write(self._pipe[1], b"\0")
 
@@ -210,6 +220,12 @@ class PreemptionSignals:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a record: anything more could interrupt a collective or a half-written tensor.
+        if signum not in self._previous:
+            # Given back, yet ours again: Lightning's teardown restores the handlers it found at its registration,
+            # ours among them. The signal goes where it was given back to (by default, it ends the process).
+            signal.signal(signum, self._given_back.get(signum, signal.SIG_DFL))
+            os.kill(os.getpid(), signum)
+            return
         self._record(signum)
 
     def _record(self, signum: int) -> None:
@@ -221,7 +237,8 @@ class PreemptionSignals:
 
     def _give_back(self, number: int) -> None:
         previous = self._previous.pop(number)
-        signal.signal(number, previous if previous is not None else signal.SIG_DFL)
+        self._given_back[number] = previous if previous is not None else signal.SIG_DFL
+        signal.signal(number, self._given_back[number])
         if self._received == number and self._pending_redelivery:
             self._received = None
             self._pending_redelivery = False

@@ -67,6 +67,88 @@ def test_a_signal_never_acted_on_is_delivered_again_on_release():
     assert child.returncode == -signal.SIGTERM
 
 
+def test_our_handler_put_back_after_a_release_passes_the_signal_on():
+    # Lightning's teardown restores the handlers it found when it registered its own: ours, given back meanwhile.
+    child = _python(
+        """
+        import os, signal, time
+        from lightning_mlopt.process.signals import PreemptionSignals
+        guard = PreemptionSignals()
+        guard.install(["SIGTERM"], deadline_s=None)
+        captured = signal.getsignal(signal.SIGTERM)
+        guard.release()
+        signal.signal(signal.SIGTERM, captured)  # what Lightning's teardown does
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(3)
+        print("still alive: the signal was swallowed", flush=True)
+        """
+    )
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGTERM, (out, err)
+
+
+def test_a_grace_known_after_the_signal_moves_the_deadline_it_runs_on():
+    # The entry point owns the signals from its first second; a grace read later (the config's) must shorten
+    # the deadline of a signal already received, or the scheduler's kill comes first (137, no requeue).
+    child = _python(
+        """
+        import os, signal, time
+        from lightning_mlopt.process.signals import PreemptionSignals
+        guard = PreemptionSignals()
+        guard.install(["SIGTERM"], deadline_s=120, exit_code=75)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        guard.install(["SIGTERM"], deadline_s=120, exit_code=75, graces={"SIGTERM": 3.0})
+        time.sleep(20)
+        print("still alive", flush=True)
+        """
+    )
+    started = time.monotonic()
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 75, (out, err)
+    assert time.monotonic() - started < 12
+
+
+def test_no_preemption_signals_in_the_config_gives_back_what_the_entry_point_took():
+    guard = PreemptionSignals()
+    try:
+        guard.install(["SIGUSR2"], deadline_s=None)
+        assert guard.own_for_run(None, [], deadline_s=None, exit_code=75, graces=None) == []
+        assert guard.owned() == [] and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    finally:
+        guard.release()
+
+
+def test_a_signal_during_the_final_save_leaves_a_finished_run_finished(tmp_path):
+    # The time limit lands while the last checkpoint is written: the run is saved and done, and ends with 0.
+    child = _python(
+        f"""
+        import os, signal
+        import lightning.pytorch as pl
+        from lightning.pytorch.demos.boring_classes import BoringModel
+        from lightning_mlopt.callbacks import FaultTolerantCheckpoint
+        from lightning_mlopt.process.signals import preemption
+
+        class SignalDuringTheFinalSave(pl.Callback):
+            def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+                if trainer.global_step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        preemption.install()
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, limit_val_batches=0,
+            enable_model_summary=False, default_root_dir={str(tmp_path)!r},
+            callbacks=[SignalDuringTheFinalSave(), FaultTolerantCheckpoint(dirpath={str(tmp_path / "ckpt")!r})],
+        )
+        trainer.fit(BoringModel())
+        print("finished", flush=True)
+        """
+    )
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and "finished" in out, (child.returncode, err[-2000:])
+    assert (tmp_path / "ckpt" / "step-000000003").is_dir()
+
+
 _STUCK_IN_A_COLLECTIVE = """
 import os, sys, time, datetime
 import torch, torch.distributed as dist
