@@ -5,8 +5,9 @@ machine (the system call is where the scheduler takes the CPU from the training 
 step on its own. Here the file is mapped (``MAP_SHARED``) and a line is a copy into the page cache: the kernel
 owns those pages, so a SIGKILL right after the copy loses nothing. Blocks are reserved ahead (1 MiB,
 ``posix_fallocate``) so that a full disk fails at the reservation (an ``OSError``), never as a SIGBUS at a
-store. A launch killed before :meth:`AppendLog.close` leaves NUL padding after its last line: the next
-launch writes over it, and readers ignore it.
+store. A launch killed before :meth:`AppendLog.close` leaves NUL padding after its last line, and a kill in the
+middle of a copy (or a node lost before the page cache reached the disk) a last line cut short: the next launch
+writes over both, and readers ignore them.
 
 Example::
 
@@ -49,7 +50,7 @@ class AppendLog:
         self._map: mmap.mmap | None = None
         self._base = 0  # file offset of the mapping
         try:
-            self._used = _content_length(self._fd)
+            self._used = _whole_lines_length(self._fd)
             self._reserve(0)
         except OSError:
             os.close(self._fd)
@@ -121,13 +122,29 @@ def _content_length(fd: int) -> int:
     return 0
 
 
+def _whole_lines_length(fd: int) -> int:
+    """The length of the content up to its last newline: a line a kill cut short is dropped, not written onto.
+
+    Written onto, it would merge with the next launch's first line into one no reader can parse, ever after.
+    """
+    length = _content_length(fd)
+    end = length
+    while end > 0:
+        start = max(0, end - _TAIL_READ)
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
 def append_line(path: Path, line: str) -> None:
     """Append one line to a file no :class:`AppendLog` holds open (after it closed), and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         with contextlib.suppress(OSError):
-            # After a kill the file may end in padding: write where the content ends, not after the NULs.
-            length = _content_length(fd)
+            # After a kill the file may end in padding, or in a line cut short: write after its last whole line.
+            length = _whole_lines_length(fd)
             if length < os.fstat(fd).st_size:
                 os.ftruncate(fd, length)
         os.write(fd, line.encode())

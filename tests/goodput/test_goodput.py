@@ -17,7 +17,7 @@ import pytest
 from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.checkpoint.manifest import Manifest
 from lightning_mlopt.cli import main
-from lightning_mlopt.goodput.append_log import AppendLog
+from lightning_mlopt.goodput.append_log import AppendLog, append_line
 from lightning_mlopt.goodput.ledger import GoodputLedger, process_start_time
 from lightning_mlopt.goodput.report import KEYS, LedgerError, compute, read_ledger
 from lightning_mlopt.process import launch_report
@@ -140,6 +140,18 @@ def test_a_line_cut_short_by_a_kill_is_left_out_and_a_damaged_line_is_named(tmp_
     ledger.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
     with pytest.raises(LedgerError, match="line 3"):
         read_ledger(ledger)
+
+
+def test_the_next_launch_writes_over_a_line_cut_short_instead_of_onto_it(tmp_path):
+    path = tmp_path / "goodput.jsonl"
+    launch = b'{"event":"launch","time":1.0,"process_start":0.0}\n'
+    path.write_bytes(launch + b'{"event":"step","ti' + b"\0" * 100)  # cut mid-copy, then the padding
+    log = AppendLog(path)
+    log.write(b'{"event":"launch","time":5.0,"process_start":4.0}\n')
+    log.close()
+    assert [event["time"] for event in read_ledger(path)] == [1.0, 5.0]
+    append_line(path, '{"event":"exit","time":6.0}\n')  # after a close: the same rule
+    assert [event["time"] for event in read_ledger(path)] == [1.0, 5.0, 6.0]
 
 
 def test_a_writer_killed_before_closing_leaves_padding_that_the_next_launch_writes_over(tmp_path):
