@@ -56,6 +56,17 @@ def _require(owner: Any, name: str, what: str) -> Any:
         ) from None
 
 
+def loss_scale(trainer: Any) -> Any:
+    """The GradScaler's current scale, a device tensor, under fp16 AMP; None without a scaler (or before it scaled).
+
+    Reach: ``GradScaler._scale``; its public ``get_scale()`` reads it to the host, a device sync every step.
+    """
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return _require(scaler, "_scale", "reading the fp16 loss scale")
+
+
 def keep_lightning_off_signals(trainer: Any, signums: Iterable[int]) -> None:
     """Keep our handlers for ``signums`` when Lightning registers its own in ``Trainer._run``.
 

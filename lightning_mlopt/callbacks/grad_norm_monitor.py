@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mlopt._compat import callback_state_key
+from lightning_mlopt._compat import callback_state_key, loss_scale
 from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.diagnosis import inject
 from lightning_mlopt.diagnosis.module_names import module_group
@@ -128,6 +128,7 @@ class GradNormMonitor(Callback):
         self._rerun_metrics: dict[str, float] = {}  # logged with the step's norms, or at once
         # State that survives resume (with the spike history).
         self.nonfinite_events = 0
+        self.scaler_skipped_steps = 0  # fp16 AMP: updates the GradScaler skipped (non-finite gradients, finite loss)
         self.skipped_steps = 0
         # Per-run structures, built in setup and on_fit_start.
         self._sharding: Sharding = TensorSharding()
@@ -225,8 +226,15 @@ class GradNormMonitor(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._local_loss = loss.detach().float().reshape(1)
-        self._losses.append(self._local_loss)
+        # Backward sees the micro-batch's loss divided by the accumulation (automatic optimization) and, under fp16
+        # AMP, multiplied by the GradScaler's scale: both undone here, on the device (no host read).
+        loss = loss.detach().float().reshape(1)
+        scale = loss_scale(trainer)
+        if scale is not None:
+            loss = loss / scale
+        self._losses.append(loss)  # summed over the step's micro-batches: its mean loss
+        accumulated = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        self._local_loss = loss * accumulated  # the micro-batch's own loss: what a re-run of it computes
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -286,6 +294,10 @@ class GradNormMonitor(Callback):
         grad_sq = values["grad_sq"][0]
         total = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
         loss = values["loss"][0]
+        if not math.isfinite(total) and math.isfinite(loss) and loss_scale(trainer) is not None:
+            # fp16 AMP: the GradScaler skips this update and lowers its scale, as it does in any healthy run.
+            self.scaler_skipped_steps += 1
+            return
         if not math.isfinite(total) or not math.isfinite(loss):
             self.nonfinite_events += 1
             culprits, rerun = self._diagnose(trainer, pl_module, "nonfinite")

@@ -202,3 +202,64 @@ def test_module_grouping_and_validation():
         GradNormMonitor(on_nonfinite="explode")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="spike_window must be >= 2"):
         GradNormMonitor(spike_window=1)
+
+
+class _OneHugeTarget(torch.utils.data.Dataset):
+    """Regression pairs; sample 44's target is far off: a spike that every re-run of its batch reproduces."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.full((4,), index / 64)
+        return x, torch.tensor([1e3 if index == 44 else x.sum().item()])
+
+
+def _regression(precision_plugins: list, accumulate: int, monitor: GradNormMonitor):  # type: ignore[no-untyped-def]
+    import lightning.pytorch as pl
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            return torch.utils.data.DataLoader(_OneHugeTarget(), batch_size=4)
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=64 // 4 // accumulate, accumulate_grad_batches=accumulate, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+        plugins=precision_plugins, callbacks=[monitor],
+    )  # fmt: skip
+    trainer.fit(Regression())
+    return trainer
+
+
+def test_a_reproducible_spike_under_gradient_accumulation_is_not_blamed_on_the_hardware(recwarn):
+    # The spike sits in the step's last micro-batch (batch 11 of 2-batch steps), the one a re-run repeats; the
+    # re-run's loss is the micro-batch's own, which backward saw divided by the accumulation.
+    monitor = GradNormMonitor(spike_min_history=3, on_spike="warn")
+    _regression([], accumulate=2, monitor=monitor)
+    said = [str(w.message) for w in recwarn if "loss spike" in str(w.message)]
+    assert monitor.spike_events >= 1 and said, [str(w.message) for w in recwarn]
+    assert "reproducible" in said[0] and "suspect the hardware" not in said[0], said[0]
+
+
+def test_fp16_amp_overflow_steps_are_the_scalers_and_losses_are_unscaled():
+    # fp16 AMP on CPU (Lightning's MixedPrecision with torch's CPU GradScaler): the scaler starts at 65536 and
+    # overflows in the first steps, skipping them, as on a GPU. The monitor used to stop the run at step 1.
+    from lightning.pytorch.plugins import MixedPrecision
+
+    monitor = GradNormMonitor(spike_min_history=3)
+    trainer = _regression([MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))], 1, monitor)
+    assert trainer.global_step == 16 and monitor.nonfinite_events == 0
+    assert monitor.scaler_skipped_steps >= 1 and float(trainer.precision_plugin.scaler.get_scale()) < 65536
+    assert max(monitor.loss_history) < 1e5, "the losses are the model's, not multiplied by the scale"
