@@ -12,12 +12,13 @@ from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt._compat import wandb_init_kwargs, wandb_requested_id, wandb_run_if_started
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
+from lightning_mlopt.exceptions import first_line
 from lightning_mlopt.hooks import CheckpointUploader, RunTracker
 from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.redaction import redact
@@ -119,12 +120,25 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
             import wandb
 
             run_id = self._choose_run_id()
+            mode = self.resolved_mode()
             wandb_init_kwargs(self).update(
-                mode=self.resolved_mode(),
+                mode=mode,
                 id=run_id,
                 settings=wandb.Settings(disable_git=True),  # we record git ourselves, without credentials
             )
-            run = WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
+            try:
+                run = WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
+            except wandb.errors.Error as error:
+                # Credentials on a shared home, no route to the server from this node: `auto` means a run never
+                # fails for lack of network (an explicit `online` is the user's demand, and fails).
+                if mode != "online" or self.mode != "auto":
+                    raise
+                rank_zero_warn(
+                    f"W&B could not be reached ({first_line(error)}); logging offline instead: "
+                    f"{self._offline_location()}"
+                )
+                wandb_init_kwargs(self)["mode"] = "offline"
+                run = WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
             if self.log_provenance:
                 run.config.update({"lightning_mlopt": run_provenance()}, allow_val_change=True)
             self._open_journal(run)
@@ -244,11 +258,14 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
 
     def describe_location(self) -> str:
         """Where this logger's files go and how to see them, for the CLI's start-up summary."""
-        where = Path(self.save_dir or ".") / "wandb"
         mode = self.resolved_mode()
         if mode == "offline":
-            return f"{where} (offline; upload later with `wandb sync {where}/offline-run-*`)"
-        return f"{where} ({mode})"
+            return self._offline_location()
+        return f"{Path(self.save_dir or '.') / 'wandb'} ({mode})"
+
+    def _offline_location(self) -> str:
+        where = Path(self.save_dir or ".") / "wandb"
+        return f"{where} (offline; upload later with `wandb sync {where}/offline-run-*`)"
 
     def _choose_run_id(self) -> str | None:
         if wandb_requested_id(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -101,6 +102,44 @@ def test_mode_auto_is_offline_without_a_key_and_online_with_one(monkeypatch, tmp
     assert WandbTracker(mode="offline").resolved_mode() == "offline"
     with pytest.raises(ValueError, match="mode must be one of"):
         WandbTracker(mode="cloud")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_auto_with_credentials_but_no_route_to_the_server_logs_offline_instead_of_failing(monkeypatch, tmp_path):
+    # A netrc on a shared home, a compute node without internet: wandb.init gives up after init_timeout.
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = WandbTracker(save_dir=str(tmp_path), project="p")
+    assert tracker.resolved_mode() == "online"
+    with pytest.warns(UserWarning, match=r"W&B could not be reached \(.*\); logging offline instead: .*wandb sync"):
+        run = tracker.experiment
+    try:
+        tracker.log_metrics({"loss": 1.0}, step=0)
+        assert run.settings.mode == "offline" and list((tmp_path / "wandb").glob("offline-run-*"))
+    finally:
+        tracker._finish()
+    import wandb
+
+    explicit = WandbTracker(save_dir=str(tmp_path / "explicit"), project="p", mode="online")
+    try:
+        with pytest.raises(wandb.errors.CommError, match=r"127\.0\.0\.1"):  # asked for online: not ours to soften
+            _ = explicit.experiment
+    finally:
+        # wandb.init started a service for this process and named it in os.environ (WANDB_SERVICE): a later test's
+        # subprocess would join it. Stopped, and forgotten.
+        wandb.teardown()
+        os.environ.pop("WANDB_SERVICE", None)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # free, and nobody listens there once closed
 
 
 def test_the_run_id_comes_from_the_newest_checkpoint_that_records_one(tmp_path):
