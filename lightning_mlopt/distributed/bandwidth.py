@@ -47,7 +47,10 @@ def bus_bandwidth(size_bytes: int, seconds: float, world_size: int) -> tuple[flo
 def probe_all_reduce(
     size_bytes: int, device: torch.device, warmup: int = 2, iterations: int = 5, group: object | None = None
 ) -> Bandwidth:
-    """Time all-reduces of ``size_bytes`` (fp32) after ``warmup`` untimed ones. Collective: all ranks call it."""
+    """Time all-reduces of ``size_bytes`` (fp32) after ``warmup`` untimed ones; the slowest rank's figure, everywhere.
+
+    Collective: all ranks call it.
+    """
     tensor = torch.ones(max(1, size_bytes // 4), dtype=torch.float32, device=device)
     for _ in range(warmup):
         dist.all_reduce(tensor, group=group)
@@ -56,7 +59,11 @@ def probe_all_reduce(
     for _ in range(iterations):
         dist.all_reduce(tensor, group=group)
     _synchronize(device)
-    seconds = (time.perf_counter() - start) / iterations
+    # The slowest rank's time, on every rank (as nccl-tests reports): a threshold then passes or fails alike
+    # everywhere, never on some ranks while the others go on into the next collective.
+    slowest = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    seconds = float(slowest.item())
     world = dist.get_world_size(group)  # type: ignore[arg-type]
     algbw, busbw = bus_bandwidth(tensor.numel() * 4, seconds, world)
     return Bandwidth(tensor.numel() * 4, seconds, algbw, busbw)
