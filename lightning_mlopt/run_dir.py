@@ -29,6 +29,7 @@ from lightning_mlopt.exceptions import BadInputError
 
 DEFAULT_RUNS_ROOT = "runs"
 CONFIG_NAME = "config.yaml"
+RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 EARLIER_CONFIGS_DIR = "earlier_configs"
 # The first line of every config LightningCLI saves (its dump header): a config.yaml without it is someone's own.
 _SAVED_CONFIG_HEADER = "# lightning.pytorch=="
@@ -130,8 +131,26 @@ def keep_earlier_config(path: Path, replacement: Path) -> Path | None:
     if path.is_file() and path.read_bytes() != replacement.read_bytes():
         folder = path.parent / EARLIER_CONFIGS_DIR
         folder.mkdir(exist_ok=True)
-        number = 1 + sum(1 for each in folder.iterdir() if each.name.endswith(f"-{path.name}"))
+        taken = [each.name.split("-", 1)[0] for each in folder.iterdir() if each.name.endswith(f"-{path.name}")]
+        number = 1 + max((int(n) for n in taken if n.isdigit()), default=0)  # after the highest, even with gaps
         earlier = folder / f"{number}-{path.name}"
         os.replace(path, earlier)
     os.replace(replacement, path)
     return earlier
+
+
+def fill_run_dir(value: Any, run_dir: str) -> Any:
+    """Replace ``{run_dir}`` in every string of a parsed config, in place (e.g. a logger's ``save_dir``).
+
+    Example::
+
+        >>> fill_run_dir({"logger": {"save_dir": "{run_dir}/logs"}}, "runs/a")
+        {'logger': {'save_dir': 'runs/a/logs'}}
+    """
+    items = value.items() if hasattr(value, "items") else enumerate(value) if isinstance(value, list) else []
+    for key, item in list(items):
+        if isinstance(item, str) and RUN_DIR_PLACEHOLDER in item:
+            value[key] = item.replace(RUN_DIR_PLACEHOLDER, run_dir)
+        else:
+            fill_run_dir(item, run_dir)
+    return value

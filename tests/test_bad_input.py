@@ -378,3 +378,9 @@ def test_a_mistyped_subcommand_names_the_one_meant_and_every_tool(tmp_path, monk
     message = capsys.readouterr().err
     assert message.startswith("error: unknown subcommand 'fti' (did you mean fit?); subcommands: fit, validate")
     assert "checkpoint" in message and "sweep" in message and list(tmp_path.iterdir()) == []
+
+
+def test_a_ckpt_path_with_the_run_dir_placeholder_is_checked_once_it_is_filled_in():
+    from lightning_mlopt.cli.ckpt_path import read_by_lightning
+
+    read_by_lightning("{run_dir}/checkpoints/step-000000500", lambda: None)  # not refused as missing here

@@ -296,3 +296,8 @@ def test_a_relaunch_with_other_settings_keeps_the_earlier_config(tmp_path):
     earlier = tmp_path / "earlier_configs"
     assert sorted(p.name for p in earlier.iterdir()) == ["1-config.yaml", "2-config.yaml"]  # the same text: no copy
     assert [(earlier / f"{n}-config.yaml").read_text() for n in (1, 2)] == ["max_steps: 2\n", "max_steps: 4\n"]
+    (earlier / "1-config.yaml").unlink()  # one removed by hand: the next is numbered after the highest, not over it
+    new = tmp_path / ".config.yaml.new9"
+    new.write_text("max_steps: 16\n")
+    assert keep_earlier_config(config, new) == earlier / "3-config.yaml"
+    assert (earlier / "2-config.yaml").read_text() == "max_steps: 4\n"

@@ -104,7 +104,8 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         self._restored_last_saved: Path | None = None
         self._last_save_step = -1
         self._training_started = False
-        self._mid_update = False  # between the optimizer step's start and the batch's end
+        self._mid_update = False  # between the optimizer step's start and its return (or the batch's end)
+        self._watched_optimizers: dict[Any, Any] = {}  # optimizer -> its post-step hook's handle
         self._training_ended = False  # on_train_end ran: the run finished (and saved)
         self._state_key: tuple[tuple[Any, ...], str] | None = None  # (the settings it was made from, the key)
 
@@ -209,6 +210,9 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
                 self.saver.close()
         finally:
             if stage == "fit":
+                for handle in self._watched_optimizers.values():
+                    handle.remove()
+                self._watched_optimizers.clear()
                 if self._training_ended:  # finished and saved: a signal from then on must not turn it into a kill
                     preemption.acknowledge()
                 preemption.release()
@@ -217,7 +221,12 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._mid_update = True  # an exception from here to the batch's end may leave the parameters half-updated
+        self._mid_update = True  # an exception from here until the step returns may leave parameters half-updated
+        if optimizer not in self._watched_optimizers and hasattr(optimizer, "register_step_post_hook"):
+            self._watched_optimizers[optimizer] = optimizer.register_step_post_hook(self._update_done)
+
+    def _update_done(self, *args: Any) -> None:
+        self._mid_update = False  # the optimizer's step returned: every parameter has its update
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import re
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -184,6 +186,12 @@ def _shorten_value(line: str) -> str:
         return line
     value = line.split(":", 1)[1].strip()
     return f"  got: {value if len(value) <= 80 else value[:77] + '...'}"
+
+
+def raised_by_lightning(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside Lightning (an argument check, e.g. ``devices=two``), not in user code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"{os.sep}lightning{os.sep}" in frames[-1].filename
 
 
 def without_where(message: str) -> str:

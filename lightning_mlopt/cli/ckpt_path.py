@@ -36,8 +36,9 @@ def read_by_lightning(value: Any, read: Callable[[], None]) -> None:
     """
     from lightning_mlopt.checkpoint.locate import refuse_missing
     from lightning_mlopt.exceptions import BadInputError
+    from lightning_mlopt.run_dir import RUN_DIR_PLACEHOLDER
 
-    if value:
+    if value and RUN_DIR_PLACEHOLDER not in str(value):  # a placeholder is filled in later: checked then
         refuse_missing(str(value))
     try:
         read()

@@ -33,7 +33,7 @@ from lightning_mlopt.callbacks import (
     ThroughputProgressBar,
     UnevenInputs,
 )
-from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error
+from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error, raised_by_lightning
 from lightning_mlopt.cli.ckpt_path import read_by_lightning, resolve_ckpt_path
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, refuse_unknown_subcommand, tools_help
 from lightning_mlopt.cli.quiet import silence_known_noise
@@ -57,12 +57,11 @@ from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
-from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, config_name, refuse_foreign_config, resolve_run_dir
+from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, config_name, fill_run_dir, refuse_foreign_config, resolve_run_dir
 from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
 
 DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
-RUN_DIR_PLACEHOLDER = "{run_dir}"  # in any config string, e.g. `save_dir: "{run_dir}"` for a logger
 
 
 class _Parser(LightningArgumentParser):
@@ -112,8 +111,7 @@ class MLOptCLI(LightningCLI):
             if action.dest == "trainer.strategy":
                 ours = ", ".join(strategies.STRATEGIES)
                 action.help = f"{action.help or ''} With lightning_mlopt: {ours}, or auto (the memory planner)."
-        # On by default: every `fit` gets crash-safe, auto-resuming checkpoints in <run_dir>/checkpoints,
-        # configured under the top-level `checkpoint:` key.
+        # On by default: crash-safe, auto-resuming checkpoints in <run_dir>/checkpoints, configured under `checkpoint:`.
         # Its settings groups document each field in a docstring under it (checkpoint.keep.last, ...), which
         # --help shows. Reading attribute docstrings parses the source of every class introspected (~1 s a
         # start for the Trainer, the model, the data), so it is on for this class alone.
@@ -179,7 +177,7 @@ class MLOptCLI(LightningCLI):
         # Recorded in the saved config.yaml, so relaunching from that file lands in this run, whatever its name.
         config["run_dir"] = str(self.run_dir.resolve())
         trainer["default_root_dir"] = config["run_dir"]  # absolute, as in a relaunch from the saved config
-        _fill_run_dir(config, str(self.run_dir))
+        fill_run_dir(config, str(self.run_dir))
         described = resolve_ckpt_path(config, self.run_dir)
         if described is not None:
             _rank_zero_print(f"ckpt_path: {described}, verified")
@@ -187,8 +185,7 @@ class MLOptCLI(LightningCLI):
     def _plan_strategy(self, config: Namespace) -> str:
         """``strategy: auto`` on several processes: the memory planner picks the simplest strategy that fits.
 
-        Every rank plans from the same config, so every rank picks the same strategy. One process needs no
-        choice: Lightning's own ``auto`` (a single device) stays.
+        Every rank plans from the same config (the same choice); one process keeps Lightning's own ``auto``.
         """
         from lightning_mlopt.checkpoint.rng import capture_rng_state, restore_rng_state
         from lightning_mlopt.planning.auto import choose_strategy, world_size_of
@@ -234,7 +231,9 @@ class MLOptCLI(LightningCLI):
                     overridden = rf"`{re.escape(replaced.__name__)}\.configure_optimizers` will be overridden"
                     warnings.filterwarnings("ignore", message=overridden)
                 super().instantiate_classes()
-        except (ValueError, TypeError, FileNotFoundError, MisconfigurationException) as error:  # e.g. devices=two
+        except (ValueError, TypeError, FileNotFoundError, MisconfigurationException) as error:
+            if isinstance(error, TypeError) and not raised_by_lightning(error):  # a bug in the user's code: traceback
+                raise
             message = explain_parser_error(str(error), _known_keys(self.parser), _Parser.argv, RENAMED)
             raise BadInputError(message) from None
         if replaced is not None and (unused := unused_model_arguments(self._get_section(), replaced)):
@@ -322,8 +321,8 @@ def check_arguments(args: Sequence[str]) -> Namespace:
 def print_config(args: Sequence[str], subcommand: str = "fit") -> str:
     """The composed config of a Trainer-run command line (after the subcommand), with its run directory.
 
-    LightningCLI prints ``--print_config`` before our run directory exists (``run_dir: null``); a file saved
-    from that output, relaunched, must land in the same run, so the resolved ``run_dir`` is filled in here.
+    LightningCLI prints it before our run directory exists (``run_dir: null``); a file saved from it, relaunched,
+    must land in the same run, so the resolved ``run_dir`` is filled in here.
     """
     flags = [arg for arg in args if arg.split("=")[0] == "--print_config"]
     rest = [arg for arg in args if arg not in flags]
@@ -338,19 +337,6 @@ def print_config(args: Sequence[str], subcommand: str = "fit") -> str:
     config["run_dir"] = str(resolve_run_dir(config.as_dict(), config_paths(rest)).resolve())
     skip_none = any("skip_null" in flag for flag in flags)
     return str(parsed.parser.dump(config, skip_none=skip_none))
-
-
-def _fill_run_dir(value: Any, run_dir: str) -> Any:
-    """Replace ``{run_dir}`` in every string of the config, in place (e.g. a logger's ``save_dir``)."""
-    items = (
-        value.items() if isinstance(value, (dict, Namespace)) else enumerate(value) if isinstance(value, list) else []
-    )
-    for key, item in list(items):
-        if isinstance(item, str) and RUN_DIR_PLACEHOLDER in item:
-            value[key] = item.replace(RUN_DIR_PLACEHOLDER, run_dir)
-        else:
-            _fill_run_dir(item, run_dir)
-    return value
 
 
 def _rank_zero_print(text: str) -> None:

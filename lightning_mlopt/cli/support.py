@@ -68,7 +68,7 @@ class SaveResolvedConfig(SaveConfigCallback):
         self.parser.save(self.config, written, skip_none=False, overwrite=True, multifile=False)
         earlier = keep_earlier_config(self.run_dir / self.config_filename, written)
         if earlier is not None:
-            rank_zero_info(f"config.yaml now holds this launch's settings; the run's earlier ones: {earlier}")
+            rank_zero_info(f"{self.config_filename} holds this launch's settings now; the earlier ones: {earlier}")
         # Trackers that keep the full configuration (WandbTracker) get it once, from rank zero (this hook).
         for tracker in loggers_with(trainer, RunTracker):
             tracker.log_run_config(self.config.clone().as_dict())

@@ -106,8 +106,10 @@ class PreemptionSignals:
         for number in [n for n in self._previous if n not in wanted]:
             self._give_back(number)
         for number in sorted(wanted - set(self._previous)):
-            previous = signal.getsignal(number)  # ours, where Lightning's teardown put it back after a release
-            self._previous[number] = signal.SIG_DFL if previous == self._on_signal else previous
+            previous = signal.getsignal(number)
+            if previous == self._on_signal:  # ours, where Lightning's teardown put it back after a release
+                previous = self._given_back.get(number, signal.SIG_DFL)
+            self._previous[number] = previous
             signal.signal(number, self._on_signal)
         if self._previous:
             self._start_watcher()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import json
 import netrc
 import os
 from collections.abc import Mapping
@@ -17,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mlopt._compat import wandb_init_kwargs, wandb_requested_id, wandb_run_if_started
-from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest, write_atomically
+from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.exceptions import first_line
 from lightning_mlopt.hooks import CheckpointUploader, RunTracker
@@ -25,7 +24,6 @@ from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.redaction import redact
 from lightning_mlopt.run_dir import CHECKPOINTS_DIR
 from lightning_mlopt.tracking.journal import Journal
-from lightning_mlopt.tracking.mlflow_run import RUN_FILE
 from lightning_mlopt.tracking.provenance import run_provenance
 
 if TYPE_CHECKING:
@@ -44,8 +42,7 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
       Offline runs are synced later with ``wandb sync <save_dir>/wandb/offline-run-*``.
     - One W&B run per job, continued across relaunches: the run id is the explicit ``id``, else the one a
       W&B sweep agent set (``WANDB_RUN_ID``), else the one recorded in the newest committed
-      FaultTolerantCheckpoint under ``checkpoint_dir``, else the one the first launch recorded in
-      ``<save_dir>/wandb/run.json``, so a resumed or requeued job logs into the same run.
+      FaultTolerantCheckpoint under ``checkpoint_dir``, so a resumed or requeued job logs into the same run.
     - Provenance logged once per job under the config key ``lightning_mlopt``: our version, git commit,
       dirty flag and origin URL (without credentials), the command, the environment fingerprint.
     - The CLI sends the full resolved config through :meth:`log_run_config`.
@@ -134,7 +131,7 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
             except wandb.errors.Error as error:
                 # Credentials on a shared home, no route to the server from this node: `auto` means a run never
                 # fails for lack of network (an explicit `online` is the user's demand, and fails).
-                if mode != "online" or self.mode != "auto":
+                if mode != "online" or self.mode != "auto" or os.environ.get("WANDB_MODE"):
                     raise
                 rank_zero_warn(
                     f"W&B could not be reached ({first_line(error)}); logging offline instead: "
@@ -142,10 +139,6 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
                 )
                 wandb_init_kwargs(self)["mode"] = "offline"
                 run = WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
-            # Recorded now, not only in checkpoints: a relaunch killed before its first commit, or whose checkpoints
-            # live elsewhere (checkpoint.dirpath), continues this run instead of starting another.
-            self._run_file().parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(self._run_file(), json.dumps({"run_id": run.id}))
             if self.log_provenance:
                 run.config.update({"lightning_mlopt": run_provenance()}, allow_val_change=True)
             self._open_journal(run)
@@ -280,18 +273,7 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
         if os.environ.get("WANDB_RUN_ID"):
             return None  # a W&B sweep agent (or the user) chose it; wandb.init reads it
         root = Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.save_dir or ".") / CHECKPOINTS_DIR
-        return CheckpointStore(root).recorded_run_id("wandb") or self._recorded_run_id()
-
-    def _run_file(self) -> Path:
-        return Path(self.save_dir or ".") / "wandb" / RUN_FILE
-
-    def _recorded_run_id(self) -> str | None:
-        """The run id this folder's first launch recorded (``<save_dir>/wandb/run.json``), if any."""
-        try:
-            run_id = json.loads(self._run_file().read_text()).get("run_id")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return str(run_id) if run_id else None
+        return CheckpointStore(root).recorded_run_id("wandb")
 
 
 def _api_key_configured() -> bool:

@@ -546,7 +546,15 @@ class _FailsAt(torch.optim.SGD):
         return loss
 
 
-@pytest.mark.parametrize("raised_in", ["training_step", "optimizer step"])
+class _FailsAfterTheStep(Callback):
+    """Raises in on_train_batch_end of step 3, after the optimizer's step returned (the state is whole)."""
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == 3:
+            raise RuntimeError("out of memory (after the step)")
+
+
+@pytest.mark.parametrize("raised_in", ["training_step", "optimizer step", "after the step"])
 def test_an_exception_inside_the_optimizer_step_saves_no_half_updated_state(tmp_path, raised_in):
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -563,15 +571,18 @@ def test_an_exception_inside_the_optimizer_step_saves_no_half_updated_state(tmp_
             )
 
     callback = FaultTolerantCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_steps=100, async_save=False)
+    raising = [_FailsAfterTheStep()] if raised_in == "after the step" else []
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[callback],
+        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[callback, *raising],
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="out of memory"):
         trainer.fit(Model())
     committed = CheckpointStore(tmp_path / "ckpt").committed()
     if raised_in == "training_step":  # before any update of step 3: the state of step 2 is whole
         assert [step for step, _ in committed] == [2] and verify(committed[0][1]).reason == "exception"
+    elif raised_in == "after the step":  # step 3's update is complete: saved
+        assert [step for step, _ in committed] == [3] and verify(committed[0][1]).reason == "exception"
     else:
         assert committed == [], "the weight was updated for step 3, the bias not: no checkpoint of that"
 
@@ -608,3 +619,28 @@ def test_a_preemption_whose_save_fails_still_exits_for_a_requeue_from_the_last_c
     assert len(said) == 1 and "the save of step 3 failed (" in said[0] and "No space left on device" in said[0]
     assert f"a relaunch resumes from {disk / 'ckpt' / 'step-000000002'} (step 2)" in said[0]
     assert [step for step, _ in CheckpointStore(disk / "ckpt").committed()] == [2]
+
+
+@pytest.mark.slow
+def test_a_model_that_builds_modules_in_configure_model_resumes(tmp_path):
+    """At setup such a model has no head yet: only shapes both sides hold are compared, not missing names."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Model(BoringModel):
+        def configure_model(self) -> None:
+            if not hasattr(self, "head"):
+                self.head = torch.nn.Linear(2, 2)
+
+    def fit(steps: int) -> pl.Trainer:
+        callback = FaultTolerantCheckpoint(dirpath=str(tmp_path / "ckpt"), resume=Resume(final=True))
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, limit_val_batches=0,
+            enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback],
+        )  # fmt: skip
+        trainer.fit(Model())
+        return trainer
+
+    fit(2)
+    assert fit(4).global_step == 4  # resumed from step 2, head and all
+    assert [step for step, _ in CheckpointStore(tmp_path / "ckpt").committed()][-1] == 4

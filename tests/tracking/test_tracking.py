@@ -134,24 +134,6 @@ def test_auto_with_credentials_but_no_route_to_the_server_logs_offline_instead_o
         os.environ.pop("WANDB_SERVICE", None)
 
 
-def test_a_relaunch_before_the_first_checkpoint_continues_the_same_run(monkeypatch, tmp_path):
-    import wandb
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    first = WandbTracker(save_dir=str(tmp_path), project="p")
-    try:
-        run_id = first.experiment.id
-    finally:
-        first._finish()
-        wandb.teardown()  # as in the test above: no service of this process for later subprocesses to join
-        os.environ.pop("WANDB_SERVICE", None)
-    # Killed before any checkpoint committed (none records the id), or checkpoints kept elsewhere: the same run.
-    assert WandbTracker(save_dir=str(tmp_path), project="p")._choose_run_id() == run_id
-    elsewhere = WandbTracker(save_dir=str(tmp_path), project="p", checkpoint_dir=str(tmp_path / "elsewhere"))
-    assert elsewhere._choose_run_id() == run_id
-
-
 def _closed_port() -> int:
     import socket
 
