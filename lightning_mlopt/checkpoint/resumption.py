@@ -145,21 +145,21 @@ class Resumption:
 
     def _set_aside_rolled_back(self, folder: Path) -> None:
         """Rank zero, before any save: a restart from an older step folder of this run moves the newer ones aside."""
-        step = self._store.step_of(folder) if self._store is not None else None
-        if step is None or self._store is None:
+        store, remote = self._store, self._remote
+        step = store.step_of(folder) if store is not None else None
+        if store is None or step is None:
             return
-        moved = self._store.set_aside_newer_than(step)
+        moved = store.set_aside_newer_than(step)
         if moved:
             rank_zero_info(
                 f"Rolled back to step {step}: the {len(moved)} newer checkpoints of this run were moved to "
                 f"{moved[0].parent}, so auto-resume and retention see only this branch."
             )
-        newer_remote = [each for each in (self._remote.committed() if self._remote else []) if each > step]
-        if newer_remote:
+        if remote is not None and (newer_remote := [each for each in remote.committed() if each > step]):
             rank_zero_warn(
-                f"Rolled back to step {step}, but {self._remote.url if self._remote else ''} still holds newer "
-                f"checkpoints of this run (steps {', '.join(map(str, newer_remote))}): until this branch saves past "
-                "them, an auto-resume from the store would take them. Move them away in the store."
+                f"Rolled back to step {step}, but {remote.url} still holds newer checkpoints of this run (steps "
+                f"{', '.join(map(str, newer_remote))}): until this branch saves past them, an auto-resume from the "
+                "store would take them. Move them away in the store."
             )
 
     def restore_rng_once(self) -> None:
