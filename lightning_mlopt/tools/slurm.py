@@ -232,14 +232,8 @@ def requeue_exit_code(config: dict[str, Any]) -> int:
     return int(configured(config.get("checkpoint"), "preemption.exit_code", exit_codes.REQUEUE))
 
 
-def write_script(path: Path, text: str, option: str = "--output") -> None:
-    """Write an executable script, creating its folder; never over a folder or a file that no tool wrote.
-
-    Raises:
-        BadInputError: ``path`` is a folder, or a file of the user's (``option`` chose the path, for the fix).
-
-    """
-    check_output(path, option, SBATCH_NAME)
+def write_script(path: Path, text: str) -> None:
+    """Write an executable script, creating its folder (callers have checked ``path`` with ``check_output``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.chmod(0o755)

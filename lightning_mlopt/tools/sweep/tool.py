@@ -11,7 +11,8 @@ from typing import Any
 
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.process import exit_codes
-from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, fit_arguments, without_options
+from lightning_mlopt.run_dir import SBATCH_NAME
+from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input, check_output, fit_arguments, without_options
 from lightning_mlopt.tools.slurm import add_slurm_arguments, check_slurm_flags, write_script
 from lightning_mlopt.tools.sweep.probe import probe_metrics
 from lightning_mlopt.tools.sweep.results import (
@@ -146,6 +147,8 @@ def main(argv: Sequence[str]) -> int:
             )
         # The array's script is made (its flags checked against the config) before anything runs.
         script = slurm_array(argv, options, base_args, trials, sweep_dir) if options.slurm else None
+        if script is not None:  # before the sweep folder is made: a file of the user's there stops it first
+            check_output(script[0], "--sweep_dir", SBATCH_NAME)
         status = _check_metric(options, base_args, spec, trials or [{}], sweep_dir)
         if status is not None:
             return status
@@ -161,7 +164,7 @@ def main(argv: Sequence[str]) -> int:
         if script is not None:
             path, text = script
             sweep_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens the --output files there before a task
-            write_script(path, text, option="--sweep_dir")
+            write_script(path, text)
             print(f"Wrote {path}: a job array of {len(trials)} trials. Submit with: sbatch {path}")
             print(f"Results so far: python -m lightning_mlopt sweep <same arguments> --sweep_dir={sweep_dir} --results")
             return 0
