@@ -35,6 +35,7 @@ from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
+from lightning_mlopt.strategies.fsdp_units import is_sharded, root_units, select_by_size
 from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_dcp_folder, load_full_file, saved_flattened
 from lightning_mlopt.strategies.spec import StrategySpec
 
@@ -214,7 +215,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)  # the device first (sharding places shards on it); idempotent
-        if not _is_sharded(self.model):
+        if not is_sharded(self.model):
             self._shard(self.model)
         with declare_configure_model(self.lightning_module):
             super().setup(trainer)
@@ -230,7 +231,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
                 if isinstance(sub, tuple(self.wrap_classes)):
                     wrapped.add(sub)
         if self.min_params_to_wrap is not None:
-            _select_by_size(module, self.min_params_to_wrap, wrapped, is_root=True)
+            select_by_size(module, self.min_params_to_wrap, wrapped, is_root=True)
         # Post-order, so inner units are sharded before the modules that contain them.
         for sub in reversed(list(module.modules())):
             if sub in wrapped and sub is not module:
@@ -242,10 +243,11 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
                 f"itself ({', '.join(own)}) would not be synchronised. Move them into a submodule."
             )
         # A root child's own parameters (embeddings, final norm, head) form its unit; units sharded above
-        # inside it are left to themselves.
-        for child in module.children():
-            if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-                fully_shard(child, **options)
+        # inside it are left to themselves. A container (nanoGPT's `self.layers = nn.ModuleList(...)`) has no
+        # forward for FSDP to hook: its members are the units.
+        for unit in root_units(module):
+            if not isinstance(unit, FSDPModule) and any(True for _ in unit.parameters()):
+                fully_shard(unit, **options)
         replicated = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
         if replicated:  # would train without gradient synchronisation: refuse rather than diverge silently
             raise RuntimeError(f"FSDPStrategy left parameters unsharded: {', '.join(replicated[:10])}")
@@ -364,23 +366,6 @@ def _import_class(path: str, key: str) -> type[nn.Module]:
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    return any(isinstance(sub, FSDPModule) for sub in module.modules())
-
-
-def _select_by_size(module: nn.Module, threshold: int, wrapped: set[nn.Module], is_root: bool = False) -> int:
-    """Mark modules holding >= threshold unwrapped parameters (post-order); return what stays unwrapped."""
-    count = sum(p.numel() for p in module.parameters(recurse=False))
-    for child in module.children():
-        count += _select_by_size(child, threshold, wrapped)
-    if module in wrapped:
-        return 0
-    if not is_root and count >= threshold:
-        wrapped.add(module)
-        return 0
-    return count
 
 
 __all__ = ["FSDPStrategy"]

@@ -42,6 +42,7 @@ from lightning_mlopt.hooks import RunsPipeline
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.data_dimension import DATA, OverDataDimension
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
+from lightning_mlopt.strategies.pp_buffers import keep_out_of_checkpoints, non_persistent_buffers
 from lightning_mlopt.strategies.pp_module_split import trace_module_stages
 from lightning_mlopt.strategies.pp_runner import PipelineRunner, loop_name
 from lightning_mlopt.strategies.pp_schedule import (
@@ -250,6 +251,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         if self.tensor_parallel_size > 1:  # ReplicaConsistencyCheck's, told apart by module before the cut
             compared = {buffer.name for buffer in synchronized_buffers(module)}
             self.sharding.local_statistics |= {name for name, _ in module.named_buffers() if name not in compared}
+        transient = non_persistent_buffers(module)  # the tracer loses the flag: put back after the cut
         trainer = self.lightning_module.trainer
         with said_by_rank_zero(self.global_rank):
             loader = example_loader(trainer)
@@ -270,10 +272,11 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             separate_eval = mode_dependent and self.data_parallel_size == 1
             eval_pipe = trace(module, inputs, self.split_points, training=False) if separate_eval else None
             if mode_dependent and not separate_eval and self.global_rank == 0:
+                # Said here (stacklevel 1): one level up is FSDPStrategy.setup's call of _shard, not the pipeline.
                 warnings.warn(
                     "pipeline x data parallel: validation and test run the model as traced for training (dropout "
                     "on, batch statistics): its output depends on the mode",
-                    stacklevel=2,
+                    stacklevel=1,
                 )
         pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
         indices = stage_indices(pipeline_rank, self.pipeline_parallel_size, self.stages_per_rank)
@@ -289,6 +292,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         if self.tensor_parallel_size > 1:  # ReplicaConsistencyCheck's: a stage's tensor ranks hold copies
             self.sharding.stage_group = stage_group(self.device_mesh, pipeline_rank)
         install_stages(module, [stage.submod for stage in self._stages])
+        keep_out_of_checkpoints(module, transient)
         register_pipeline_stage(module, group)
         eval_stages = self._stages
         if eval_pipe is not None:
@@ -301,7 +305,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         )
         advice = self.schedule.few_microbatches(self.pipeline_parallel_size, self.microbatches, self.stages_per_rank)
         if advice is not None and self.global_rank == 0:
-            warnings.warn(advice, stacklevel=2)
+            warnings.warn(advice, stacklevel=1)  # here, not at FSDPStrategy.setup's call of _shard
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -372,7 +376,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
                 warnings.warn(
                     f"pipeline: {name} leaves out batches of {size} samples, not {self._batch_size} (the pipeline's "
                     "shapes are fixed): give the loader drop_last=True or a size that divides the data",
-                    stacklevel=2,
+                    stacklevel=1,  # here: one level up is validation_step, which says nothing more
                 )
             self._skipped_batch = True
             return None

@@ -8,7 +8,7 @@ from torch import nn
 from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.strategies import STRATEGIES, DeepSpeedStrategy, FSDPStrategy, resolve_strategy
 from lightning_mlopt.strategies.deepspeed import PRESETS, merge_config
-from lightning_mlopt.strategies.fsdp import _select_by_size
+from lightning_mlopt.strategies.fsdp_units import select_by_size
 
 BLOCK = "lightning_mlopt.demos.gpt.TransformerBlock"
 
@@ -46,7 +46,7 @@ def test_fsdp_bad_knobs(kwargs, message):
 def test_fsdp_size_policy_wraps_the_largest_subtrees_first():
     model = nn.Sequential(nn.Linear(100, 100), nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10)))
     wrapped: set[nn.Module] = set()
-    left = _select_by_size(model, threshold=1000, wrapped=wrapped, is_root=True)
+    left = select_by_size(model, threshold=1000, wrapped=wrapped, is_root=True)
     assert wrapped == {model[0]}  # 10,100 parameters; the inner Sequential holds only 220
     assert left == 220
 

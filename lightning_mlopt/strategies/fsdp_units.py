@@ -1,0 +1,60 @@
+"""Which modules of a LightningModule become FSDP units: classes named in YAML, sizes, and the root's children.
+
+A root child is a unit of its own (embeddings, final norm, head); a container at the root (nanoGPT's
+``self.layers = nn.ModuleList(...)``) is looked through, each member a unit.
+
+Example::
+
+    for unit in root_units(module):
+        fully_shard(unit, mesh=mesh)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied anywhere in ``module`` (a model that shards itself is left alone)."""
+    return any(isinstance(sub, FSDPModule) for sub in module.modules())
+
+
+def root_units(module: nn.Module) -> Iterator[nn.Module]:
+    """The root's children, with each container that defines no forward replaced by its members (recursively).
+
+    FSDP gathers a unit's parameters in a hook on the unit's forward; an ``nn.ModuleList`` or ``nn.ModuleDict``
+    is never called (the root iterates over it), so it cannot be a unit, and torch refuses to shard it.
+
+    Example::
+
+        [type(u).__name__ for u in root_units(nano_gpt)]   # ['Embedding', 'Block', 'Block', 'LayerNorm', 'Linear']
+    """
+    for child in module.children():
+        if is_container(child):
+            yield from root_units(child)
+        else:
+            yield child
+
+
+def is_container(module: nn.Module) -> bool:
+    """A ModuleList/ModuleDict (or subclass) that keeps ``nn.Module``'s forward: it holds modules, it is not called."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+
+
+def select_by_size(module: nn.Module, threshold: int, wrapped: set[nn.Module], is_root: bool = False) -> int:
+    """Mark modules holding >= threshold unwrapped parameters (post-order); return what stays unwrapped."""
+    count = sum(p.numel() for p in module.parameters(recurse=False))
+    for child in module.children():
+        count += select_by_size(child, threshold, wrapped)
+    if module in wrapped:
+        return 0
+    if not is_root and count >= threshold:
+        wrapped.add(module)
+        return 0
+    return count
+
+
+__all__ = ["is_container", "is_sharded", "root_units", "select_by_size"]
