@@ -23,8 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import difflib
-import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -41,8 +39,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_mlopt.exceptions import BadInputError
-
-HEAD_COUNT_ATTRIBUTES = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_head")
+from lightning_mlopt.strategies.tp_heads import check_head_counts
+from lightning_mlopt.strategies.tp_names import nearest_names
 
 
 @dataclass(frozen=True)
@@ -262,9 +260,11 @@ def resolve(module: nn.Module, plan: Mapping[str, str], size: int) -> ResolvedPl
     """Resolve ``plan``'s globs against ``module`` and check that the plan fits it at tensor-parallel ``size``.
 
     Raises:
-        BadInputError: an unknown style, a glob that matches nothing (the nearest module names are given), a
-            module claimed by two styles, a style on the wrong kind of module, a dimension or head count that
-            ``size`` does not divide, or a column-wise output that nothing row-wise consumes.
+        BadInputError: an unknown style, a glob that matches nothing (the nearest globs that would match are
+            given), a module claimed by two styles, a style on the wrong kind of module (GPT-2's ``Conv1D`` is
+            not a Linear), a dimension or head count that ``size`` does not divide (the counts a module holds, its
+            config's, or its projections' widths over ``head_dim``), or a column-wise output that nothing
+            row-wise consumes.
 
     Example::
 
@@ -283,7 +283,7 @@ def resolve(module: nn.Module, plan: Mapping[str, str], size: int) -> ResolvedPl
             raise BadInputError(f"tp_plan[{glob!r}]: unknown style {style!r}; choose one of {', '.join(STYLES)}")
         matched = [name for name in modules if name and fnmatchcase(name, glob)]
         if not matched:
-            raise BadInputError(f"tp_plan: {glob!r} matches no module of the model.{_nearest(glob, modules)}")
+            raise BadInputError(f"tp_plan: {glob!r} matches no module of the model.{nearest_names(glob, modules)}")
         for name in matched:
             if name in styles and styles[name] != style:
                 raise BadInputError(
@@ -294,7 +294,8 @@ def resolve(module: nn.Module, plan: Mapping[str, str], size: int) -> ResolvedPl
     ordered = {name: styles[name] for name in modules if name in styles}
     for name, style in ordered.items():
         _check_fit(name, modules[name], style, size)
-    _check_head_counts(modules, ordered, size)
+    column_split = [name for name, style in ordered.items() if STYLES[style].split_dimension == "out_features"]
+    check_head_counts(modules, column_split, size)
     _check_split_outputs_are_consumed(ordered)
     widths = {
         name: getattr(modules[name], dimension)
@@ -306,6 +307,8 @@ def resolve(module: nn.Module, plan: Mapping[str, str], size: int) -> ResolvedPl
 
 def _check_fit(name: str, module: nn.Module, style: str, size: int) -> None:
     spec = STYLES[style]
+    if not isinstance(module, spec.module_class) and _is_conv1d(module):
+        raise BadInputError(_conv1d_refusal(name, module, style))
     if not isinstance(module, spec.module_class):
         kind = spec.module_class.__name__
         raise BadInputError(
@@ -322,18 +325,27 @@ def _check_fit(name: str, module: nn.Module, style: str, size: int) -> None:
         )
 
 
-def _check_head_counts(modules: Mapping[str, nn.Module], styles: Mapping[str, str], size: int) -> None:
-    for owner, module in modules.items():
-        for attribute in HEAD_COUNT_ATTRIBUTES:
-            heads = getattr(module, attribute, None)
-            if not isinstance(heads, int) or isinstance(heads, bool):
-                continue
-            inside = [name for name in styles if owner == "" or name.startswith(f"{owner}.")]
-            if inside and heads % size:
-                raise BadInputError(
-                    f"tp_plan: {owner or 'the model'}.{attribute}={heads} does not divide by "
-                    f"tensor_parallel_size={size}, and {inside[0]} is split: each rank must hold whole heads"
-                )
+def _is_conv1d(module: nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2, GPT-J's ancestors), recognised without importing transformers.
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+
+
+def _conv1d_refusal(name: str, module: nn.Module, style: str) -> str:
+    inputs, outputs = getattr(module, "nx", "in"), module.nf
+    fused = outputs == 3 * inputs if isinstance(inputs, int) else False
+    return (
+        f"tp_plan: {name} (Conv1D) cannot be {style}: it is transformers' Conv1D, a transposed Linear (weight "
+        f"[in, out] = [{inputs}, {outputs}]), and tensor-parallel plans split an nn.Linear (weight [out, in])"
+        + (
+            ", and its output fuses q, k and v ([q | k | v]), which a column split cuts by position, not by head"
+            if fused
+            else ""
+        )
+        + "; train this model with ddp, fsdp or zero instead, or convert its Conv1D modules to nn.Linear (weights "
+        "transposed)"
+        + (" and split the fused projection into q, k and v ones" if fused else "")
+        + " before planning them"
+    )
 
 
 def _check_split_outputs_are_consumed(styles: Mapping[str, str]) -> None:
@@ -348,10 +360,3 @@ def _check_split_outputs_are_consumed(styles: Mapping[str, str]) -> None:
                 f"{scope or 'the model'} consumes it; plan the module that takes its output as rowwise, or make "
                 f"{name} colwise_replicated"
             )
-
-
-def _nearest(glob: str, modules: Mapping[str, nn.Module]) -> str:
-    # Compare against names with their indices starred: `layers.*.attn.qvk` is near `layers.*.attn.qkv`.
-    starred = list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", name) for name in modules if name))
-    close = difflib.get_close_matches(glob, starred, n=3, cutoff=0.5)
-    return f" Nearest names: {', '.join(close)}" if close else f" Its modules include: {', '.join(starred[:6])}"
