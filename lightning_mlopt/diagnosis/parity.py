@@ -3,7 +3,8 @@
 The ``parity`` tool (``tools/parity.py``) runs a few steps of a configuration and of a one-process reference
 of the same model, seed and data, each with :class:`ParityRecorder`, then compares them with
 :func:`compare`: the losses step by step, the first step's gradients and the final parameters tensor by
-tensor, every tensor whole (DTensor shards gathered, ZeRO-3 partitions too).
+tensor, every tensor whole (DTensor shards gathered, ZeRO-3 partitions too). Under DeepSpeed the gradients are
+not recorded (its engine owns them, in its own partitions); the verdict then says they were not compared.
 
 Example::
 
@@ -20,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -28,6 +30,7 @@ from lightning_mlopt.distributed.sharding import data_parallel_size
 from lightning_mlopt.distributed.state import full_parameters, gathered_over_pipeline
 
 RECORD_NAME = "parity.pt"
+DEEPSPEED_OWNS_GRADIENTS = "DeepSpeed's engine owns them"
 
 
 class ParityRecorder(pl.Callback):
@@ -35,7 +38,9 @@ class ParityRecorder(pl.Callback):
 
     Each step's loss over the whole job, the first step's full gradients and the final full parameters. The
     loss is averaged over every rank (collective, each step): the ranks of a tensor-parallel group hold the
-    same loss, so the world's mean is the data-parallel groups' mean, the loss of the global batch.
+    same loss, so the world's mean is the data-parallel groups' mean, the loss of the global batch. Under
+    DeepSpeed no gradients, and the record says why: its engine reduces them into buffers and partitions of
+    its own (ZeRO-2 leaves no ``.grad`` at all), so a parameter's ``.grad`` is not the step's gradient.
 
     Args:
         out_dir: the folder for ``parity.pt``.
@@ -50,6 +55,12 @@ class ParityRecorder(pl.Callback):
         self.out_dir = Path(out_dir)
         self.losses: list[float] = []
         self.gradients: dict[str, Tensor] | None = None
+        self.gradients_not_recorded = ""  # why not, when the strategy owns them; set in setup
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            self.gradients_not_recorded = DEEPSPEED_OWNS_GRADIENTS
 
     @override
     def on_train_batch_end(
@@ -66,6 +77,8 @@ class ParityRecorder(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if self.gradients is None and self.gradients_not_recorded:
+            self.gradients = {}  # not the step's gradients: the engine holds those (see the class docstring)
         if self.gradients is None:  # the first step: before clipping and before any update
             # Copies: for an fp32 CPU gradient, .float().cpu() is the gradient itself, which clipping then
             # scales in place (the record of a clipped run held its clipped gradients, and a TP run's split
@@ -89,6 +102,7 @@ class ParityRecorder(pl.Callback):
                 "gradients": gradients,
                 "parameters": {name: value.float() for name, value in params.items()},
                 "data_parallel_size": data_parallel_size(trainer.strategy, trainer.world_size),
+                "gradients_not_recorded": self.gradients_not_recorded,  # older records lack the key
             }
             torch.save(record, self.out_dir / RECORD_NAME)
 
@@ -134,6 +148,9 @@ class Verdict:
 def compare(parallel: dict[str, Any], reference: dict[str, Any], tolerance: Tolerance = FP32) -> Verdict:
     """Compare a configuration's record with the one-process reference's: losses, then gradients, then parameters.
 
+    A record without gradients (DeepSpeed's: see :class:`ParityRecorder`) has its losses and parameters
+    compared, and the verdict says the gradients were not, and why, rather than reporting them as compared.
+
     Example::
 
         >>> same = {"losses": [2.0, 1.5], "gradients": {"w": torch.ones(2)}, "parameters": {"w": torch.zeros(2)}}
@@ -150,7 +167,10 @@ def compare(parallel: dict[str, Any], reference: dict[str, Any], tolerance: Tole
             )
             break
     largest: dict[str, float] = {}
-    for kind, when in (("gradients", "at the first step"), ("parameters", f"after {steps} steps")):
+    # No gradients here: not compared, for the reason the record gives (DeepSpeed's engine owns them).
+    skipped = "" if parallel["gradients"] else parallel.get("gradients_not_recorded") or "none were recorded"
+    kinds = (("gradients", "at the first step"), ("parameters", f"after {steps} steps"))
+    for kind, when in kinds[1:] if skipped else kinds:
         mine, theirs = parallel[kind], reference[kind]
         missing = sorted(set(theirs) - set(mine))
         if missing and mine:
@@ -167,10 +187,17 @@ def compare(parallel: dict[str, Any], reference: dict[str, Any], tolerance: Tole
                     f"tolerance {tolerance.rtol:g})"
                 )
                 break
-    if not parallel["gradients"]:
-        largest["gradients"] = float("nan")  # the strategy keeps them in its own partitions (DeepSpeed ZeRO)
     if lines:
+        if skipped:
+            lines.append(f"gradients not compared: {skipped}")
         return Verdict(False, "parity: DIVERGES from the one-process run\n" + "\n".join(f"  {line}" for line in lines))
+    if skipped:
+        return Verdict(
+            True,
+            f"parity: {steps} steps match the one-process run (losses and {len(reference['parameters'])} "
+            f"parameters compared; gradients not compared: {skipped}; largest relative difference: parameter "
+            f"{largest['parameters']:.2g})",
+        )
     return Verdict(
         True,
         f"parity: {steps} steps match the one-process run (losses, {len(reference['gradients'])} gradients, "

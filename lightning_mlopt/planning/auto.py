@@ -46,13 +46,23 @@ def device_memory(trainer: dict[str, Any], world_size_per_node: int) -> int:
 
 
 def choose_strategy(config: dict[str, Any]) -> tuple[str | None, MemoryPlan, str]:
-    """Plan a resolved config; return (our strategy name or None when nothing fits, the plan, its table)."""
-    from lightning_mlopt.planning.probe import instantiate, measure_activations, optimizer_kind
+    """Plan a resolved config; return (our strategy name or None when nothing fits, the plan, its table).
+
+    A model whose ``training_step`` does not run on the meta device (a Hugging Face model's mask code reads a
+    tensor's value) is planned without activations, and the table ends with a line saying so: every rank plans,
+    the caller prints the table on rank zero only.
+    """
+    from lightning_mlopt.planning.probe import MetaProbeError, instantiate, measure_activations, optimizer_kind
 
     trainer = config.get("trainer") or {}
     with torch.device("meta"):
         model = instantiate(config["model"])
-    activations = measure_activations(model, instantiate(config["data"])) if config.get("data") else 0.0
+    activations, notes = 0.0, []
+    if config.get("data"):
+        try:
+            activations = measure_activations(model, instantiate(config["data"]))
+        except MetaProbeError as error:
+            notes.append(f"strategy: auto: {error}; planned from parameters, gradients and optimizer state only")
     world = world_size_of(trainer)
     per_node = world // int(trainer.get("num_nodes", 1) or 1)
     plan = plan_memory(
@@ -64,4 +74,4 @@ def choose_strategy(config: dict[str, Any]) -> tuple[str | None, MemoryPlan, str
         activation_bytes=activations,
     )
     name = STRATEGY_FOR_ROW.get(plan.recommendation) if plan.recommendation else None
-    return name, plan, format_table(plan)
+    return name, plan, "\n".join([format_table(plan), *notes])

@@ -54,6 +54,11 @@ def measure_activations(model: Any, data: Any, around: AbstractContextManager[An
     activations 3.5x too high (``benchmarks/results/gpu_memory_h200_202611.md``). Tensors count at the dtype
     the model computes in (fp32 for the demos): under bf16 autocast the device holds less, so the estimate
     errs on the side of not fitting.
+
+    Raises:
+        MetaProbeError: ``training_step`` failed on meta tensors (e.g. a ``.item()`` on a value that depends on
+            the data, as in ``transformers``' mask code). Errors of the data module itself are raised as they are.
+
     """
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
@@ -72,10 +77,40 @@ def measure_activations(model: Any, data: Any, around: AbstractContextManager[An
             _FusedAttention(saved),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
         ):
-            model.training_step(batch, 0)
+            try:
+                model.training_step(batch, 0)
+            except Exception as error:  # the user's step on meta tensors: a failure means "not measured"
+                raise MetaProbeError(error) from error
     finally:
         model.log = silenced
     return float(sum(saved.values()))
+
+
+class MetaProbeError(RuntimeError):
+    """The model's ``training_step`` does not run on the meta device, so its activations were not measured.
+
+    Models that branch on a tensor's value do this: ``transformers``' mask code asks whether a batch holds packed
+    sequences with ``.all()``, a ``.item()`` that a meta tensor, having no data, cannot answer. The message is one
+    line naming the cause; the caller plans from parameters, gradients and optimizer state and says so.
+
+    Args:
+        cause: what ``training_step`` raised.
+
+    Example::
+
+        try:
+            activations = measure_activations(model, data)
+        except MetaProbeError as error:
+            activations, note = 0.0, f"note: {error}"
+
+    """
+
+    def __init__(self, cause: BaseException) -> None:
+        reason = next((line.strip() for line in str(cause).splitlines() if line.strip()), "no message")
+        super().__init__(
+            f"activations not measured: the model's training_step does not run on the meta device "
+            f"({type(cause).__name__}: {reason[:200]})"
+        )
 
 
 @contextmanager

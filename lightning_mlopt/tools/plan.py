@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import yaml
 from lightning_mlopt.cli.bad_input import check_config_files
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.planning.memory import PipelineShare, format_table, parse_count, parse_size, plan_memory
-from lightning_mlopt.planning.probe import instantiate, measure_activations, optimizer_kind
+from lightning_mlopt.planning.probe import MetaProbeError, instantiate, measure_activations, optimizer_kind
 from lightning_mlopt.strategies import resolve_strategy
 from lightning_mlopt.strategies.tp_plan import ResolvedPlan
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
@@ -61,23 +62,31 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--format", choices=["table", "json"], default="table")
     args = parser.parse_args(list(argv))
     try:
-        plan, placements = _plan(args)
+        plan, placements, notes = _plan(args)
     except (ValueError, KeyError, ImportError, AttributeError, TypeError) as error:
         return bad_input(error)
-    print(
-        json.dumps(plan.to_dict(), indent=2) if args.format == "json" else "\n".join([*placements, format_table(plan)])
-    )
+    if args.format == "json":
+        print(json.dumps(plan.to_dict(), indent=2))
+        for note in notes:  # stdout stays one JSON document
+            print(note, file=sys.stderr)
+    else:
+        print("\n".join([*placements, format_table(plan), *notes]))
     return 0
 
 
-def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
-    """The memory plan, and the tensor-parallel plan's placement of each module (lines; none without TP)."""
+def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
+    """The memory plan, the tensor-parallel plan's placement of each module (lines; none without TP), and notes.
+
+    A note (one line) says what the plan could not measure and why: a model whose ``training_step`` does not run
+    on the meta device is planned from its parameters, gradients and optimizer state alone.
+    """
     if not args.config and args.num_params is None:
         raise ValueError("give --config FILE or --num_params N")
     precision, optimizer, activations, tensor_parallel = args.precision, args.optimizer, 0.0, None
     pipeline: PipelineShare | None = None
     split_activations: float | None = None  # one tensor-parallel rank's, measured under the plan
     placements: list[str] = []
+    notes: list[str] = []
     world_size = args.world_size
     if args.config:
         config = _merged_config(args.config)
@@ -95,7 +104,14 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
             world_size = devices * nodes
         data = instantiate(config["data"]) if "data" in config and args.activation_memory is None else None
         if data is not None:
-            activations = measure_activations(model, data)
+            try:
+                activations = measure_activations(model, data)
+            except MetaProbeError as error:
+                data = None  # a tensor-parallel rank's measurement would fail the same way
+                notes.append(
+                    f"note: {error}; the table counts parameters, gradients and optimizer state only: "
+                    "give --activation_memory SIZE to add them"
+                )
         pipeline, stage_lines = _pipeline(trainer, model, world_size)
         resolved, placements = _tensor_parallel(trainer, model, world_size)
         placements = stage_lines + placements
@@ -104,7 +120,10 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
             if data is not None:
                 with torch.device("meta"):  # a fresh model: the measurement splits the one it is given
                     fresh = instantiate(config["model"])
-                split_activations = measure_activations(fresh, data, around=resolved.split_on_fake_world(fresh))
+                try:
+                    split_activations = measure_activations(fresh, data, around=resolved.split_on_fake_world(fresh))
+                except MetaProbeError as error:
+                    notes.append(f"note: one tensor-parallel rank's {error}; its rows count the whole model's")
     else:
         num_params = parse_count(args.num_params)
     if world_size is None:
@@ -123,7 +142,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str]]:
         tensor_parallel_activation_bytes=split_activations,
         pipeline=pipeline,
     )
-    return plan, placements
+    return plan, placements, notes
 
 
 def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[ResolvedPlan | None, list[str]]:
