@@ -16,10 +16,12 @@ The reaches:
   progress-bar metrics (deferred to when the bar reads them), ``LightningCLI._parser`` (the resolved config),
   strategies' ``_timeout``, ``_setup_distributed``/``_init_deepspeed_distributed`` and ``_device_mesh`` (process
   group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
-  ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory).
+  ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory), the loggers behind
+  ``rank_zero_info`` (asking ``fit_loop.done`` without its "`Trainer.fit` stopped" line).
 - DeepSpeed: ``deepspeed.initialize`` wrapped during inference set-up on CPU; the ZeRO optimizers' groups, fp32
   partitions and the lazy link of their per-parameter optimizer state (a full state loaded); ZeRO-3's start-of-step hook
-  (``parameter_offload.fwd_pre_hook``: a step starts at the outermost call of the root module).
+  (``parameter_offload.fwd_pre_hook``: a step starts at the outermost call of the root module); the torch backend's
+  ``deepspeed.comm.torch.build_shm_op`` (its CPU shared-memory op, which ZeRO never calls, neither built nor loaded).
 - torch: torchrun's ``_terminate_process_handler`` (``launch`` learns which signal stopped the agent) and
   ``SubprocessHandler.close``/``_stdout``/``_stderr`` (a signal to each worker, not its DataLoader workers),
   ``nn.modules.batchnorm._NormBase`` (per-rank running statistics), the fused ``torch._foreach_*``
@@ -37,6 +39,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import importlib
+import logging
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -112,6 +116,24 @@ def skip_per_batch_sigterm_broadcast(trainer: Any) -> bool:
     return True
 
 
+def fit_loop_done_quietly(trainer: Any) -> bool:
+    """``trainer.fit_loop.done``, without the "`Trainer.fit` stopped: ..." line it logs each time it is asked.
+
+    Lightning asks it itself as the loop ends (or is skipped, on a resume at ``max_steps``) and says why then; a
+    callback asking again said the line twice. Reach: the loggers behind ``rank_zero_info`` (Lightning's and
+    Fabric's ``utilities.rank_zero``; whichever imported last writes), silenced while it is asked.
+    """
+    loggers = [logging.getLogger(f"lightning.{part}.utilities.rank_zero") for part in ("pytorch", "fabric")]
+    before = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        return bool(trainer.fit_loop.done)
+    finally:
+        for logger, disabled in zip(loggers, before, strict=True):
+            logger.disabled = disabled
+
+
 def _no_broadcast() -> None:
     """What replaces Lightning's per-batch SIGTERM broadcast: nothing (see skip_per_batch_sigterm_broadcast)."""
 
@@ -137,6 +159,28 @@ def deepspeed_initialize_on_rank(device_rank: int) -> Iterator[None]:
         yield
     finally:
         deepspeed.initialize = original
+
+
+@contextlib.contextmanager
+def deepspeed_without_shm_op() -> Iterator[None]:
+    """Within the block, DeepSpeed's torch backend starts without its CPU shared-memory all-reduce op.
+
+    Reach: ``deepspeed.comm.torch.build_shm_op`` (DeepSpeed 0.14+), which ``TorchBackend.__init__`` looks up at
+    call time. On DeepSpeed's CPU accelerator it JIT-compiles ``deepspeed_shm_comm`` (the first time on a machine),
+    loads it, and prints "... built successfully" in every rank. None is DeepSpeed's own answer where the op is
+    unavailable: ``inference_all_reduce``, its only user, then calls the process group's all-reduce.
+    """
+    backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` the attribute is torch itself
+    original = _require(backend, "build_shm_op", "starting DeepSpeed's CPU backend without its shared-memory op")
+    backend.build_shm_op = _no_shm_op
+    try:
+        yield
+    finally:
+        backend.build_shm_op = original
+
+
+def _no_shm_op() -> None:
+    """What replaces DeepSpeed's ``build_shm_op`` in ``deepspeed_without_shm_op``: no op."""
 
 
 def preload_checkpoint(trainer: Any, path: Any, checkpoint: dict[str, Any]) -> None:
@@ -241,6 +285,39 @@ def epoch_loaders(trainer: Any) -> tuple[Any, Any]:
     loop = trainer.fit_loop
     what = "resuming in the middle of an epoch"
     return _require(loop, "_data_fetcher", what), _require(loop, "_combined_loader", what)
+
+
+def reopen_last_epoch(checkpoint: dict[str, Any]) -> None:
+    """In a checkpoint's loop state, count its last epoch as started, not completed (it stopped mid-epoch).
+
+    Reach: the layout of Lightning's ``checkpoint["loops"]["fit_loop"]`` (``epoch_progress``: ``total`` and
+    ``current`` trackers) and the checkpoint's ``epoch``, Lightning 2.x: what a save inside the epoch holds.
+    """
+    progress = _fit_loop_state(checkpoint, "epoch_progress")
+    for tracker in (progress["total"], progress["current"]):
+        tracker["processed"] -= 1
+        tracker["completed"] -= 1
+    checkpoint["epoch"] = progress["current"]["completed"]
+
+
+def start_next_epoch_afresh(checkpoint: dict[str, Any]) -> None:
+    """In a checkpoint's loop state, count no batch of the epoch in progress (the previous one used up its data).
+
+    Reach: the layout of Lightning's ``checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]`` (``current``
+    tracker, ``is_last_batch``), Lightning 2.x: what a save before the next epoch's first batch would hold.
+    """
+    progress = _fit_loop_state(checkpoint, "epoch_loop.batch_progress")
+    progress["current"] = dict.fromkeys(progress["current"], 0)
+    progress["is_last_batch"] = False
+
+
+def _fit_loop_state(checkpoint: dict[str, Any], key: str) -> dict[str, Any]:
+    state = checkpoint.get("loops", {}).get("fit_loop", {})
+    if key not in state:
+        raise CompatError(
+            f"continuing a run: the checkpoint's fit_loop has no {key!r}; lightning_mlopt needs an update"
+        )
+    return state[key]
 
 
 def data_ends_after_this_batch(fetcher_owner: Any) -> bool:

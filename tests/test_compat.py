@@ -59,6 +59,19 @@ def test_deepspeed_initialize_is_wrapped_only_inside_the_block():
     assert seen["args"].device_rank == 3 and callable(deepspeed_initialize)
 
 
+def test_deepspeed_starts_its_cpu_backend_without_the_shm_op_only_inside_the_block():
+    import importlib
+    import inspect
+
+    backend = importlib.import_module("deepspeed.comm.torch")
+    original = backend.build_shm_op
+    with _compat.deepspeed_without_shm_op():
+        assert backend.build_shm_op() is None  # no compile, no load, no "built successfully"
+    assert backend.build_shm_op is original
+    # Where DeepSpeed calls it: a global looked up when the backend starts (a renamed call would skip nothing).
+    assert "self.shm_comm_op = build_shm_op()" in inspect.getsource(backend.TorchBackend.__init__)
+
+
 def test_a_preloaded_checkpoint_is_what_lightning_restores_from():
     import lightning.pytorch as pl
 
@@ -476,3 +489,17 @@ def test_progress_bar_metrics_stay_tensors_until_something_reads_them():
     trainer.fit(LogsOnTheBar())
     assert kept and all(isinstance(value, torch.Tensor) for value in kept), "converted after every batch"
     assert isinstance(trainer.progress_bar_metrics["on_bar"], float)  # readers still get numbers
+
+
+def test_the_fit_loops_done_is_asked_without_its_stopped_line(caplog):
+    import logging
+
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=0, logger=False, enable_progress_bar=False)
+    with caplog.at_level(logging.INFO):
+        assert trainer.fit_loop.done  # Lightning's own question: it says why
+        said = caplog.text.count("`Trainer.fit` stopped")
+        assert _compat.fit_loop_done_quietly(trainer)
+    assert said == 1 and caplog.text.count("`Trainer.fit` stopped") == 1, "said once, by Lightning"
+    assert not logging.getLogger("lightning.pytorch.utilities.rank_zero").disabled, "its other lines still said"

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, Sampler
 
-from lightning_mlopt._compat import epoch_loaders
+from lightning_mlopt._compat import epoch_loaders, reopen_last_epoch, start_next_epoch_afresh
 from lightning_mlopt.checkpoint.data_order import data_seed, resumable_loaders, samples_in_epoch
 
 DATA_POSITION_KEY = "data_position"  # in every checkpoint's state
@@ -51,16 +51,59 @@ def data_position(trainer: Any) -> dict[str, Any]:
         {"epoch": 1, "seed": 1234, "batches_per_rank": 8, "samples": 512, "replicas": 4}
     """
     _, combined = epoch_loaders(trainer)
-    batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    epoch, batches = epoch_and_batches(trainer)
     loaders = combined.flattened if combined is not None else []
     replicas = data_replicas(trainer)
     return {
-        "epoch": trainer.current_epoch,
+        "epoch": epoch,
         "seed": data_seed(),
         "batches_per_rank": batches,
         "samples": samples_in_epoch(batches, loaders, replicas),
         "replicas": replicas,
     }
+
+
+def epoch_and_batches(trainer: Any) -> tuple[int, int]:
+    """The epoch a resume continues and the batches per rank it has used: Lightning's counts, read as a resume must.
+
+    While an epoch runs these are Lightning's own. Once training has stopped (the final save, in
+    ``on_train_end``), Lightning has counted the last epoch complete whether its data was used up or not: a run
+    stopped by ``max_steps`` after 30 of 32 batches reads "epoch 1, 30 batches", and continuing it would skip 30
+    batches of epoch 1 and never see the rest of epoch 0. Here that is epoch 0 with 30 batches used; an epoch that
+    did use up its data continues as the next one, with none used.
+
+    Example::
+
+        epoch_and_batches(trainer)   # (0, 30) at the end of a run stopped by max_steps=30 in a 32-batch epoch
+    """
+    loop = trainer.fit_loop
+    epochs, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress.current.processed
+    if epochs.ready != epochs.completed or batches == 0:  # an epoch in flight, or none begun
+        return trainer.current_epoch, batches
+    if epoch_used_up(trainer, batches):
+        return trainer.current_epoch, 0
+    return trainer.current_epoch - 1, batches
+
+
+def loops_as_resumable(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Make a checkpoint saved after training stopped hold the loop state :func:`epoch_and_batches` reads.
+
+    Lightning, restoring "epoch 1 complete, 30 batches of it processed", would run epoch 1 from batch 30 (or,
+    with the epoch's data used up, end it after one batch). Saves while an epoch runs are left as they are.
+    """
+    loop = trainer.fit_loop
+    epochs, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress.current.processed
+    if epochs.ready != epochs.completed or batches == 0:
+        return
+    if epoch_used_up(trainer, batches):
+        start_next_epoch_afresh(checkpoint)
+    else:
+        reopen_last_epoch(checkpoint)
+
+
+def epoch_used_up(trainer: Any, batches: int) -> bool:
+    """Whether ``batches`` processed are all of the epoch's training batches (Lightning's count, or its last batch)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch) or batches >= trainer.num_training_batches
 
 
 def saved_replicas(position: dict[str, Any], loaders: Iterable[Any]) -> int | None:

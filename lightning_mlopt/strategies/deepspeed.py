@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 from concurrent.futures import Future
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +24,7 @@ from typing_extensions import override
 from lightning_mlopt._compat import (
     deepspeed_initialize_on_rank,
     deepspeed_micro_batch_size,
+    deepspeed_without_shm_op,
     init_deepspeed_distributed,
     restore_zero_state,
     zero3_step_starts_at_the_outermost_forward,
@@ -32,6 +34,7 @@ from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
+from lightning_mlopt.strategies.deepspeed_startup import name_deepspeed_accelerator, uses_shm_op
 from lightning_mlopt.strategies.sharding import ZeroSharding
 from lightning_mlopt.strategies.spec import StrategySpec
 
@@ -139,6 +142,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
             _set_offload(zero, "offload_param", offload_parameters)
         if "offload_param" in zero and zero.get("stage") != 3:
             raise ValueError(f"parameter offload needs ZeRO stage 3 (the config has stage {zero.get('stage')})")
+        name_deepspeed_accelerator()  # Lightning's constructor imports deepspeed, which picks its accelerator then
         super().__init__(
             config=block,
             process_group_backend=process_group_backend,
@@ -172,7 +176,9 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
 
             reset_seed()
             self.set_world_ranks()
-            init_deepspeed_distributed(self)
+            # DeepSpeed's CPU backend would compile (once per machine) and load an op that ZeRO never calls.
+            with nullcontext() if uses_shm_op(self.config or {}) else deepspeed_without_shm_op():
+                init_deepspeed_distributed(self)
             return
         super().setup_distributed()
 
@@ -239,6 +245,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
         """
         from lightning_mlopt.strategies.zero_checkpoint import read_zero_checkpoint
 
+        name_deepspeed_accelerator()  # unpickling DeepSpeed's files imports it
         return read_zero_checkpoint(state)
 
     @override
