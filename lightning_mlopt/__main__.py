@@ -11,11 +11,13 @@ import os
 import sys
 
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, run_tool
+from lightning_mlopt.spelling import CLI_ENV
 
 
 def run() -> None:
     """Guard the process, then import and run the CLI (``lightning-mlopt`` and ``python -m lightning_mlopt``)."""
     subcommand = sys.argv[1] if len(sys.argv) > 1 else ""
+    os.environ[CLI_ENV] = "1"  # the tools' messages, like the runs', name settings by their YAML keys
     if subcommand in TOOLS:
         raise SystemExit(run_tool(subcommand, sys.argv[2:]))
     if subcommand in TRAINER_RUNS:

@@ -90,3 +90,12 @@ def test_every_public_class_and_key_is_documented(cls):
     for name in PINNED[cls].split():
         if name != "loader":
             assert f"`{name}`" in docs or name in docs, f"{cls.__name__}.{name} is in neither the README nor docs/"
+
+
+def test_the_cli_packages_public_names_are_pinned():
+    # quiet_lightning: the CLI's noise filters for a script's own Trainer (docs/configuration.md).
+    import lightning_mlopt.cli as cli
+
+    assert sorted(cli.__all__) == ["MLOptCLI", "check_arguments", "main", "print_config", "quiet_lightning"]
+    assert all(callable(getattr(cli, name)) for name in cli.__all__)
+    assert not inspect.signature(cli.quiet_lightning).parameters, "one call, nothing to configure"

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "lightning_mlopt._compat",
         "lightning_mlopt.redaction",
         "lightning_mlopt.renamed",
+        "lightning_mlopt.spelling",
         "lightning_mlopt.run_dir",
         "lightning_mlopt._metrics",
     ),

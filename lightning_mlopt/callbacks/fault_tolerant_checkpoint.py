@@ -10,9 +10,9 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mlopt._compat import callback_state_key
+from lightning_mlopt._compat import callback_state_key, fit_loop_done_quietly
 from lightning_mlopt.checkpoint import CheckpointStore
-from lightning_mlopt.checkpoint.data_position import DATA_POSITION_KEY, data_position
+from lightning_mlopt.checkpoint.data_position import DATA_POSITION_KEY, data_position, loops_as_resumable
 from lightning_mlopt.checkpoint.preempted_exit import PreemptedExit
 from lightning_mlopt.checkpoint.remote.object_store import store_url
 from lightning_mlopt.checkpoint.remote.tiers import attach_tiers, checkpoint_folder
@@ -198,8 +198,10 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Resumed from a checkpoint at max_steps that is not marked final (a kill landed during the final
         # save): Lightning skips the training loop, so on_train_end never runs. Mark the run finished now.
+        # The loop's `done` last: Lightning said "`Trainer.fit` stopped" when it asked; asked again, quietly.
         resumed_unfinished = self.resumed_from is not None and not self._resumption.stays_final
-        if self.save_on.train_end and resumed_unfinished and trainer.fit_loop.done and not self._training_started:
+        skipped = resumed_unfinished and not self._training_started
+        if self.save_on.train_end and skipped and fit_loop_done_quietly(trainer):
             self.save(trainer, reason="final", final=True, wait=True)
             self._tell_loggers(trainer)
 
@@ -306,6 +308,7 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         checkpoint[DATA_POSITION_KEY] = data_position(trainer)  # where the epoch is, in samples of the whole job
+        loops_as_resumable(trainer, checkpoint)  # the final save: the stopped epoch as a resume must continue it
 
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
@@ -148,12 +149,21 @@ def converted_copy(
 
 
 def _identity(source: Path) -> str:
-    """What names one checkpoint: its path and its manifest's commit time (a step saved again is another)."""
+    """What names one checkpoint: its path and its manifest's commit time (a step saved again is another).
+
+    It is the converted copy's ``reason``, which resume prints ("saved by converted from ..."): the time in UTC,
+    as people read it, to the millisecond, so that it still tells two commits of one step folder apart.
+
+    Example::
+
+        _identity(Path("ckpt/step-000000004"))  # '/abs/ckpt/step-000000004 (committed 2026-12-02 15:48:57.887 UTC)'
+    """
     try:
         created = Manifest.from_json((source / MANIFEST_NAME).read_bytes()).created
     except (OSError, CheckpointInvalidError):
         created = 0.0
-    return f"{source.resolve()} (committed {created})"
+    when = dt.datetime.fromtimestamp(created, dt.timezone.utc).isoformat(sep=" ", timespec="milliseconds")
+    return f"{source.resolve()} (committed {when.removesuffix('+00:00')} UTC)"
 
 
 def _is_copy_of(destination: Path, identity: str) -> bool:

@@ -49,6 +49,7 @@ from lightning_mlopt.checkpoint.optimizer_keys import group_names, keyed_by_inde
 from lightning_mlopt.checkpoint.remote.checkpoints import RemoteCheckpoints
 from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.serialization import allowlisted_loading, load_file
+from lightning_mlopt.checkpoint.settings import CHECKPOINT
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.checkpoint.trust import check_trusted
 from lightning_mlopt.exceptions import (
@@ -147,10 +148,11 @@ def choose_checkpoint(
     if entry.manifest.final and not resume_final:
         rank_zero_info(
             f"{entry.path} is marked final: this run already finished at step {entry.step}; not training again. "
-            "To train on (e.g. with a larger max_steps), set checkpoint.resume.final: true."
+            f"To train on (e.g. with a larger max_steps), set {CHECKPOINT.setting('resume.final', True)}."
         )
         return ResumeChoice(entry.path, stays_final=True, manifest=entry.manifest)
-    how = "a finished run, resume.final is set" if entry.manifest.final else f"saved by {entry.manifest.reason}"
+    final_set = f"a finished run, {CHECKPOINT.setting('resume.final', True)}"
+    how = final_set if entry.manifest.final else f"saved by {entry.manifest.reason}"
     rank_zero_info(f"Auto-resuming from {entry.path} (step {entry.step}, {how}).")
     convert_from = readable.name if readable is not None else None
     return ResumeChoice(entry.path, manifest=entry.manifest, convert_from=convert_from)

@@ -43,6 +43,7 @@ from lightning_mlopt.checkpoint.resume import RNG_DIR
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
 from lightning_mlopt.checkpoint.rng import capture_rng_state
 from lightning_mlopt.checkpoint.serialization import StagingBuffer, save_file
+from lightning_mlopt.checkpoint.settings import CHECKPOINT
 from lightning_mlopt.checkpoint.store import STATE_NAME, CheckpointStore
 from lightning_mlopt.exceptions import CheckpointWriteError, StoppedTogether
 from lightning_mlopt.hooks import RunTracker, loggers_with
@@ -317,7 +318,7 @@ class CheckpointSaver:
         if problem is not None:
             raise CheckpointWriteError(
                 f"cannot save checkpoints: {problem}; stopped before training, earlier checkpoints are intact. "
-                "Choose a writable folder with checkpoint.dirpath, or free space"
+                f"Choose a writable folder with {CHECKPOINT.setting('dirpath')}, or free space"
             )
 
     def _save_single_file(

@@ -32,6 +32,7 @@ from lightning_mlopt.checkpoint.store import refuse_url
 from lightning_mlopt.process import exit_codes
 from lightning_mlopt.process.signals import DEFAULT_DEADLINE_S
 from lightning_mlopt.renamed import refuse_renamed
+from lightning_mlopt.spelling import Section
 
 # Flat argument of 0.1 -> its key now (under the callback: ``checkpoint.<new>`` in the CLI's YAML).
 RENAMED_KEYS: Mapping[str, str] = {
@@ -160,15 +161,17 @@ class Tiers:
             >>> Tiers(local_dirpath="/local/ckpt").check("/shared/ckpt")
             Traceback (most recent call last):
             ...
-            ValueError: checkpoint.tiers.local_dirpath sets the local tier of an object store, and ...
+            ValueError: FaultTolerantCheckpoint(tiers=Tiers(local_dirpath=...)) sets the local tier of an object ...
         """
         store = store_url(dirpath)
         if store is not None:
             ObjectURL.parse(store)  # names the bucket
         elif dirpath is not None:
-            refuse_url(dirpath, "checkpoint.dirpath", alternative=", or an S3-compatible store: s3://bucket/prefix")
+            refuse_url(
+                dirpath, CHECKPOINT.setting("dirpath"), alternative=", or an S3-compatible store: s3://bucket/prefix"
+            )
         if self.local_dirpath is not None:
-            refuse_url(self.local_dirpath, "checkpoint.tiers.local_dirpath")
+            refuse_url(self.local_dirpath, CHECKPOINT.setting("tiers.local_dirpath"))
         if self.remote_every_n_steps is not None and self.remote_every_n_steps < 1:
             raise ValueError(f"tiers.remote_every_n_steps must be >= 1, got {self.remote_every_n_steps}")
         if self.remote_every_n_minutes is not None and self.remote_every_n_minutes <= 0:
@@ -176,8 +179,8 @@ class Tiers:
         given = [name for name, value in vars(self).items() if value is not None]
         if given and store is None:
             raise ValueError(
-                f"checkpoint.tiers.{given[0]} sets the local tier of an object store, and checkpoint.dirpath is not "
-                "one: set checkpoint.dirpath: s3://bucket/prefix, or remove it"
+                f"{CHECKPOINT.setting(f'tiers.{given[0]}')} sets the local tier of an object store, and dirpath is "
+                f"not one: set {CHECKPOINT.setting('dirpath', 's3://bucket/prefix')}, or remove it"
             )
 
 
@@ -242,3 +245,7 @@ class Resume:
 
 
 _GROUP_CLASSES = {"save_on": "SaveOn", "keep": "Keep", "tiers": "Tiers", "preemption": "Preemption", "resume": "Resume"}
+
+CHECKPOINT = Section("checkpoint", "FaultTolerantCheckpoint", _GROUP_CLASSES)
+"""How messages name FaultTolerantCheckpoint's settings: ``checkpoint.resume.final: true`` under the CLI,
+``FaultTolerantCheckpoint(resume=Resume(final=True))`` in a script."""

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from lightning_mlopt.checkpoint.settings import CHECKPOINT
 from lightning_mlopt.exceptions import UntrustedCheckpointError
-
-TRUST_OPTION = "checkpoint.resume.trust_pickles: true"
 
 # What checkpoints written by Lightning and lightning_mlopt contain, by strategy (found by scanning real
 # checkpoints of each; see tests/checkpoint/test_checkpoint_trust.py). Constructors of data only: none of them runs
@@ -299,7 +298,7 @@ def refusal(checkpoint: Path, findings: list[Finding]) -> str:
     return (
         f"refusing to load {checkpoint}: it references {shown}{more}, outside the types lightning_mlopt "
         "checkpoints contain; unpickling it could run arbitrary code, so nothing in it was loaded. If you trust "
-        f"where it came from, set {TRUST_OPTION} (checkpoint tool: --trust-pickles)"
+        f"where it came from, set {CHECKPOINT.setting('resume.trust_pickles', True)} (checkpoint tool: --trust-pickles)"
     )
 
 

@@ -36,7 +36,7 @@ from lightning_mlopt.callbacks import (
 from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error, raised_by_lightning
 from lightning_mlopt.cli.ckpt_path import read_by_lightning, resolve_ckpt_path
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, refuse_unknown_subcommand, tools_help
-from lightning_mlopt.cli.quiet import silence_known_noise
+from lightning_mlopt.cli.quiet import quiet_lightning, show_our_warnings_plainly
 from lightning_mlopt.cli.renamed_keys import RENAMED
 from lightning_mlopt.cli.support import (
     MeasuredModelSummary,
@@ -58,6 +58,7 @@ from lightning_mlopt.process.exit import exit_after_launcher, leave_without_dest
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, config_name, fill_run_dir, refuse_foreign_config, resolve_run_dir
+from lightning_mlopt.spelling import spelled_for_the_cli
 from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
 
 DEFAULT_SEED = 1234
@@ -92,18 +93,21 @@ class MLOptCLI(LightningCLI):
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         self.run_dir: Path | None = None
-        super().__init__(
-            model_class=LightningModule,
-            # No datamodule class: `data:` is optional (subclass mode), as in LightningCLI, so a model that
-            # brings its own dataloaders needs none.
-            datamodule_class=None,
-            subclass_mode_model=True,
-            parser_class=_Parser,
-            save_config_callback=None,  # replaced by SaveResolvedConfig, which knows the run directory
-            seed_everything_default=DEFAULT_SEED,
-            args=list(args) if args is not None else None,
-            run=run,
-        )
+        # The settings come from YAML: messages name them by their keys (``checkpoint.resume.final: true``), in
+        # this process and the ranks it launches.
+        with spelled_for_the_cli():
+            super().__init__(
+                model_class=LightningModule,
+                # No datamodule class: `data:` is optional (subclass mode), as in LightningCLI, so a model that
+                # brings its own dataloaders needs none.
+                datamodule_class=None,
+                subclass_mode_model=True,
+                parser_class=_Parser,
+                save_config_callback=None,  # replaced by SaveResolvedConfig, which knows the run directory
+                seed_everything_default=DEFAULT_SEED,
+                args=list(args) if args is not None else None,
+                run=run,
+            )
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -355,7 +359,8 @@ def main(args: Sequence[str] | None = None) -> None:
         raise SystemExit(exit_codes.BAD_INPUT)
     if argv in (["-h"], ["--help"]):
         print(tools_help(below=True))
-    silence_known_noise()
+    quiet_lightning()
+    show_our_warnings_plainly()
     try:
         refuse_unknown_subcommand(argv[0])
         check_config_files(config_paths(argv))

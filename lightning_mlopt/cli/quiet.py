@@ -1,7 +1,14 @@
 """Known noise, silenced by message: lines a user of our CLI cannot act on, or that we answer ourselves.
 
 Only these exact messages; every other warning and log line of Lightning, torch and DeepSpeed stays. Each
-entry says why it is noise here.
+entry says why it is noise here. The CLI installs them; a script of one's own calls :func:`quiet_lightning`.
+
+Example::
+
+    from lightning_mlopt.cli import quiet_lightning
+
+    quiet_lightning()  # before the Trainer is made
+    trainer = Trainer(callbacks=[FaultTolerantCheckpoint()])
 """
 
 from __future__ import annotations
@@ -10,6 +17,9 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 _WARNINGS = (
     # Lightning/torch internals warning about each other's deprecations: nothing the user calls.
@@ -39,8 +49,22 @@ class _DropLines(logging.Filter):
         return not any(message.startswith(line) for line in _LOG_LINES)
 
 
-def silence_known_noise() -> None:
-    """Install the filters (idempotent). Call once per process, before the Trainer exists."""
+def quiet_lightning() -> None:
+    """Drop the lines of Lightning, torch and DeepSpeed that the CLI drops, in this process (idempotent).
+
+    Filters by exact message (the list in this module, each with its reason), on Python's warnings and on
+    Lightning's rank-zero logger; every other line stays. Call it once, before the Trainer is made (some of the
+    lines come from its constructor). The CLI calls it for its runs.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_mlopt.cli import quiet_lightning
+
+        quiet_lightning()
+        Trainer(max_steps=100).fit(model)  # no litlogger tip, no tensorboardX notice, ...
+
+    """
     for message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     if "SLURM_JOB_ID" not in os.environ:
@@ -51,6 +75,36 @@ def silence_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(existing, _DropLines) for existing in logger.filters):
             logger.addFilter(_DropLines())
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # lightning_mlopt/
+_format_before: Callable[..., str] = warnings.formatwarning  # Lightning's (set at its import) or Python's
+
+
+def show_our_warnings_plainly() -> None:
+    """The CLI's warnings of this package without their ``file:line`` and source line (idempotent).
+
+    They are messages about the run (a setting, the data, a checkpoint), not about the line of ours that noticed:
+    the place is noise to the user of the CLI, who wrote no code. Other packages' warnings keep theirs.
+    """
+    global _format_before
+    if warnings.formatwarning is not _format_warning:
+        _format_before, warnings.formatwarning = warnings.formatwarning, _format_warning
+
+
+def _format_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    if _is_ours(filename):
+        return f"{category.__name__}: {message}\n"
+    return _format_before(message, category, filename, lineno, line)
+
+
+def _is_ours(filename: Any) -> bool:
+    try:
+        return Path(os.path.abspath(filename)).is_relative_to(_PACKAGE)
+    except (TypeError, ValueError):
+        return False
 
 
 def is_silenced(message: str) -> bool:

@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.remote.object_store import store_url
 from lightning_mlopt.checkpoint.remote.tiers import checkpoint_folder
-from lightning_mlopt.checkpoint.settings import configured
+from lightning_mlopt.checkpoint.settings import CHECKPOINT, configured
 from lightning_mlopt.checkpoint.store import CheckpointStore
 from lightning_mlopt.cli.ckpt_path import imported_class, strategy_resumes
 from lightning_mlopt.demos import OPTIMIZER_DEFAULTS
@@ -187,8 +187,8 @@ def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
         return None  # FaultTolerantCheckpoint falls back to an older checkpoint, and trains on from it
     return (
         f"{path} is marked final: this run already finished at step {step}; not training again (nothing is "
-        "logged, no log folder is made). To train on (e.g. with a larger max_steps), set checkpoint.resume.final: "
-        "true."
+        "logged, no log folder is made). To train on (e.g. with a larger max_steps), set "
+        f"{CHECKPOINT.setting('resume.final', True)}."
     )
 
 

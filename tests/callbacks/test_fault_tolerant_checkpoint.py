@@ -644,3 +644,31 @@ def test_a_model_that_builds_modules_in_configure_model_resumes(tmp_path):
     fit(2)
     assert fit(4).global_step == 4  # resumed from step 2, head and all
     assert [step for step, _ in CheckpointStore(tmp_path / "ckpt").committed()][-1] == 4
+
+
+def test_lightnings_stopped_line_is_said_once_in_a_resumed_run(tmp_path, caplog):
+    # Lightning says "`Trainer.fit` stopped" each time its loop's `done` is asked; on_fit_end asked again.
+    import logging
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_mlopt.callbacks import SaveOn
+
+    def fit(steps: int, **settings: Any) -> int:
+        folder = str(tmp_path / "ckpt")
+        callback = FaultTolerantCheckpoint(dirpath=folder, every_n_steps=1, async_save=False, **settings)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, default_root_dir=tmp_path, callbacks=[callback],
+        )  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            trainer.fit(BoringModel())
+        return caplog.text.count(f"`Trainer.fit` stopped: `max_steps={steps}` reached.")
+
+    assert fit(2, save_on=SaveOn(train_end=False)) == 1  # as a kill during the final save leaves it
+    assert fit(2) == 1  # resumed at max_steps: the loop is skipped, and the run marked final
+    entry = CheckpointStore(tmp_path / "ckpt").newest_valid()
+    assert entry is not None and entry.step == 2 and entry.manifest.final
+    assert fit(4, resume=Resume(final=True)) == 1  # resumed, trained on to the new max_steps

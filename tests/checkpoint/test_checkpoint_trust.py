@@ -77,8 +77,10 @@ def test_a_crafted_checkpoint_is_refused_everywhere_and_loads_only_when_trusted(
     _plant(newest.path, marker)
     assert [f.name for f in untrusted_globals(newest.path)] == ["os.makedirs"]
 
-    # Auto-resume: refused on every rank before anything is unpickled (the CLI exits 2).
-    with pytest.raises(BadInputError, match=r"os\.makedirs \(in state\.ckpt:.*checkpoint\.resume\.trust_pickles: true"):
+    # Auto-resume: refused on every rank before anything is unpickled (the CLI exits 2), naming the setting as the
+    # script wrote the callback (the CLI says checkpoint.resume.trust_pickles: true).
+    trusting = r"FaultTolerantCheckpoint\(resume=Resume\(trust_pickles=True\)\)"
+    with pytest.raises(BadInputError, match=rf"os\.makedirs \(in state\.ckpt:.*set {trusting} \(checkpoint tool"):
         _fit(tmp_path, steps=6)
     assert not marker.exists()
     # The checkpoint tool: consolidate and export refuse it likewise (exit 2), nothing written.

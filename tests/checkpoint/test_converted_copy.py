@@ -70,3 +70,17 @@ def test_a_failed_conversion_is_raised_by_its_converter_and_by_every_waiter(tmp_
     assert str(waiter.value) == f"cannot convert {source} (a test layout): the partitions of rank 1 are missing"
     assert waiter.value.said_elsewhere  # the converter said it; the others exit with it silently
     assert not (tmp_path / "run" / "converted" / source.name).exists()
+
+
+def test_a_converted_copy_names_its_source_and_the_source_commit_time_in_utc(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+    manifest = Manifest.from_json((source / "manifest.json").read_bytes())
+    manifest.created = 1796219593.887  # what resume prints as "saved by converted from ... (committed ...)"
+    (source / "manifest.json").write_text(manifest.to_json())
+    copy, _ = converted_copy(source, tmp_path / "run", READABLE, trust_pickles=False)
+    assert verify(copy).reason == f"converted from {source.resolve()} (committed 2026-12-02 13:53:13.887 UTC)"
+    # A step saved again (another commit time) is another checkpoint: converted again, not taken for the copy.
+    manifest.created += 0.001
+    (source / "manifest.json").write_text(manifest.to_json())
+    _, described = converted_copy(source, tmp_path / "run", READABLE, trust_pickles=False)
+    assert described is not None and verify(copy).reason.endswith("(committed 2026-12-02 13:53:13.888 UTC)")

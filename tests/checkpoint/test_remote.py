@@ -104,7 +104,7 @@ def test_a_second_run_on_the_same_prefix_stops_at_its_next_commit_in_one_line(s3
     message = str(failure.value)
     assert message == (
         f"s3://{s3_bucket}/runs/gpt/latest: another writer moved it (to step-000000002) since this run last did: "
-        f"two runs are writing to s3://{s3_bucket}/runs/gpt. Give each run its own checkpoint.dirpath"
+        f"two runs are writing to s3://{s3_bucket}/runs/gpt. Give each run its own FaultTolerantCheckpoint(dirpath=...)"
     )
     assert first.store.get_bytes("latest")[0] == b"step-000000002\n"  # the winner's pointer stands
 

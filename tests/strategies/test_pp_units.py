@@ -338,3 +338,16 @@ def test_trial_forwards_put_back_a_buffer_the_forward_replaced() -> None:
     depends_on_mode(model, (torch.randn(3, 4),))
     assert model.cache is cache and torch.equal(cache, torch.zeros(1))
     assert model.count.item() == 0
+
+
+def test_a_pipeline_warning_is_said_where_the_pipeline_finds_it() -> None:
+    # Not at the caller's line: for the warnings raised while setting up, that was FSDPStrategy.setup's.
+    from pathlib import Path
+
+    from lightning_mlopt.strategies import PipelineParallelStrategy
+
+    strategy = PipelineParallelStrategy(microbatches=2)
+    strategy._batch_size = 4  # the training loader's, fixed when the stages were traced
+    with pytest.warns(UserWarning, match="pipeline: val/loss leaves out batches of 3 samples, not 4") as said:
+        assert strategy._evaluate((torch.zeros(3, 2), torch.zeros(3)), "val/loss") is None
+    assert [Path(w.filename).name for w in said] == ["pipeline_parallel.py"]

@@ -39,6 +39,7 @@ import xxhash
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.remote.object_store import ObjectStore
 from lightning_mlopt.checkpoint.retention import RetentionPolicy
+from lightning_mlopt.checkpoint.settings import CHECKPOINT
 from lightning_mlopt.checkpoint.store import LATEST_NAME, CheckpointEntry, CheckpointStore
 from lightning_mlopt.exceptions import (
     CheckpointInvalidError,
@@ -125,7 +126,7 @@ class RemoteCheckpoints:
             except ConcurrentWriterError:
                 raise ConcurrentWriterError(
                     f"{self.store.url.child(name)}: another writer committed this step first: two runs are writing "
-                    f"to {self.url}. Give each run its own checkpoint.dirpath"
+                    f"to {self.url}. Give each run its own {CHECKPOINT.setting('dirpath')}"
                 ) from None
             self._move_latest(name)
         else:
@@ -165,7 +166,7 @@ class RemoteCheckpoints:
             now = found[0].decode().strip() if found else "nothing"
             raise ConcurrentWriterError(
                 f"{self.store.url.child(LATEST_NAME)}: another writer moved it (to {now}) since this run last did: "
-                f"two runs are writing to {self.url}. Give each run its own checkpoint.dirpath"
+                f"two runs are writing to {self.url}. Give each run its own {CHECKPOINT.setting('dirpath')}"
             ) from None
 
     def _apply_retention(self, protected: int) -> None:
