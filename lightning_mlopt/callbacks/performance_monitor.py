@@ -24,6 +24,7 @@ from lightning_mlopt.perf.flops import TrainingFlopCounter
 from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
 from lightning_mlopt.perf.peaks import matmul_precision, measure_peak_flops, published_peak_flops
 from lightning_mlopt.perf.phase_clock import PhaseClock
+from lightning_mlopt.perf.thread_watch import ThreadWatch
 from lightning_mlopt.perf.trace import ProfilerWindow, check_window
 from lightning_mlopt.perf.window_sum import WindowSum
 from lightning_mlopt.process.phase import PHASES, phase
@@ -61,11 +62,11 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
     When a rank waits for data more than ``stall_threshold`` of the step over a window of at least
     ``stall_window`` batches (the logging windows, pooled until they are that long), a warning names the
     rank(s), the fraction and the dataloader settings to change, once per run for each set of stalled ranks
-    (a stall that comes back after each epoch's start is one finding; ``perf/frac_data_wait`` tracks it). The
-    first batch (start-up, FLOP counting), validation, and the monitor's own work (its exchange on logging
-    steps, writing a trace) are left out of every figure. At the end of training rank zero writes
-    the whole run's figures to ``<run_dir>/perf/summary.json`` (what ``python -m lightning_mlopt profile``
-    reads).
+    (a stall that comes back after each epoch's start is one finding; ``perf/frac_data_wait`` tracks it). On
+    CPU, more threads than cores, and steps far slower than the matmul probe predicts, get a warning each
+    (``perf/thread_watch.py``). The first batch (start-up, FLOP counting), validation, and the monitor's own work (its
+    exchange on logging steps, writing a trace) are left out of every figure. At the end of training rank zero writes
+    the whole run's figures to ``<run_dir>/perf/summary.json`` (read by ``profile``).
 
     ``profile_steps: [start, stop]`` records optimizer steps ``start`` to ``stop - 1`` with torch.profiler on
     every rank, writes ``<run_dir>/perf/trace-rank<R>.json.gz`` (at most 20 steps; gzip; no shapes or stacks)
@@ -149,6 +150,7 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         self._oom: OOMSnapshot | None = None
         self._warned_counting = False
         self._warned_bubble = False
+        self._threads = ThreadWatch()  # on CPU: more threads than cores, steps far off the probe's prediction
         self._bubble_theory: float | None = None  # the pipeline schedule's, logged beside the measured bubble
 
     def folder(self, trainer: pl.Trainer) -> Path:
@@ -193,6 +195,7 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         self._batches = 0
         pipeline = pipeline_of(trainer.strategy)
         self._bubble_theory = None if pipeline is None else pipeline.theoretical_bubble
+        self._threads.start(device, trainer.num_devices)
 
     # ------------------------------------------------------------------ every batch
 
@@ -298,6 +301,7 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
     def _report(self, trainer: pl.Trainer, job: JobWindow, step: int) -> None:
         self.last_metrics = self.metrics_of(job)
         self._check_bubble(trainer, job)
+        self._threads.judge(self.run_window)
         self._stall_pool = job if self._stall_pool is None else self._stall_pool.pooled(job)
         if self._stall_pool.ranks[0].batches >= self.stall_window:
             self._check_stalls(self._stall_pool)

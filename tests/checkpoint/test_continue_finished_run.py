@@ -51,13 +51,13 @@ class _Recording(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(root: Path, max_steps: int, resume: Resume = Resume()) -> _Recording:
+def _fit(root: Path, max_steps: int, resume: Resume | None = None) -> _Recording:
     pl.seed_everything(1234)
     model = _Recording()
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root,
-        callbacks=[FaultTolerantCheckpoint(dirpath=str(root / "checkpoints"), resume=resume)],
+        callbacks=[FaultTolerantCheckpoint(dirpath=str(root / "checkpoints"), resume=resume or Resume())],
     )  # fmt: skip
     trainer.fit(model)
     return model
