@@ -28,7 +28,8 @@ The reaches:
   kernels (norms of many tensors in one call), ``torch.autograd._profiler_enabled`` (no collective left in
   flight under a profiler), DCP's whole-folder reader (a checkpoint converted without a temporary file), the
   default store of
-  ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint.
+  ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint, the FLOP
+  counter's dispatch and the dispatcher's op table (counting runs each op's own kernel, not its decomposition).
 - argparse: a parser's ``_actions`` and subcommand parsers (every known key, for "did you mean").
 - the interpreter: ``sys._current_frames`` (the hang dump's stacks), ``atexit._run_exitfuncs`` (exit
   handlers before leaving without C++ destructors).
@@ -496,6 +497,54 @@ def without_module_tracking(mode: Any) -> Any:
     _require(mode, "mod_tracker", "counting FLOPs without tracking modules")
     mode.mod_tracker = _GlobalOnly()
     return mode
+
+
+def undecomposed_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """Zero-FLOP formulas that make ``FlopCounterMode`` run each op as it runs uncounted (``custom_mapping``).
+
+    Reach: ``torch.utils.flop_counter._FlopCounterMode.__torch_dispatch__``, which runs an op it sees through the
+    op's CompositeImplicitAutograd decomposition (``OpOverload.decompose``) unless the op, the overload itself, is a
+    key of the counter's registry (torch keys its own formulas by packet, so none is). An op with a kernel of its
+    own and such a decomposition is then computed otherwise while counted: ``silu_backward`` (Llama's SiLU MLP)
+    rounds otherwise, so a counted step's gradients differed in the last bit from an uncounted one (issue 58).
+    Every such aten op (a kernel for CPU or CUDA, and a decomposition) is a key here, overload and packet: it runs
+    its own kernel. Each counts zero, as its decomposition does (elementwise work, norms, upsampling).
+    """
+    import torch
+
+    def nothing(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return 0
+
+    what = "counting FLOPs without decomposing"
+    decomposed = _require(torch._C.DispatchKey, "CompositeImplicitAutograd", what)
+    own = [getattr(torch._C.DispatchKey, key) for key in ("CPU", "CUDA") if hasattr(torch._C.DispatchKey, key)]
+    from torch.utils.flop_counter import flop_registry
+
+    # Ops with a C++ decomposition (``torch.ops.aten`` lists only the ops loaded so far), and the loaded ones:
+    # a Python decomposition (``py_impl``) is registered on a loaded op.
+    has_kernel = _require(torch._C, "_dispatch_has_kernel_for_dispatch_key", what)
+    names = {
+        full.split("::", 1)[1].split(".", 1)[0]
+        for full in _require(torch._C, "_dispatch_get_all_op_names", what)()
+        if full.startswith("aten::") and has_kernel(full, "CompositeImplicitAutograd")
+    }
+    formulas: dict[Any, Callable[..., int]] = {}
+    for name in sorted(names | set(dir(torch.ops.aten))):
+        try:
+            packet = getattr(torch.ops.aten, name)
+            overloads = [getattr(packet, overload) for overload in packet.overloads()]
+        except (AttributeError, RuntimeError):  # a name listed but no op in this build
+            continue
+        for op in overloads:
+            try:
+                whole = op.has_kernel_for_dispatch_key(decomposed) and any(map(op.has_kernel_for_dispatch_key, own))
+            except RuntimeError:  # an overload listed but not registered in this build
+                continue
+            if whole:
+                formulas[op] = raw_flop_formula(nothing)
+                if packet not in flop_registry:
+                    formulas[packet] = raw_flop_formula(nothing)
+    return formulas
 
 
 def record_memory_history(max_entries: int) -> None:

@@ -166,6 +166,19 @@ def test_flop_counting_without_module_tracking_gives_the_same_total_and_allows_g
         torch.autograd.grad(layer(leaf).sum(), inputs=[leaf])
 
 
+def test_flop_counting_runs_an_op_with_a_kernel_of_its_own_as_it_runs_uncounted():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    formulas = _compat.undecomposed_flop_formulas()
+    assert torch.ops.aten.silu_backward.default in formulas and torch.ops.aten.mm not in formulas
+    grad, gate = torch.randn(4096), torch.randn(4096)
+    with FlopCounterMode(display=False, custom_mapping=formulas) as counter:
+        counted = torch.ops.aten.silu_backward(grad, gate)
+        torch.mm(torch.ones(2, 3), torch.ones(3, 2))
+    assert torch.equal(counted, torch.ops.aten.silu_backward(grad, gate))  # the kernel's bits, not math_silu's
+    assert counter.get_total_flops() == 2 * 2 * 3 * 2  # torch's own formulas still count
+
+
 def test_argparse_reaches_list_every_key_of_the_cli():
     from jsonargparse import ArgumentParser
 

@@ -22,7 +22,12 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-from lightning_mlopt._compat import cpu_attention_ops, raw_flop_formula, without_module_tracking
+from lightning_mlopt._compat import (
+    cpu_attention_ops,
+    raw_flop_formula,
+    undecomposed_flop_formulas,
+    without_module_tracking,
+)
 
 
 def _cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -68,15 +73,21 @@ def _on_local_shapes(formula: Any) -> Any:
 
 
 def _formulas() -> dict[Any, Any]:
-    """The FLOP formulas of torch and of CPU attention, each on the local shapes (:func:`_on_local_shapes`)."""
-    return {op: _on_local_shapes(formula) for op, formula in {**flop_registry, **_extra_formulas()}.items()}
+    """The FLOP formulas of torch and of CPU attention, each on the local shapes (:func:`_on_local_shapes`).
+
+    Every other op with a kernel of its own counts zero and runs that kernel, not its decomposition: counting
+    changes no bit of the step it counts (``undecomposed_flop_formulas``).
+    """
+    counted = {op: _on_local_shapes(formula) for op, formula in {**flop_registry, **_extra_formulas()}.items()}
+    return {**undecomposed_flop_formulas(), **counted}
 
 
 class TrainingFlopCounter:
     """Counts the FLOPs of everything run inside it (forward and backward), with CPU attention included.
 
     torch's ``FlopCounterMode`` counts matmuls, convolutions and attention (full, without a causal discount,
-    as the usual MFU formulas do); elementwise work, norms and embeddings lookups count zero. Its attention
+    as the usual MFU formulas do); elementwise work, norms and embeddings lookups count zero. Every op runs the
+    kernel it runs uncounted, so a counted step's results are bitwise those of an uncounted one. Its attention
     backward includes the recomputation of the scores that flash attention does (``2·B·T²·d`` per layer more
     than :func:`transformer_training_flops`, about 1% of a small GPT's total). Under activation
     checkpointing the recomputed forward is counted too (hardware FLOPs); give the model FLOPs by hand
