@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 from torch.utils.data import BatchSampler, Sampler
 
@@ -76,11 +76,11 @@ def epoch_and_batches(trainer: Any) -> tuple[int, int]:
 
         epoch_and_batches(trainer)   # (0, 30) at the end of a run stopped by max_steps=30 in a 32-batch epoch
     """
-    loop = trainer.fit_loop
-    epochs, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress.current.processed
-    if epochs.ready != epochs.completed or batches == 0:  # an epoch in flight, or none begun
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    stopped = _how_training_stopped(trainer)
+    if stopped is None:
         return trainer.current_epoch, batches
-    if epoch_used_up(trainer, batches):
+    if stopped == "used up":
         return trainer.current_epoch, 0
     return trainer.current_epoch - 1, batches
 
@@ -91,19 +91,25 @@ def loops_as_resumable(trainer: Any, checkpoint: dict[str, Any]) -> None:
     Lightning, restoring "epoch 1 complete, 30 batches of it processed", would run epoch 1 from batch 30 (or,
     with the epoch's data used up, end it after one batch). Saves while an epoch runs are left as they are.
     """
-    loop = trainer.fit_loop
-    epochs, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress.current.processed
-    if epochs.ready != epochs.completed or batches == 0:
-        return
-    if epoch_used_up(trainer, batches):
+    stopped = _how_training_stopped(trainer)
+    if stopped == "used up":
         start_next_epoch_afresh(checkpoint)
-    else:
+    elif stopped == "cut":
         reopen_last_epoch(checkpoint)
 
 
-def epoch_used_up(trainer: Any, batches: int) -> bool:
-    """Whether ``batches`` processed are all of the epoch's training batches (Lightning's count, or its last batch)."""
-    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch) or batches >= trainer.num_training_batches
+def _how_training_stopped(trainer: Any) -> Literal["used up", "cut"] | None:
+    """After training stopped, whether its last epoch used up its data or was cut; None while an epoch runs.
+
+    Lightning counts an epoch complete when its loop ends, whatever ended it (``max_steps``, ``should_stop``),
+    and resets the epoch's batch count only when the next epoch starts: both counted, nothing begun since.
+    """
+    loop = trainer.fit_loop
+    epochs, progress = loop.epoch_progress.current, loop.epoch_loop.batch_progress
+    batches = progress.current.processed
+    if epochs.ready != epochs.completed or batches == 0:  # an epoch in flight, or none begun
+        return None
+    return "used up" if progress.is_last_batch or batches >= trainer.num_training_batches else "cut"
 
 
 def saved_replicas(position: dict[str, Any], loaders: Iterable[Any]) -> int | None:

@@ -21,13 +21,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_mlopt.distributed.sharding import data_parallel_size
 from lightning_mlopt.distributed.state import full_parameters, gathered_over_pipeline
+from lightning_mlopt.strategies.contract import contract_of
 
 RECORD_NAME = "parity.pt"
 DEEPSPEED_OWNS_GRADIENTS = "DeepSpeed's engine owns them"
@@ -59,7 +59,9 @@ class ParityRecorder(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(trainer.strategy, DeepSpeedStrategy):
+        # The strategy's declared answer: where dropping .grad would not skip the step, its engine owns the
+        # gradients and .grad is not the step's gradient (DeepSpeed).
+        if not contract_of(trainer.strategy).sharding.can_skip_step:
             self.gradients_not_recorded = DEEPSPEED_OWNS_GRADIENTS
 
     @override

@@ -60,7 +60,24 @@ def hf_config(
     return transformers.LlamaConfig(**common)
 
 
-class HFCausalLM(pl.LightningModule):
+class _TokenSteps(pl.LightningModule):
+    """The steps a user writes once for a causal LM: the loss from the logits, as ``pipeline_loss`` needs it."""
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, targets = _unpack(batch)
+        loss = self.pipeline_loss(self(inputs), targets)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, targets = _unpack(batch)
+        self.log("val/loss", self.pipeline_loss(self(inputs), targets), sync_dist=True)
+
+
+class HFCausalLM(_TokenSteps):
     """A user's LightningModule around a ``transformers`` causal LM built from its config; AdamW at a fixed rate.
 
     Its loss is computed here from the logits (as ``pipeline_loss`` needs it), so one process and every layout
@@ -86,19 +103,6 @@ class HFCausalLM(pl.LightningModule):
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(input_ids=tokens, use_cache=False).logits
-
-    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten())
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        inputs, targets = _unpack(batch)
-        loss = self.pipeline_loss(self(inputs), targets)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        inputs, targets = _unpack(batch)
-        self.log("val/loss", self.pipeline_loss(self(inputs), targets), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
@@ -128,7 +132,7 @@ class _NanoBlock(nn.Module):
         return x + self.mlp_proj(nn.functional.gelu(self.c_fc(self.ln_2(x))))
 
 
-class NanoGPT(pl.LightningModule):
+class NanoGPT(_TokenSteps):
     """nanoGPT's shape: ``wte``, ``wpe``, ``layers`` (a root ``ModuleList``), ``ln_f``, ``lm_head``."""
 
     def __init__(
@@ -147,19 +151,6 @@ class NanoGPT(pl.LightningModule):
         for block in self.layers:
             x = block(x)
         return self.lm_head(self.ln_f(x))
-
-    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten())
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        inputs, targets = _unpack(batch)
-        loss = self.pipeline_loss(self(inputs), targets)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        inputs, targets = _unpack(batch)
-        self.log("val/loss", self.pipeline_loss(self(inputs), targets), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
