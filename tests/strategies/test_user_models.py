@@ -59,12 +59,16 @@ def _checkpointed_names(run: TrainedRun) -> set[str]:
         keys = FileSystemReader(str(metadata.parent)).read_metadata().state_dict_metadata
         return {key.removeprefix("state_dict.") for key in keys if key.startswith("state_dict.")}
     names: set[str] = set()
-    for path in folder.rglob("*.pt*"):  # one file (state.ckpt) or DeepSpeed's model states
+    for path in folder.rglob("*.pt*"):  # DeepSpeed's model states (a ZeRO folder is named state.ckpt)
+        if not path.is_file():
+            continue
         state = torch.load(path, map_location="cpu", weights_only=False)
         if isinstance(state, dict):
             for key in ("state_dict", "module"):
                 names |= {name.removeprefix("_forward_module.") for name in state.get(key) or {}}
-    for path in folder.rglob("*.ckpt"):
+    for path in folder.rglob("*.ckpt"):  # one file
+        if not path.is_file():
+            continue
         names |= set(torch.load(path, map_location="cpu", weights_only=False).get("state_dict") or {})
     return names
 
