@@ -2,11 +2,14 @@
 
 The process is guarded before anything slow is imported (torch and Lightning take seconds, and a scheduler's
 signal may come meanwhile): a ``fit`` owns its preemption signals from here on (flag-only handlers), and every
-Trainer run gets a start-up deadline; a rank started by a launcher also ends when its launcher is gone.
+Trainer run gets a start-up deadline; a rank started by a launcher also ends when its launcher is gone. A native
+crash of a Trainer run (a segmentation fault in an extension, an abort) prints every thread's Python stack before
+the process dies, instead of an exit status alone.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -21,6 +24,7 @@ def run() -> None:
     if subcommand in TOOLS:
         raise SystemExit(run_tool(subcommand, sys.argv[2:]))
     if subcommand in TRAINER_RUNS:
+        faulthandler.enable(all_threads=True)  # a crash at hour 47 names its frames (stderr, every rank)
         from lightning_mlopt.process.signals import preemption
         from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, startup_guard
 

@@ -117,7 +117,16 @@ def failure_report(result: subprocess.CompletedProcess[str], tail: int = 2500) -
     not the one whose long traceback ends the output), then the end of stderr."""
     lines = (result.stdout + result.stderr).splitlines()
     errors = [line for line in lines if "Error" in line or "error:" in line or "Killed" in line][:40]
-    return "error lines:\n" + "\n".join(errors) + f"\n--- end of stderr ---\n{result.stderr[-tail:]}"
+    crash = _native_crash_report(result.stderr.splitlines())
+    return "error lines:\n" + "\n".join([*errors, *crash]) + f"\n--- end of stderr ---\n{result.stderr[-tail:]}"
+
+
+def _native_crash_report(lines: list[str], most: int = 60) -> list[str]:
+    """The fault handler's report of a native crash (``Fatal Python error: ...`` and the stacks after it)."""
+    starts = [index for index, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    if not starts:
+        return []
+    return ["--- native crash ---", *lines[starts[0] : starts[0] + most]]
 
 
 # Settings that make any config a 2-step smoke run.

@@ -12,7 +12,8 @@ SIGTERM, Kubernetes' SIGTERM, a cloud's spot notice). Three facts shape how we t
   forever. So a watcher thread reads the signal from the interpreter's wakeup file descriptor (written by
   the C-level handler at once, whatever the main thread does) and starts a deadline: if the process has not
   exited ``deadline_s`` after the signal, it prints where the main thread is and exits with ``exit_code``
-  (no new checkpoint; the previous one is intact).
+  (no new checkpoint; the previous one is intact). The first rank to leave breaks its peers' collectives: an
+  uncaught failure after the signal exits with the same status, so the job is requeued, not marked failed.
 - A signal can arrive while the process is still importing torch and Lightning (SLURM may send it up to N
   seconds early). The entry point installs these handlers before importing anything slow, so a signal in
   start-up is remembered, not fatal.
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 from lightning_mlopt.process import exit_codes
@@ -71,6 +72,8 @@ class PreemptionSignals:
         self._pipe: tuple[int, int] | None = None
         self._previous_wakeup_fd = -1
         self._watcher: threading.Thread | None = None
+        self._leaving = threading.Lock()  # the deadline and a failure after the signal: one of them says why
+        self._hooked_excepthook: Any = None  # the hook ours replaced (None: ours is not installed)
 
     # ------------------------------------------------------------------ public
 
@@ -114,6 +117,7 @@ class PreemptionSignals:
         if self._previous:
             self._start_watcher()
             self._wake_watcher()  # a signal already received: its deadline may have moved (a grace now known)
+            self._hook_uncaught_exceptions()
         return sorted(self._previous)
 
     def own_for_run(
@@ -246,6 +250,46 @@ class PreemptionSignals:
             self._pending_redelivery = False
             os.kill(os.getpid(), number)  # delivered now, to the handler the process had without us
 
+    # ------------------------------------------------------------------ failures after a signal
+
+    def _hook_uncaught_exceptions(self) -> None:
+        """Chain :meth:`_uncaught` in front of ``sys.excepthook``, once (inert while no signal is owned)."""
+        if self._hooked_excepthook is None:
+            self._hooked_excepthook = sys.excepthook
+            sys.excepthook = self._uncaught
+
+    def _uncaught(self, kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        """A failure that ends the process after a preemption signal ends it as preempted, not as a crash.
+
+        Every rank of a preempted job receives the signal; the first to reach its deadline leaves, and the others'
+        collectives then fail ("Connection closed by peer"). Exiting 1 there would turn a requeue into a failed
+        job (a job's status is rank zero's), so the process exits with the deadline's status and says what
+        happened.
+        """
+        if self._received is None or not self._previous:
+            self._hooked_excepthook(kind, error, trace)
+            return
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        waited = time.monotonic() - self._received_at
+        self._leave(
+            f"error: received {self.describe()} {waited:.0f} s ago; then the main thread failed ({kind.__name__}: "
+            f"{first_line}), most likely because another rank reached its deadline and left a collective. "
+            f"Exiting with status {self.exit_code} without a new checkpoint; earlier ones are intact.\n"
+        )
+
+    def _leave(self, message: str) -> None:
+        """Write ``message`` to the process's stderr and exit with ``exit_code`` at once; the first caller wins.
+
+        Written to descriptor 2, not ``sys.stderr``: torch's rank-prefixing excepthook swaps ``sys.stderr`` for a
+        buffer while the hook it wraps runs, and a message written there is lost at ``os._exit``.
+        """
+        self._leaving.acquire()  # a second caller waits here until the first one's exit ends the process
+        data = message.encode(errors="replace")
+        with contextlib.suppress(OSError):
+            while data:
+                data = data[os.write(2, data) :]
+        os._exit(self.exit_code)
+
     # ------------------------------------------------------------------ watcher
 
     def _start_watcher(self) -> None:
@@ -312,14 +356,12 @@ class PreemptionSignals:
         step_phase, step, in_phase = phase.current()
         stack = phase.main_thread_stack()
         waited = self.current_deadline_s() or 0.0
-        sys.stderr.write(
+        self._leave(
             f"error: received {name} {waited:.0f} s ago and did not reach a step boundary to save and exit "
             f"(step {step}, phase '{step_phase}' for {in_phase:.0f} s; most likely waiting in a collective for "
             f"another rank). Exiting with status {self.exit_code} without a new checkpoint; earlier ones are "
             f"intact. Main thread:\n{stack}"
         )
-        sys.stderr.flush()
-        os._exit(self.exit_code)
 
 
 preemption = PreemptionSignals()

@@ -153,8 +153,8 @@ _STUCK_IN_A_COLLECTIVE = """
 import os, sys, time, datetime
 import torch, torch.distributed as dist
 from lightning_mlopt.process.signals import preemption
-preemption.install(["SIGTERM", "SIGUSR1"], deadline_s=3, exit_code=75)
-rank = int(sys.argv[1])
+rank, deadlines = int(sys.argv[1]), [float(s) for s in sys.argv[4].split(",")]
+preemption.install(["SIGTERM", "SIGUSR1"], deadline_s=deadlines[rank], exit_code=75)
 timeout = datetime.timedelta(minutes=30)
 dist.init_process_group("gloo", rank=rank, world_size=2, init_method=sys.argv[2], timeout=timeout)
 open(sys.argv[3] + f".rank{rank}", "w").close()
@@ -166,16 +166,20 @@ print("unreachable", flush=True)
 """
 
 
-@pytest.mark.multiprocess
-def test_sigterm_to_a_job_stuck_in_a_collective_ends_it_at_the_deadline(tmp_path):
+def _signal_a_stuck_job(tmp_path: Path, deadlines: tuple[float, float]) -> tuple[list[int], list[str], float]:
+    """Rank 0 waits in a barrier its peer never joins; SIGTERM both (as a scheduler does): (statuses, stderrs, s).
+
+    ``deadlines``: each rank's seconds from the signal to its forced exit.
+    """
     script = tmp_path / "stuck.py"
     script.write_text(_STUCK_IN_A_COLLECTIVE)
     marks = tmp_path / "ready"
     init = f"file://{tmp_path / 'rendezvous'}"
     env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
+    given = ",".join(str(d) for d in deadlines)
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), init, str(marks)],
+            [sys.executable, str(script), str(rank), init, str(marks), given],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -198,10 +202,30 @@ def test_sigterm_to_a_job_stuck_in_a_collective_ends_it_at_the_deadline(tmp_path
         for process in ranks:
             if process.poll() is None:
                 process.kill()
-    assert [process.returncode for process in ranks] == [75, 75], results
-    assert elapsed < 15, f"took {elapsed:.1f} s for a 3 s deadline"
-    assert "received SIGTERM 3 s ago and did not reach a step boundary" in results[0][1]
-    assert "dist.barrier()" in results[0][1], "the message shows where the main thread waits"
+    return [process.returncode for process in ranks], [err for _, err in results], elapsed
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_a_job_stuck_in_a_collective_ends_it_at_the_deadline(tmp_path):
+    # Rank 0's deadline comes first: it names where its main thread waits. Rank 1 leaves at its own deadline.
+    statuses, errors, elapsed = _signal_a_stuck_job(tmp_path, deadlines=(3, 6))
+    assert statuses == [75, 75], errors
+    assert elapsed < 15, f"took {elapsed:.1f} s for a 3 s and a 6 s deadline"
+    assert "received SIGTERM 3 s ago and did not reach a step boundary" in errors[0]
+    assert "dist.barrier()" in errors[0], "the message shows where the main thread waits"
+    assert "received SIGTERM 6 s ago" in errors[1]
+
+
+@pytest.mark.multiprocess
+def test_a_collective_broken_by_a_peer_leaving_after_the_signal_still_exits_for_requeue(tmp_path):
+    # The peer reaches its deadline first and leaves; rank 0's barrier then fails. A job's status is rank
+    # zero's: exiting 1 there would mark a preempted job failed instead of requeuing it.
+    statuses, errors, elapsed = _signal_a_stuck_job(tmp_path, deadlines=(30, 1))
+    assert statuses == [75, 75], errors
+    assert elapsed < 15, f"took {elapsed:.1f} s: rank 0 waited for its own 30 s deadline"
+    assert "received SIGTERM" in errors[0] and "then the main thread failed (RuntimeError" in errors[0], errors[0]
+    assert "Exiting with status 75" in errors[0]
+    assert "Traceback" not in errors[0], "one message, not the collective's traceback"
 
 
 def _fit_command(run_dir: Path, *extra: str) -> list[str]:
@@ -358,3 +382,17 @@ def test_a_stale_deepspeed_build_lock_does_not_hang_the_next_zero_launch(tmp_pat
     result = run_cli(command[3:], cwd=tmp_path, timeout=400, env={"TORCH_EXTENSIONS_DIR": str(extensions)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Removed a stale build lock left by a killed process (no process held it): {op / 'lock'}" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_native_crash_names_the_python_frames_it_happened_in(tmp_path):
+    # A segmentation fault in an extension ends a run with status -11 and, without a dump, nothing else: the
+    # entry point's fault handler prints every thread's Python stack first.
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
+    crash = ("--trainer.callbacks+=tests.support.faults.SegfaultAtStep", "--trainer.callbacks.step=2")
+    result = subprocess.run(
+        _fit_command(tmp_path / "run", *crash), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == -signal.SIGSEGV, result.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in result.stderr
+    assert "read_address_zero" in result.stderr and "on_train_batch_end" in result.stderr, result.stderr[-3000:]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import signal
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,32 +23,48 @@ class TrainedRun(NamedTuple):
     run_dir: Path
 
 
+# Deaths by a native crash, not by our code's exit paths.
+_NATIVE_CRASHES = (-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS)
+
+
 def train(
-    tmp_path: Path, name: str, strategy: str, steps: int, devices: int = 2, extra: tuple[str, ...] = ()
+    tmp_path: Path,
+    name: str,
+    strategy: str,
+    steps: int,
+    devices: int = 2,
+    extra: tuple[str, ...] = (),
+    retry_native_crash: bool = False,
 ) -> TrainedRun:
     """Fit ``steps`` steps with a strategy name or overlay file under ``tmp_path/runs/name``.
 
-    What it printed is kept in ``tmp_path/name/output.txt``.
+    What it printed is kept in ``tmp_path/name/output.txt``. ``retry_native_crash``: a run killed by a native
+    crash is trained once more from scratch, with a warning that carries the crash's report (the session's shared
+    runs record collectives under torch.profiler's Python tracer, a rare crash source outside what they test).
 
     Example::
 
         records, params, run_dir = train(tmp_path, "first", "fsdp", steps=3)
     """
-    out = tmp_path / name
-    result = run_cli(
-        fit_args(
-            "--trainer.limit_val_batches=0",
-            "--trainer.num_sanity_val_steps=0",
-            "--trainer.callbacks+=tests.support.helpers.RecordEverything",
-            f"--trainer.callbacks.out_dir={out}",
-            *extra,
-            strategy=strategy,
-            devices=devices,
-            steps=steps,
-            run_dir=tmp_path / "runs" / name,
-        ),
-        cwd=tmp_path,
+    out, run_dir = tmp_path / name, tmp_path / "runs" / name
+    args = fit_args(
+        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.callbacks+=tests.support.helpers.RecordEverything",
+        f"--trainer.callbacks.out_dir={out}",
+        *extra,
+        strategy=strategy,
+        devices=devices,
+        steps=steps,
+        run_dir=run_dir,
     )
+    result = run_cli(args, cwd=tmp_path)
+    if retry_native_crash and result.returncode in _NATIVE_CRASHES:
+        report = failure_report(result)
+        warnings.warn(f"{name} crashed (exit {result.returncode}), trained again:\n{report}", stacklevel=2)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # from scratch: never a resume of the crashed run
+        result = run_cli(args, cwd=tmp_path)
     assert result.returncode == 0, f"{name} failed (exit {result.returncode}):\n{failure_report(result)}"
     (out / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, for tests to read
     return trained_run(tmp_path, name, devices)
