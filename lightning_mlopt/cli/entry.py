@@ -384,6 +384,12 @@ def main(args: Sequence[str] | None = None) -> None:
         if exit_.code not in (None, 0):
             exit_after_launcher(exit_.code)
         raise
+    except Exception:
+        # Unexpected (a bug, a collective a departed peer broke): Python's report as it would print it, then the
+        # exit every other status takes (the process group destroyed, a launched rank after its launcher), so the
+        # job ends with 1: not -6 from a live gloo group at exit, nor 137 from a launcher that saw a child fail.
+        sys.excepthook(*sys.exc_info())
+        exit_after_launcher(exit_codes.FAILURE)
     finally:
         startup_guard.disarm()
     launch_report.write(status=exit_codes.SUCCESS)

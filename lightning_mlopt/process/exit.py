@@ -63,6 +63,14 @@ def wait_for_launcher(limit_s: float = LAUNCHER_WAIT_S) -> None:
     if not started_by_lightning_launcher():
         return
     startup_guard.stop()  # its parent watch would end this process with another status
+    wait_for_parent_to_exit(limit_s)
+
+
+def wait_for_parent_to_exit(limit_s: float) -> None:
+    """Poll until this process's parent has exited (it is re-parented), ``limit_s`` at most.
+
+    Safe from any thread (the signal deadline's watcher, the start-up guard's own thread): it stops nothing.
+    """
     parent, deadline = os.getppid(), time.monotonic() + limit_s
     while os.getppid() == parent and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -288,7 +288,21 @@ class PreemptionSignals:
         with contextlib.suppress(OSError):
             while data:
                 data = data[os.write(2, data) :]
+        self._let_the_launcher_go_first()
         os._exit(self.exit_code)
+
+    def _let_the_launcher_go_first(self) -> None:
+        """A rank that Lightning's launcher started waits until the launching rank has exited (bounded).
+
+        The launcher SIGKILLs itself when it sees a child exit non-zero: a child that leaves first makes the job's
+        status 137 instead of the agreed one, and a requeue never happens. The launching rank is at its own
+        deadline or past it; the wait ends before the signal's grace does.
+        """
+        from lightning_mlopt.process.exit import LAUNCHER_WAIT_S, started_by_lightning_launcher, wait_for_parent_to_exit
+
+        if started_by_lightning_launcher():
+            left = self.seconds_left()
+            wait_for_parent_to_exit(LAUNCHER_WAIT_S if left is None else min(LAUNCHER_WAIT_S, max(0.0, left - 1.0)))
 
     # ------------------------------------------------------------------ watcher
 

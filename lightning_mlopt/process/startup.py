@@ -138,6 +138,15 @@ class StartupGuard:
             f"error: rank {rank}: {message} Phase '{name}' (step {step}) for {in_phase:.0f} s. Main thread:\n{stack}"
         )
         sys.stderr.flush()
+        if code != ORPHAN_EXIT_CODE:  # an orphan's launcher is gone already
+            from lightning_mlopt.process.exit import (
+                LAUNCHER_WAIT_S,
+                started_by_lightning_launcher,
+                wait_for_parent_to_exit,
+            )
+
+            if started_by_lightning_launcher():  # leaving first, it would make the launcher SIGKILL itself (137)
+                wait_for_parent_to_exit(LAUNCHER_WAIT_S)
         os._exit(code)
 
 

@@ -30,3 +30,31 @@ class SegfaultAtStep(pl.Callback):
 def read_address_zero() -> None:
     """Dereference a null pointer, as a native bug does (named so the crash report's frames can be checked)."""
     ctypes.string_at(0)
+
+
+class RaiseOnRank(pl.Callback):
+    """Raises ``RuntimeError`` on rank ``rank`` at the end of optimizer step ``step`` (a bug one rank hits)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+class HangOnRank(pl.Callback):
+    """Rank ``rank`` sleeps ``seconds`` at the end of optimizer step ``step``: its peers wait for it in the next
+    step's collective (a rank stuck outside a collective, the others inside one)."""
+
+    def __init__(self, rank: int, step: int, seconds: float = 600.0) -> None:
+        self.rank, self.step, self.seconds = rank, step, seconds
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import time
+
+            open(f"hanging-rank{self.rank}", "w").close()  # in the working directory: the test waits for it
+            time.sleep(self.seconds)
