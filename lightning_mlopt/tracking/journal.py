@@ -53,8 +53,9 @@ class Journal:
     def unsynced(self, before_step: int | None) -> tuple[list[dict[str, Any]], list[Path]]:
         """Rows and artifact folders of earlier segments that never closed.
 
-        Rows only with a step below ``before_step`` (None: all). Each such segment is then marked replayed,
-        so no later launch replays it twice.
+        Rows only with a step below ``before_step`` (None: all). They are journaled again as this segment's own,
+        so a launch killed after replaying them hands them on (two kills in a row lose nothing); each such
+        segment is then marked replayed, so no later launch replays it twice.
         """
         entries = self._read()
         closed = {e["segment"] for e in entries if "closed" in e or "replayed_into" in e}
@@ -64,13 +65,20 @@ class Journal:
             Path(a)
             for a in dict.fromkeys(e["artifact"] for e in entries if e.get("segment") in lost and "artifact" in e)
         ]
-        rows = [
-            {**e["metrics"], **({"trainer/global_step": e["step"]} if e["step"] is not None else {})}
+        replayed = [
+            e
             for e in entries
             if e.get("segment") in lost
             and "metrics" in e
             and (before_step is None or e["step"] is None or e["step"] < before_step)
         ]
+        rows = [
+            {**e["metrics"], **({"trainer/global_step": e["step"]} if e["step"] is not None else {})} for e in replayed
+        ]
+        # The replayed rows become this segment's own first (killed too, it hands them on to the next launch; a
+        # kill between the two writes replays them twice, never loses them), then their segments are marked.
+        for e in replayed:
+            self.record(e["metrics"], e["step"])  # (artifacts: journaled again as the tracker logs them again)
         for segment in sorted(lost):
             self._append({"segment": segment, "replayed_into": self.segment})
         return rows, artifacts

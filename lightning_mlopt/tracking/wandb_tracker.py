@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import netrc
 import os
 from collections.abc import Mapping
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 Mode = Literal["auto", "online", "offline", "disabled"]
 
+RUN_FILE = "run.json"
+"""``<save_dir>/wandb/run.json``: the W&B run this save folder logs to, written when the run is created."""
+
 
 class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
     """Weights & Biases logging that works without a network and continues one run across relaunches.
@@ -41,8 +45,11 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
       ``wandb login``) and offline otherwise, so a run never fails for lack of network; ``WANDB_MODE`` wins.
       Offline runs are synced later with ``wandb sync <save_dir>/wandb/offline-run-*``.
     - One W&B run per job, continued across relaunches: the run id is the explicit ``id``, else the one a
-      W&B sweep agent set (``WANDB_RUN_ID``), else the one recorded in the newest committed
-      FaultTolerantCheckpoint under ``checkpoint_dir``, so a resumed or requeued job logs into the same run.
+      W&B sweep agent set (``WANDB_RUN_ID``), else the one recorded in ``<save_dir>/wandb/run.json`` when the
+      run was created (so a launch killed before its first checkpoint, or one whose checkpoints live in another
+      ``checkpoint.dirpath``, is continued too), else the one the newest committed FaultTolerantCheckpoint
+      under ``checkpoint_dir`` records. The save folder is the run's identity: the CLI gives each run its own
+      run directory, so unrelated runs launched from one folder stay apart.
     - Provenance logged once per job under the config key ``lightning_mlopt``: our version, git commit,
       dirty flag and origin URL (without credentials), the command, the environment fingerprint.
     - The CLI sends the full resolved config through :meth:`log_run_config`.
@@ -141,6 +148,7 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
                 run = WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
             if self.log_provenance:
                 run.config.update({"lightning_mlopt": run_provenance()}, allow_val_change=True)
+            record_run_id(self._wandb_folder(), str(run.id))
             self._open_journal(run)
             # After the journal's exit hook: LIFO, so the run finishes first, then the journal closes.
             atexit.register(self._finish)
@@ -267,13 +275,42 @@ class WandbTracker(WandbLogger, RunTracker, CheckpointUploader):
         where = Path(self.save_dir or ".") / "wandb"
         return f"{where} (offline; upload later with `wandb sync {where}/offline-run-*`)"
 
+    def _wandb_folder(self) -> Path:
+        return Path(self.save_dir or ".") / "wandb"
+
     def _choose_run_id(self) -> str | None:
         if wandb_requested_id(self):
             return wandb_requested_id(self)
         if os.environ.get("WANDB_RUN_ID"):
             return None  # a W&B sweep agent (or the user) chose it; wandb.init reads it
+        recorded = recorded_run_id(self._wandb_folder())
+        if recorded is not None:
+            return recorded
         root = Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.save_dir or ".") / CHECKPOINTS_DIR
         return CheckpointStore(root).recorded_run_id("wandb")
+
+
+def record_run_id(folder: Path, run_id: str) -> None:
+    """Write ``folder/run.json`` naming ``run_id``, atomically (a kill mid-write leaves the old record or none).
+
+    Example::
+
+        record_run_id(Path("runs/gpt/wandb"), "3kx9q2ab")
+        recorded_run_id(Path("runs/gpt/wandb"))   # "3kx9q2ab"
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = folder / f".{RUN_FILE}.{os.getpid()}"
+    staging.write_text(json.dumps({"run_id": run_id}) + "\n")
+    os.replace(staging, folder / RUN_FILE)
+
+
+def recorded_run_id(folder: Path) -> str | None:
+    """The run id ``folder/run.json`` names; None when there is none or it cannot be read."""
+    try:
+        run_id = json.loads((folder / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(run_id) if run_id else None
 
 
 def _api_key_configured() -> bool:

@@ -153,6 +153,21 @@ def test_the_run_id_comes_from_the_newest_checkpoint_that_records_one(tmp_path):
     assert WandbTracker(save_dir=str(tmp_path / "elsewhere"))._choose_run_id() is None
 
 
+def test_the_run_id_recorded_at_creation_continues_a_run_with_no_checkpoint_of_its_own(tmp_path):
+    # A launch killed before its first commit, or checkpoints in another dirpath: the save folder's record wins.
+    from lightning_mlopt.tracking.wandb_tracker import record_run_id
+
+    store = CheckpointStore(tmp_path / "run" / "checkpoints")
+    store.commit(store.stage(2), Manifest(step=2, epoch=0, world_size=1, strategy="x", reason="t", run_ids={}))
+    record_run_id(tmp_path / "run" / "wandb", "created")
+    assert WandbTracker(save_dir=str(tmp_path / "run"))._choose_run_id() == "created"
+    elsewhere = str(tmp_path / "other-checkpoints")
+    assert WandbTracker(save_dir=str(tmp_path / "run"), checkpoint_dir=elsewhere)._choose_run_id() == "created"
+    assert WandbTracker(save_dir=str(tmp_path / "another-run"))._choose_run_id() is None  # unrelated runs apart
+    (tmp_path / "run" / "wandb" / "run.json").write_text("{not json")
+    assert WandbTracker(save_dir=str(tmp_path / "run"))._choose_run_id() is None  # unreadable: never a crash
+
+
 # ---------------------------------------------------------------------- W&B end to end (offline, read back)
 
 
@@ -207,6 +222,7 @@ def test_wandb_offline_one_run_per_job_continued_on_relaunch_and_no_secret_in_an
     (run,) = _offline_runs(run_dir)  # one W&B run for the 2-process job, not one per rank
     logged = summary_of(run)
     run_id = logged["id"]
+    assert json.loads((run_dir / "wandb" / "run.json").read_text()) == {"run_id": run_id}  # recorded at creation
     # The full resolved config, once, from rank 0; provenance with the git state of the launch folder.
     assert str(logged["config"]["trainer"]["devices"]) == "2"
     assert logged["config"]["model"]["init_args"]["depth"] == 18
