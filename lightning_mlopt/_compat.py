@@ -13,7 +13,8 @@ The reaches:
   ``fit_loop._combined_loader`` (repositioning a resumed epoch), the data fetcher's ``_start_profiler`` (where
   a batch's fetch starts: PerformanceMonitor's data wait), checkpoint migration,
   ``Callback._generate_state_key`` (callbacks' state keys), the logger connector's per-batch conversion of
-  progress-bar metrics (deferred to when the bar reads them), ``LightningCLI._parser`` (the resolved config),
+  progress-bar metrics (deferred to when the bar reads them), the epoch loop's ``_batches_that_stepped`` (the
+  step Lightning labels a batch's row with), ``LightningCLI._parser`` (the resolved config),
   strategies' ``_timeout``, ``_setup_distributed``/``_init_deepspeed_distributed`` and ``_device_mesh`` (process
   group and mesh set-up on CPU), ``DeepSpeedStrategy._restore_zero_state`` and ``_auto_select_batch_size``,
   ``WandbLogger._wandb_init``/``_experiment``/``_id`` (one W&B run per run directory), the loggers behind
@@ -238,6 +239,16 @@ def log_this_steps_metrics(trainer: Any) -> None:
     """
     connector = _require(trainer, "_logger_connector", "logging the stopping step's metrics")
     _require(connector, "update_train_step_metrics", "logging the stopping step's metrics")()
+
+
+def lightning_row_step(trainer: Any) -> int:
+    """The step Lightning labels this training batch's logged row with: batches that stepped before it.
+
+    Lightning logs a batch's row before it counts the batch (``global_step`` has already counted the update):
+    a callback row labelled ``global_step`` lands one step after Lightning's row of the same batch, so at a
+    resume step one tracker drops a row and another shows two. Reach: ``fit_loop.epoch_loop._batches_that_stepped``.
+    """
+    return int(_require(trainer.fit_loop.epoch_loop, "_batches_that_stepped", "labelling a logged row"))
 
 
 def defer_progress_bar_scalars() -> None:

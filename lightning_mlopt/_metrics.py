@@ -17,15 +17,23 @@ from collections.abc import Mapping
 
 import lightning.pytorch as pl
 
+from lightning_mlopt._compat import lightning_row_step
+
 DEFAULT_LOGGING_PERIOD = 50  # Lightning's own default for Trainer(log_every_n_steps=...)
 
 
 def log_metrics(trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
-    """Log ``metrics`` at ``step`` (default: the trainer's global step) to every logger, from rank zero only."""
-    if not metrics or not trainer.is_global_zero:
+    """Log ``metrics`` to every logger, from rank zero only, in the row Lightning logs the current batch in.
+
+    ``step`` (default: the step Lightning labels this batch's row with, one below ``global_step`` after the
+    update) names another row: one label per batch for every logger's rows, ours and Lightning's, so a resumed
+    run's rows neither skip nor repeat a step.
+    """
+    if not metrics or not trainer.is_global_zero or not trainer.loggers:
         return
+    label = lightning_row_step(trainer) if step is None else step
     for logger in trainer.loggers:
-        logger.log_metrics(dict(metrics), step=trainer.global_step if step is None else step)
+        logger.log_metrics(dict(metrics), step=label)
 
 
 def logging_period(every: int | None, trainer: pl.Trainer) -> int:

@@ -516,3 +516,22 @@ def test_the_fit_loops_done_is_asked_without_its_stopped_line(caplog):
         assert _compat.fit_loop_done_quietly(trainer)
     assert said == 1 and caplog.text.count("`Trainer.fit` stopped") == 1, "said once, by Lightning"
     assert not logging.getLogger("lightning.pytorch.utilities.rank_zero").disabled, "its other lines still said"
+
+
+def test_lightning_row_step_is_the_label_of_lightnings_own_row():
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_mlopt._compat import lightning_row_step
+
+    seen: list[tuple[int, int]] = []
+
+    class Look(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((lightning_row_step(trainer), trainer.global_step))
+
+    trainer = pl.Trainer(
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[Look()]
+    )
+    trainer.fit(BoringModel())
+    assert seen == [(0, 1), (1, 2), (2, 3)]  # the update is counted in global_step, not yet in the row label

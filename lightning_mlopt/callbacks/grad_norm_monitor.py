@@ -304,18 +304,18 @@ class GradNormMonitor(Callback):
             # Born in backward when no forward went non-finite: name the modules whose gradients are not.
             bad_gradients = [] if culprits else self._norms.nonfinite_gradient_modules()
             report = nonfinite_report(step, total, loss, culprits, trainer.global_rank, bad_gradients)
-            self._log_rerun(trainer, step)
+            self._log_rerun(trainer)
             self._take(self.on_nonfinite, report + rerun, optimizer)
             return
         spike = self.spikes.observe(loss, total)
         if spike:
             _, rerun = self._diagnose(trainer, pl_module, "spike") if self.rerun_on_anomaly else ({}, "")
             if not logging_step:  # on a logging step it goes out with the step's norms, in one row
-                self._log_rerun(trainer, step)
+                self._log_rerun(trainer)
             self._take(self.on_spike, f"step {step}: {spike}{rerun}", optimizer)
         if logging_step:
             param_total = math.sqrt(values["param_sq"][0]) if "param_sq" in values else None
-            self._log(trainer, step, total, values.get("grad_groups", []), param_total, values.get("param_groups", []))
+            self._log(trainer, total, values.get("grad_groups", []), param_total, values.get("param_groups", []))
 
     def _diagnose(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str) -> tuple[dict[int, str], str]:
         """Each rank's first module with a non-finite output, and the re-run's verdict, in one all-reduce.
@@ -385,7 +385,6 @@ class GradNormMonitor(Callback):
     def _log(
         self,
         trainer: pl.Trainer,
-        step: int,
         total: float,
         groups: list[float],
         param_total: float | None,
@@ -400,12 +399,12 @@ class GradNormMonitor(Callback):
         metrics.update(self._rerun_metrics)
         self._rerun_metrics = {}
         self.last_metrics = metrics
-        log_metrics(trainer, metrics, step)
+        log_metrics(trainer, metrics)  # in Lightning's row of this batch
 
-    def _log_rerun(self, trainer: pl.Trainer, step: int) -> None:
+    def _log_rerun(self, trainer: pl.Trainer) -> None:
         """Log the last re-run's classification now (a step whose norms are not logged)."""
         metrics, self._rerun_metrics = self._rerun_metrics, {}
-        log_metrics(trainer, metrics, step)
+        log_metrics(trainer, metrics)  # in Lightning's row of this batch
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mlopt._compat import defer_progress_bar_scalars
+from lightning_mlopt._compat import defer_progress_bar_scalars, lightning_row_step
 from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.callbacks.phase_markers import PhaseMarkers
 from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
@@ -263,7 +263,7 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         pipeline = pipeline_of(trainer.strategy)
         if pipeline is not None:
             window.pipeline_idle, window.pipeline_steps = pipeline.bubble_clock.take()
-        self._sums.submit(pack(window, trainer.global_rank, trainer.world_size), trainer.global_step)
+        self._sums.submit(pack(window, trainer.global_rank, trainer.world_size), lightning_row_step(trainer))
 
     def _take_in(self, trainer: pl.Trainer, values: list[float], step: int, report: bool = True) -> None:
         """Every rank's window, summed: into the run's totals, and reported (logged with its own step)."""

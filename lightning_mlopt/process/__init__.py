@@ -9,6 +9,7 @@ during which a scheduler's signal or a dead peer must not go unnoticed):
 - ``watchdog.py``: the hang watchdog (no step finished in time: stacks to disk, exit 124).
 - ``exit_codes.py``: the exit statuses, named once.
 - ``exit.py``: how a rank leaves with the agreed status and without an abort on the way out.
+- ``launcher.py``: whether Lightning's launcher started this rank, and waiting for it to go first.
 - ``child.py``: a ``fit`` started by a sweep or ``profile``: its environment, and signals passed on to it.
 
 Example::

@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from typing import NoReturn
 
 from lightning_mlopt._compat import run_exit_handlers
 from lightning_mlopt.process import exit_codes, launch_report
+from lightning_mlopt.process.launcher import LAUNCHER_WAIT_S, started_by_lightning_launcher, wait_for_parent_to_exit
 from lightning_mlopt.process.startup import startup_guard
 
 
@@ -49,10 +49,6 @@ def exit_after_launcher(code: int | str | None) -> NoReturn:
     raise SystemExit(code) from None
 
 
-LAUNCHER_WAIT_S = 30.0
-"""The most a launched rank waits for its launcher to exit before it exits anyway."""
-
-
 def wait_for_launcher(limit_s: float = LAUNCHER_WAIT_S) -> None:
     """A rank started by Lightning's launcher waits (``limit_s`` at most) until the launching rank has exited.
 
@@ -64,16 +60,6 @@ def wait_for_launcher(limit_s: float = LAUNCHER_WAIT_S) -> None:
         return
     startup_guard.stop()  # its parent watch would end this process with another status
     wait_for_parent_to_exit(limit_s)
-
-
-def wait_for_parent_to_exit(limit_s: float) -> None:
-    """Poll until this process's parent has exited (it is re-parented), ``limit_s`` at most.
-
-    Safe from any thread (the signal deadline's watcher, the start-up guard's own thread): it stops nothing.
-    """
-    parent, deadline = os.getppid(), time.monotonic() + limit_s
-    while os.getppid() == parent and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def exit_hung_rank(code: int) -> NoReturn:
@@ -122,12 +108,6 @@ def leave_without_destructors(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def started_by_lightning_launcher() -> bool:
-    """Ranks 1.. of a one-machine run that Lightning's own launcher started (not torchrun, not srun)."""
-    env = os.environ
-    return env.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in env and "SLURM_PROCID" not in env
 
 
 def shut_down_process_group(wait_for_peers: bool = True) -> bool:

@@ -298,7 +298,11 @@ class PreemptionSignals:
         status 137 instead of the agreed one, and a requeue never happens. The launching rank is at its own
         deadline or past it; the wait ends before the signal's grace does.
         """
-        from lightning_mlopt.process.exit import LAUNCHER_WAIT_S, started_by_lightning_launcher, wait_for_parent_to_exit
+        from lightning_mlopt.process.launcher import (
+            LAUNCHER_WAIT_S,
+            started_by_lightning_launcher,
+            wait_for_parent_to_exit,
+        )
 
         if started_by_lightning_launcher():
             left = self.seconds_left()

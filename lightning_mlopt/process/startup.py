@@ -139,7 +139,7 @@ class StartupGuard:
         )
         sys.stderr.flush()
         if code != ORPHAN_EXIT_CODE:  # an orphan's launcher is gone already
-            from lightning_mlopt.process.exit import (
+            from lightning_mlopt.process.launcher import (
                 LAUNCHER_WAIT_S,
                 started_by_lightning_launcher,
                 wait_for_parent_to_exit,

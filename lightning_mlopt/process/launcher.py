@@ -1,0 +1,38 @@
+"""Which launcher started this rank, and waiting for it to go first: standard library only.
+
+Lightning's launcher (rank zero on one machine) starts ranks 1..N-1 as its children and SIGKILLs itself as soon
+as it sees a child exit non-zero, which would turn the job's status (rank zero's) into 137. So a child it
+started leaves after it, on every exit path: the agreed exit (``exit.py``), the signal deadline
+(``signals.py``) and the start-up deadline (``startup.py``), which run in other threads and import this lazily.
+
+Example::
+
+    from lightning_mlopt.process.launcher import LAUNCHER_WAIT_S, started_by_lightning_launcher
+
+    if started_by_lightning_launcher():
+        wait_for_parent_to_exit(LAUNCHER_WAIT_S)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+LAUNCHER_WAIT_S = 30.0
+"""The most a launched rank waits for its launcher to exit before it exits anyway."""
+
+
+def started_by_lightning_launcher() -> bool:
+    """Ranks 1.. of a one-machine run that Lightning's own launcher started (not torchrun, not srun)."""
+    env = os.environ
+    return env.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in env and "SLURM_PROCID" not in env
+
+
+def wait_for_parent_to_exit(limit_s: float) -> None:
+    """Poll until this process's parent has exited (it is re-parented), ``limit_s`` at most.
+
+    Safe from any thread (the signal deadline's watcher, the start-up guard's own thread): it stops nothing.
+    """
+    parent, deadline = os.getppid(), time.monotonic() + limit_s
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
