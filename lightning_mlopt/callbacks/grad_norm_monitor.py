@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_mlopt._compat import callback_state_key, loss_scale
 from lightning_mlopt._metrics import log_metrics, logging_period
 from lightning_mlopt.diagnosis import inject
+from lightning_mlopt.diagnosis.loss_scale_floor import LossScaleFloor
 from lightning_mlopt.diagnosis.module_names import module_group
 from lightning_mlopt.diagnosis.module_norms import ModuleNorms
 from lightning_mlopt.diagnosis.nonfinite import nonfinite_report
@@ -55,8 +56,11 @@ class GradNormMonitor(Callback):
     update first; it does so on every rank in its ``on_exception``).
 
     Spikes: a loss or gradient norm more than ``spike_threshold`` standard deviations above the mean of the
-    last ``spike_window`` steps triggers ``on_spike``. Statistics and counters are callback state, so a
-    resumed run continues them.
+    last ``spike_window`` steps triggers ``on_spike``; each optimizer (several under manual optimization) has a
+    history of its own. Statistics and counters are callback state, so a resumed run continues them.
+
+    fp16 mixed precision: an overflow (non-finite gradients, finite loss) is the GradScaler's to skip, until one
+    overflows at a scale already at or below ``min_loss_scale``: that is a blow-up, handled as non-finite.
 
     Rerun attribution (``rerun_on_anomaly``): before acting on a non-finite step or a spike, every rank
     re-runs its last micro-batch with the same inputs and the RNG state it started from (the backward too
@@ -84,6 +88,8 @@ class GradNormMonitor(Callback):
         spike_threshold: how many standard deviations above the mean counts as a spike.
         spike_min_history: steps of history before spikes are judged at all.
         rerun_on_anomaly: re-run a bad step's last micro-batch to classify it (see above); off costs nothing.
+        min_loss_scale: fp16: an overflow at a GradScaler scale at or below this is non-finite, not the
+            scaler's; None: every overflow is the scaler's.
 
     Raises:
         ValueError: a bad value.
@@ -107,6 +113,7 @@ class GradNormMonitor(Callback):
         spike_threshold: float = 6.0,
         spike_min_history: int = 20,
         rerun_on_anomaly: bool = True,
+        min_loss_scale: float | None = 1.0,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
@@ -116,6 +123,8 @@ class GradNormMonitor(Callback):
             if action not in ("warn", "skip", "stop", "checkpoint_and_stop"):
                 raise ValueError(f"{name} must be warn, skip, stop or checkpoint_and_stop; got {action!r}")
         self.spikes = SpikeDetector(spike_window, spike_threshold, spike_min_history)  # validates its values
+        self._other_spikes: list[SpikeDetector] = []  # optimizers 1.. (manual optimization): their own histories
+        self.scale_floor = LossScaleFloor(min_loss_scale)  # validates it
         self.log_every_n_steps = log_every_n_steps
         self.depth = depth
         self.param_norms = param_norms
@@ -173,12 +182,24 @@ class GradNormMonitor(Callback):
 
     @property
     def spike_events(self) -> int:
-        """Spikes seen so far in the run (across resumes)."""
-        return self.spikes.events
+        """Spikes seen so far in the run (across resumes), every optimizer's."""
+        return self.spikes.events + sum(detector.events for detector in self._other_spikes)
 
     @spike_events.setter
     def spike_events(self, value: int) -> None:
         self.spikes.events = value
+
+    @staticmethod
+    def _optimizer_index(trainer: pl.Trainer, optimizer: Any) -> int:
+        return next((i for i, known in enumerate(trainer.optimizers) if known is optimizer), 0)
+
+    def spikes_of(self, trainer: pl.Trainer, optimizer: Any) -> SpikeDetector:
+        """The spike history of ``optimizer``: a loss of one optimizer is no yardstick for another's."""
+        index = self._optimizer_index(trainer, optimizer)
+        while index > len(self._other_spikes):
+            first = self.spikes
+            self._other_spikes.append(SpikeDetector(first.window, first.threshold, first.min_history))
+        return self.spikes if index == 0 else self._other_spikes[index - 1]
 
     # ------------------------------------------------------------------ setup
 
@@ -246,6 +267,9 @@ class GradNormMonitor(Callback):
         # Sharded: everything is summed. Either way, in the step's one exchange (with other callbacks'
         # values, e.g. FaultTolerantCheckpoint's signal flag) and one host read.
         exchange = step_exchange(trainer)
+        # Several optimizers step in one batch (manual optimization): each exchanges under names of its own.
+        index = self._optimizer_index(trainer, optimizer)
+        slot = f"{_SLOT}{index}." if index else _SLOT
         local = Packed()
         summed = local if self._norms.replicated else None
         grad_sq, grad_groups, device = self._norms.gradient_sums(per_group, pl_module.device)
@@ -256,16 +280,16 @@ class GradNormMonitor(Callback):
         for name, value in slots.items():
             if value is not None:
                 if summed is not None:
-                    summed.add(f"{_SLOT}{name}", value)
+                    summed.add(f"{slot}{name}", value)
                 else:
-                    exchange.put(trainer, f"{_SLOT}{name}", value)
+                    exchange.put(trainer, f"{slot}{name}", value)
         loss = (torch.cat(self._losses).sum() if self._losses else torch.zeros(())).to(device) / trainer.world_size
         self._losses.clear()
         # Summed here, after backward, not while it runs: a collective issued in on_before_backward sits in the
         # process group's queue ahead of DDP's bucket all-reduces and stalls them (measured: +1.4% vs +0.1%).
-        exchange.put(trainer, f"{_SLOT}loss", loss)
+        exchange.put(trainer, f"{slot}loss", loss)
         exchanged = exchange.flush(trainer, local)
-        values = {name.removeprefix(_SLOT): value for name, value in exchanged.items() if name.startswith(_SLOT)}
+        values = {name.removeprefix(slot): value for name, value in exchanged.items() if name.startswith(slot)}
         if logging_step and self.update_ratios:
             # Snapshot this rank's parameter pieces; compared after the optimizer step in on_train_batch_end.
             self._before_update = self._norms.snapshot_parameters()
@@ -294,10 +318,15 @@ class GradNormMonitor(Callback):
         grad_sq = values["grad_sq"][0]
         total = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
         loss = values["loss"][0]
-        if not math.isfinite(total) and math.isfinite(loss) and loss_scale(trainer) is not None:
-            # fp16 AMP: the GradScaler skips this update and lowers its scale, as it does in any healthy run.
+        blow_up = ""
+        scale = loss_scale(trainer) if not math.isfinite(total) and math.isfinite(loss) else None
+        if scale is not None:
+            # fp16 AMP: the GradScaler skips this update and lowers its scale, as it does in any healthy run,
+            # unless it overflowed at the floor already (one host read, on overflow steps only).
             self.scaler_skipped_steps += 1
-            return
+            blow_up = self.scale_floor.overflowed(float(scale)) or ""
+            if not blow_up:
+                return
         if not math.isfinite(total) or not math.isfinite(loss):
             self.nonfinite_events += 1
             culprits, rerun = self._diagnose(trainer, pl_module, "nonfinite")
@@ -305,9 +334,10 @@ class GradNormMonitor(Callback):
             bad_gradients = [] if culprits else self._norms.nonfinite_gradient_modules()
             report = nonfinite_report(step, total, loss, culprits, trainer.global_rank, bad_gradients)
             self._log_rerun(trainer)
-            self._take(self.on_nonfinite, report + rerun, optimizer)
+            self._take(self.on_nonfinite, (f"{blow_up}\n" if blow_up else "") + report + rerun, optimizer)
             return
-        spike = self.spikes.observe(loss, total)
+        self.scale_floor.stepped()
+        spike = self.spikes_of(trainer, optimizer).observe(loss, total)
         if spike:
             _, rerun = self._diagnose(trainer, pl_module, "spike") if self.rerun_on_anomaly else ({}, "")
             if not logging_step:  # on a logging step it goes out with the step's norms, in one row
@@ -423,13 +453,21 @@ class GradNormMonitor(Callback):
             "nonfinite_events": self.nonfinite_events,
             "spike_events": spikes["events"],
             "skipped_steps": self.skipped_steps,
+            "other_optimizers_spikes": [detector.state_dict() for detector in self._other_spikes],
+            "scaler_skipped_in_a_row": self.scale_floor.skipped_in_a_row,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.spikes.load_state_dict({**state_dict, "events": state_dict.get("spike_events", 0)})
+        self._other_spikes = []
+        for state in state_dict.get("other_optimizers_spikes", []):  # absent in older checkpoints
+            detector = SpikeDetector(self.spikes.window, self.spikes.threshold, self.spikes.min_history)
+            detector.load_state_dict(state)
+            self._other_spikes.append(detector)
         self.nonfinite_events = state_dict.get("nonfinite_events", 0)
         self.skipped_steps = state_dict.get("skipped_steps", 0)
+        self.scale_floor.skipped_in_a_row = state_dict.get("scaler_skipped_in_a_row", 0)
 
 
 def _hostnames(world: int) -> list[str]:
