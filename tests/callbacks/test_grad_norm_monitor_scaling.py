@@ -43,7 +43,7 @@ class _TwoOptimizers(pl.LightningModule):
 
     def train_dataloader(self) -> Any:
         x = torch.full((40, 4), 0.5)  # one sample, again and again: each loss falls slowly and smoothly
-        return torch.utils.data.DataLoader(list(zip(x, torch.full((40, 1), 0.5))), batch_size=1)
+        return torch.utils.data.DataLoader(list(zip(x, torch.full((40, 1), 0.5), strict=True)), batch_size=1)
 
 
 def _fit(module: pl.LightningModule, monitor: GradNormMonitor, max_steps: int, **trainer: Any) -> pl.Trainer:
@@ -94,7 +94,7 @@ class _Overflowing(pl.LightningModule):
 
     def train_dataloader(self) -> Any:
         x = torch.rand(64, 4)
-        return torch.utils.data.DataLoader(list(zip(x, x.sum(dim=1, keepdim=True))), batch_size=4)
+        return torch.utils.data.DataLoader(list(zip(x, x.sum(dim=1, keepdim=True), strict=True)), batch_size=4)
 
 
 def test_fp16_overflows_down_to_the_scale_floor_are_reported_as_a_blow_up():

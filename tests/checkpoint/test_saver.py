@@ -84,7 +84,8 @@ def test_a_save_commits_a_verified_folder_with_its_rng_and_moves_latest(tmp_path
     assert saver.store.latest_name() == saver.last_saved.name
     assert torch.equal(_state(saver.last_saved)["state_dict"]["weight"], torch.arange(4.0))
     step, row = trainer.loggers[0].rows[-1]
-    assert step == 4 and row["checkpoint/blocking_s"] > 0  # in the row Lightning logs step 5's batch in and row["checkpoint/wait_s"] >= 0
+    # In the row Lightning logs step 5's batch in (its label: the 4 updates before it).
+    assert step == 4 and row["checkpoint/blocking_s"] > 0 and row["checkpoint/wait_s"] >= 0
     assert saver.take_committed() == [(saver.last_saved, manifest)] and saver.take_committed() == []
 
 
