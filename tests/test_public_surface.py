@@ -47,9 +47,9 @@ PINNED = {
     Keep: "last every_n_steps monitor mode best",
     Tiers: "local_dirpath remote_every_n_steps remote_every_n_minutes",
     Preemption: "signals exit_code deadline_s grace_s",
-    Resume: "auto final trust_pickles",
+    Resume: "auto final trust_pickles ckpt_path",
     GradNormMonitor: "log_every_n_steps depth param_norms update_ratios on_nonfinite locate_nonfinite on_spike "
-    "spike_window spike_threshold spike_min_history rerun_on_anomaly",
+    "spike_window spike_threshold spike_min_history rerun_on_anomaly min_loss_scale",
     NCCLHealthCheck: "barrier_timeout on_mismatch probe_mb probe_iterations min_busbw_gbps on_slow_bandwidth "
     "watchdog stragglers",
     Watchdog: "timeout adaptive_multiple exit_code dump_dir",

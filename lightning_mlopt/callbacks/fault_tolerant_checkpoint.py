@@ -63,7 +63,8 @@ class FaultTolerantCheckpoint(Checkpoint, DescribesOutputs):
         keep: which checkpoints retention keeps (:class:`Keep`).
         tiers: with ``dirpath`` on an object store: the local tier and how often it is copied (:class:`Tiers`).
         preemption: the signals, exit status, deadline and grace (:class:`Preemption`).
-        resume: auto-resume, from a finished run too, and what to trust (:class:`Resume`).
+        resume: auto-resume, from a finished run too, what to trust, and whether ``ckpt_path`` is only a warm
+            start (:class:`Resume`).
 
     Raises:
         ValueError: a bad value, e.g. ``every_n_steps: 0``. TypeError: a flat key of 0.1, naming the new one.

@@ -35,7 +35,13 @@ from lightning_mlopt.checkpoint.rng import restore_rng_state
 from lightning_mlopt.checkpoint.saver import CheckpointSaver
 from lightning_mlopt.checkpoint.settings import Resume
 from lightning_mlopt.checkpoint.store import CheckpointStore
-from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, first_line, said_by_rank_zero
+from lightning_mlopt.exceptions import (
+    BadInputError,
+    CheckpointWriteError,
+    ObjectStoreError,
+    first_line,
+    said_by_rank_zero,
+)
 
 
 class RemembersResume(Protocol):
@@ -123,14 +129,21 @@ class Resumption:
             number_optimizer_states(trainer)
 
     def start_training(self, trainer: Any) -> bool:
-        """Training starts: an explicit ``ckpt_path`` wins; the exact position is set. False: the run is finished."""
+        """Training starts: from a ``ckpt_path`` Lightning loaded, if any; the exact position is set.
+
+        Lightning loads one only when ``Trainer.fit`` was given it: the CLI passes it on while the run has no
+        checkpoint of its own, or with ``resume.ckpt_path: always`` (``warm_start.py``); a script, whenever it
+        passes one. Returns False when the run is finished.
+        """
         explicit = trainer.ckpt_path
         if self.resumed_from is not None and explicit and str(explicit) != self._preloaded_path:
-            rank_zero_info(f"An explicit ckpt_path ({explicit}) was given; it takes precedence over auto-resume.")
+            rank_zero_info(
+                f"Training from the given ckpt_path ({explicit}), not from this run's own {self.resumed_from}."
+            )
             # The run trains from the explicit checkpoint: a finished auto-choice no longer holds its final save.
             self.events.resumed_from, self.stays_final = None, False
         if explicit and str(explicit) != self._preloaded_path and trainer.is_global_zero:
-            self._set_aside_rolled_back(Path(str(explicit)).parent)
+            self._set_aside_rolled_back(Path(str(explicit)).parent, trainer.global_step)
         if self.resumed_from is not None and self.stays_final:
             return False
         rng_state = None
@@ -143,19 +156,29 @@ class Resumption:
         self._pending_rng = position_in_epoch(trainer, rng_state, resumed, self.saved_position)
         return True
 
-    def _set_aside_rolled_back(self, folder: Path) -> None:
-        """Rank zero, before any save: a restart from an older step folder of this run moves the newer ones aside."""
+    def _set_aside_rolled_back(self, folder: Path, loaded_step: int) -> None:
+        """Rank zero, before any save: a restart from an older step moves the run's newer checkpoints aside.
+
+        The step is the folder's when it is one of this run's, else the step the loaded checkpoint restored
+        (another run's, or a converted copy): the run's own newer saves would shadow the new branch all the same.
+        """
         store, remote = self._store, self._remote
-        step = store.step_of(folder) if store is not None else None
-        if store is None or step is None:
+        if store is None:
             return
+        step = store.step_of(folder)
+        step = loaded_step if step is None else step
         moved = store.set_aside_newer_than(step)
         if moved:
             rank_zero_info(
                 f"Rolled back to step {step}: the {len(moved)} newer checkpoints of this run were moved to "
                 f"{moved[0].parent}, so auto-resume and retention see only this branch."
             )
-        if remote is not None and (newer_remote := [each for each in remote.committed() if each > step]):
+        try:  # rank zero alone, the others on their way to the first step: a store error must not end it here
+            newer_remote = [each for each in remote.committed() if each > step] if remote is not None else []
+        except ObjectStoreError as error:
+            rank_zero_warn(f"Rolled back to step {step}; whether the store holds newer checkpoints is unknown: {error}")
+            return
+        if remote is not None and newer_remote:
             rank_zero_warn(
                 f"Rolled back to step {step}, but {remote.url} still holds newer checkpoints of this run (steps "
                 f"{', '.join(map(str, newer_remote))}): until this branch saves past them, an auto-resume from the "

@@ -231,10 +231,12 @@ class Resume:
     Example::
 
         FaultTolerantCheckpoint(resume=Resume(final=True))  # train on after raising max_steps
+        FaultTolerantCheckpoint(resume=Resume(ckpt_path="always"))  # roll back to ckpt_path, past newer saves
     """
 
     auto: bool = True
-    """On ``fit`` without ``ckpt_path``, resume from the newest valid checkpoint. An explicit ``ckpt_path`` wins."""
+    """On ``fit``, resume from the run's newest valid checkpoint; ``ckpt_path`` is then the warm start of a run
+    that has none of its own (see ``ckpt_path``). Off: ``fit`` starts from ``ckpt_path``, or from scratch."""
     final: bool = False
     """Resume a run whose newest checkpoint is marked final and train on (e.g. after raising ``max_steps``). Off: a
     finished run stays finished, whatever the limits say now."""
@@ -242,6 +244,13 @@ class Resume:
     """Load checkpoints that reference Python types outside the allowlist of what lightning_mlopt checkpoints
     contain. Off: every pickle is checked before anything loads it, and one naming any other type is refused
     (exit 2), since unpickling it could run arbitrary code. Turn on only for checkpoints whose origin you trust."""
+    ckpt_path: Literal["warm_start", "always"] = "warm_start"
+    """How ``fit``'s ``ckpt_path`` meets this run's own checkpoints (with ``auto``). ``warm_start``: it is loaded
+    only while the run has no checkpoint of its own, so a requeued job that carries it resumes from its own newest
+    one (the CLI decides before the Trainer and says which it chose). ``always``: it is loaded whatever the run
+    holds, and the run's checkpoints newer than it move to ``rolled_back/`` (a deliberate rollback, or a restart
+    from another run's checkpoint); meant for one launch, not for a command that a scheduler requeues. A script
+    that calls ``Trainer.fit(ckpt_path=...)`` itself always loads it."""
 
 
 _GROUP_CLASSES = {"save_on": "SaveOn", "keep": "Keep", "tiers": "Tiers", "preemption": "Preemption", "resume": "Resume"}

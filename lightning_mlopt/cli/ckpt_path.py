@@ -51,6 +51,39 @@ def read_by_lightning(value: Any, read: Callable[[], None]) -> None:
         ) from None
 
 
+def prefer_own_checkpoint(config: Namespace, run_dir: Path) -> str | None:
+    """``fit``: the given ``ckpt_path`` is the warm start of a run with no checkpoint of its own.
+
+    With ``checkpoint.resume.auto`` on, a run that has a checkpoint of its own resumes from its newest
+    (``checkpoint/warm_start.py``): ``config["ckpt_path"]`` is cleared, before anything of the given path is read
+    or converted, and auto-resume takes the run's own. ``checkpoint.resume.ckpt_path: always`` keeps the given
+    path. Every rank decides alone from what they all see (the run's checkpoint folder, the object store).
+
+    Returns:
+        The line that says which checkpoint the launch starts from and why (rank zero prints it); None when
+        there is no ``ckpt_path`` or auto-resume is off (then the given path is simply loaded).
+
+    Raises:
+        CheckpointWriteError: the object store of ``checkpoint.dirpath`` could not be listed.
+
+    Example::
+
+        said = prefer_own_checkpoint(config, run_dir)  # before resolve_ckpt_path: a discarded path is not converted
+
+    """
+    from lightning_mlopt.checkpoint.warm_start import WarmStart, own_newest
+
+    value, checkpoint = config.get("ckpt_path"), config.get("checkpoint")
+    if not value or not checkpoint or not configured(checkpoint, "resume.auto", True):
+        return None
+    choice = WarmStart(
+        str(value), own_newest(checkpoint, run_dir), configured(checkpoint, "resume.ckpt_path", "warm_start")
+    )
+    if not choice.loads_given:
+        config["ckpt_path"] = None
+    return choice.line()
+
+
 def resolve_ckpt_path(config: Namespace, run_dir: Path) -> str | None:
     """``ckpt_path`` may name our step folders, checkpoints folders, run folders, last/best: resolved and verified.
 

@@ -34,7 +34,7 @@ from lightning_mlopt.callbacks import (
     UnevenInputs,
 )
 from lightning_mlopt.cli.bad_input import check_config_files, config_paths, explain_parser_error, raised_by_lightning
-from lightning_mlopt.cli.ckpt_path import read_by_lightning, resolve_ckpt_path
+from lightning_mlopt.cli.ckpt_path import prefer_own_checkpoint, read_by_lightning, resolve_ckpt_path
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, refuse_unknown_subcommand, tools_help
 from lightning_mlopt.cli.quiet import quiet_lightning, show_our_warnings_plainly
 from lightning_mlopt.cli.renamed_keys import RENAMED
@@ -182,6 +182,8 @@ class MLOptCLI(LightningCLI):
         config["run_dir"] = str(self.run_dir.resolve())
         trainer["default_root_dir"] = config["run_dir"]  # absolute, as in a relaunch from the saved config
         fill_run_dir(config, str(self.run_dir))
+        if self.subcommand == "fit" and (chosen := prefer_own_checkpoint(config, self.run_dir)):
+            _rank_zero_print(chosen)
         described = resolve_ckpt_path(config, self.run_dir)
         if described is not None:
             _rank_zero_print(f"ckpt_path: {described}, verified")

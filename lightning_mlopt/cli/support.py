@@ -160,14 +160,17 @@ class RunFinished(Exception):
 def finished_run(config: dict[str, Any], run_dir: Path) -> str | None:
     """Why a ``fit`` of this config would not train, before any Trainer, logger or log folder exists; or None.
 
-    It would not when FaultTolerantCheckpoint resumes (``resume.auto``, no ``ckpt_path``) from a checkpoint
-    marked final, without ``resume.final``: the same rule it applies, read here from the newest committed
-    manifest (verified only when it is final: a relaunch of an unfinished run pays nothing). Only with the
-    checkpoints in one folder: a node-local tier (``tiers.local_dirpath``) may differ from node to node, and every
-    rank must come to the same answer without a collective.
+    It would not when FaultTolerantCheckpoint resumes (``resume.auto``) from a checkpoint marked final, without
+    ``resume.final``: the same rule it applies, read here from the newest committed manifest (verified only when
+    it is final: a relaunch of an unfinished run pays nothing). A ``ckpt_path`` changes nothing unless
+    ``resume.ckpt_path: always`` (else it is the warm start of a run with no checkpoint: ``warm_start.py``). Only
+    with the checkpoints in one folder: a node-local tier (``tiers.local_dirpath``) may differ from node to node,
+    and every rank must come to the same answer without a collective.
     """
     checkpoint = config.get("checkpoint")
-    if not checkpoint or config.get("ckpt_path") or not configured(checkpoint, "resume.auto", True):
+    if not checkpoint or not configured(checkpoint, "resume.auto", True):
+        return None
+    if config.get("ckpt_path") and configured(checkpoint, "resume.ckpt_path") == "always":
         return None
     dirpath = configured(checkpoint, "dirpath")
     if configured(checkpoint, "resume.final") or configured(checkpoint, "tiers.local_dirpath") or store_url(dirpath):

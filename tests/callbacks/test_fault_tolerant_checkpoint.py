@@ -22,6 +22,7 @@ from lightning_mlopt.checkpoint import CheckpointStore, verify
 from lightning_mlopt.cli import main
 from tests.conftest import CONFIGS, REPO_PYTHONPATH
 from tests.support.cli_args import fit_args
+from tests.support.faults import kill_job_when
 
 # 160 sequences / (16 per rank x 2 ranks) = 5 steps per epoch: 12 steps cross two epoch boundaries and
 # leave checkpoints in the middle of epochs. Dropout makes the RNG state matter.
@@ -60,18 +61,11 @@ def _run(command: list[str], cwd: Path, timeout: float = 300) -> subprocess.Comp
 
 def _kill_job_during_background_write(command: list[str], cwd: Path, markers: Path) -> None:
     """Start the job; SIGKILL every process while the save of step 6 is written but not yet committed."""
-    process = subprocess.Popen(
-        command, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while len(list(markers.glob("in-flight-rank*"))) < 2 and time.monotonic() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"the job ended (status {process.returncode}) before its background write")
-            time.sleep(0.05)
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(30)
+
+    def both_ranks_in_flight() -> bool:
+        return len(list(markers.glob("in-flight-rank*"))) >= 2
+
+    kill_job_when(command, cwd, _env(), both_ranks_in_flight, "its background write")
 
 
 @pytest.mark.multiprocess
@@ -520,9 +514,13 @@ def test_a_restart_from_an_older_checkpoint_sets_the_abandoned_branch_aside(tmp_
     checkpoints = tmp_path / "run" / "checkpoints"
     store = CheckpointStore(checkpoints)
     assert [step for step, _ in store.committed()] == [6, 8]
-    # From step 6, to step 7 (as if the new branch crashed there). Auto-resume chose the finished step 8 first:
-    # the explicit checkpoint wins, and its run is saved at its end all the same.
-    _quickstart(tmp_path, f"--ckpt_path={checkpoints / 'step-000000006'}", "--trainer.max_steps=7")
+    # A ckpt_path alone is a warm start: the run's own newest checkpoint wins, and this one is finished.
+    older = f"--ckpt_path={checkpoints / 'step-000000006'}"
+    _quickstart(tmp_path, older, "--trainer.max_steps=7")
+    assert [step for step, _ in store.committed()] == [6, 8] and not (checkpoints / "rolled_back").exists()
+    # Forced: from step 6, to step 7 (as if the new branch crashed there). Auto-resume chose the finished step 8
+    # first: the explicit checkpoint wins, and its run is saved at its end all the same.
+    _quickstart(tmp_path, older, "--trainer.max_steps=7", "--checkpoint.resume.ckpt_path=always")
     assert [step for step, _ in store.committed()] == [6, 7], "step 8 of the abandoned branch is out of the way"
     (rolled_back,) = (checkpoints / "rolled_back").iterdir()
     assert [p.name for p in rolled_back.iterdir()] == ["step-000000008"] and verify(rolled_back / "step-000000008")

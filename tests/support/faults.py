@@ -1,4 +1,4 @@
-"""Faults delivered from inside a training run, as the world delivers them: callbacks a test adds by class path.
+"""Faults delivered as the world delivers them: callbacks a test adds by class path, and kills from outside.
 
 Example::
 
@@ -9,8 +9,15 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 from typing_extensions import override
 
 
@@ -58,3 +65,24 @@ class HangOnRank(pl.Callback):
 
             open(f"hanging-rank{self.rank}", "w").close()  # in the working directory: the test waits for it
             time.sleep(self.seconds)
+
+
+def kill_job_when(
+    command: list[str], cwd: Path, env: dict[str, str], ready: Callable[[], bool], waiting_for: str
+) -> None:
+    """Start ``command`` in its own session; SIGKILL every process of it (ranks, workers) once ``ready()`` holds.
+
+    A job that ends before that fails the test, naming ``waiting_for``; after 240 s it is killed all the same.
+    """
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not ready() and time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"the job ended (status {process.returncode}) before {waiting_for}")
+            time.sleep(0.02)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
