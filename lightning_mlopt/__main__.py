@@ -1,8 +1,9 @@
 """``python -m lightning_mlopt``: the command-line entry point.
 
 The process is guarded before anything slow is imported (torch and Lightning take seconds, and a scheduler's
-signal may come meanwhile): a ``fit`` owns its preemption signals from here on (flag-only handlers), and every
-Trainer run gets a start-up deadline; a rank started by a launcher also ends when its launcher is gone. A native
+signal may come meanwhile): a ``fit`` owns its preemption signals from here on (flag-only handlers; before its
+first training step a signal ends it at once, with status 75: nothing to save), and every Trainer run gets a
+start-up deadline; a rank started by a launcher also ends when its launcher is gone. A native
 crash of a Trainer run (a segmentation fault in an extension, an abort) prints every thread's Python stack before
 the process dies, instead of an exit status alone.
 """
@@ -31,7 +32,8 @@ def run() -> None:
         if subcommand == "fit":
             from lightning_mlopt.process.grace import graces_from_environment  # stdlib only
 
-            preemption.install(graces=graces_from_environment())  # a signal in start-up: its deadline within them
+            preemption.install(graces=graces_from_environment())
+            preemption.end_at_once_before_training()  # a signal in start-up: nothing to save, exit 75 now
         startup_guard.arm(DEFAULT_STARTUP_TIMEOUT_S)  # the config's startup_timeout replaces it once parsed
         if "LOCAL_RANK" in os.environ:  # started by a launcher (Lightning's, for ranks 1.., or torchrun)
             startup_guard.watch_parent()

@@ -60,6 +60,13 @@ class UntrustedCheckpointError(BadInputError):
     """A checkpoint names Python objects outside the allowlist; it was not loaded, nothing in it ran."""
 
 
+class RunDirBusy(BadInputError):
+    """Another live job holds the run directory; the message names it (host, pid, job, since) and what to do.
+
+    A bad-input refusal (exit 2): nothing of the run was written, and the holder's files are untouched.
+    """
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; earlier checkpoints are intact. The message names the path and cause."""
 

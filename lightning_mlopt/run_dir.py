@@ -14,6 +14,7 @@ What it holds is named here and nowhere else::
         goodput.jsonl    GoodputLedger's events, appended by every launch (rank zero); ``goodput`` reads it
         goodput.png      the chart of ``python -m lightning_mlopt goodput``
         job.sbatch       the SLURM script, where ``slurm`` wrote it
+        run.lock         held by rank zero of the live ``fit`` (one job at a time); names it while it runs
 """
 
 from __future__ import annotations
@@ -44,10 +45,21 @@ METRICS_NAME = "metrics.json"
 GOODPUT_LEDGER_NAME = "goodput.jsonl"
 GOODPUT_CHART_NAME = "goodput.png"
 SBATCH_NAME = "job.sbatch"
+RUN_LOCK_NAME = "run.lock"  # process/run_lock.py: never deleted or replaced, emptied when its holder ends
 # Keys that say where or how to run, not what to train: they must not move the run directory.
 # `performance` (PerformanceMonitor) and `goodput` (GoodputLedger) measure the run and change nothing it computes.
 _VOLATILE_KEYS = frozenset(
-    {"config", "run_dir", "ckpt_path", "weights_only", "print_config", "__path__", "performance", "goodput"}
+    {
+        "config",
+        "run_dir",
+        "ckpt_path",
+        "weights_only",
+        "print_config",
+        "__path__",
+        "performance",
+        "goodput",
+        "run_dir_wait",
+    }
 )
 
 

@@ -38,6 +38,7 @@ from lightning_mlopt.cli.ckpt_path import prefer_own_checkpoint, read_by_lightni
 from lightning_mlopt.cli.commands import TOOLS, TRAINER_RUNS, refuse_unknown_subcommand, tools_help
 from lightning_mlopt.cli.quiet import quiet_lightning, show_our_warnings_plainly
 from lightning_mlopt.cli.renamed_keys import RENAMED
+from lightning_mlopt.cli.run_dir_guard import RunDirGuard
 from lightning_mlopt.cli.support import (
     MeasuredModelSummary,
     RunFinished,
@@ -57,7 +58,7 @@ from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
-from lightning_mlopt.run_dir import DEFAULT_RUNS_ROOT, config_name, fill_run_dir, refuse_foreign_config, resolve_run_dir
+from lightning_mlopt.run_dir import config_name, fill_run_dir, refuse_foreign_config, resolve_run_dir
 from lightning_mlopt.spelling import spelled_for_the_cli
 from lightning_mlopt.tracking import mlflow_tracker, wandb_tracker  # noqa: F401 (YAML may name `WandbTracker` alone)
 
@@ -140,16 +141,7 @@ class MLOptCLI(LightningCLI):
                 f"before every rank exits with status {STARTUP_TIMEOUT_EXIT_CODE}; null or 0: no limit."
             ),
         )
-        parser.add_argument(
-            "--run_dir",
-            type=str | None,
-            default=None,
-            help=(
-                "Folder for this run's config, logs and checkpoints. Default: "
-                f"<trainer.default_root_dir or '{DEFAULT_RUNS_ROOT}'>/<config file stems>-<config hash>, "
-                "the same on every relaunch of the same command."
-            ),
-        )
+        RunDirGuard.add_arguments(parser)  # run_dir, and run_dir_wait: one live job per run directory
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -267,8 +259,9 @@ class MLOptCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def before_fit(self) -> None:
-        """Check the model against the strategy, then say where this run's outputs go (rank zero)."""
+        """Check the model against the strategy, hold the run directory, then say where the outputs go (rank zero)."""
         self._check_model_fits_strategy()
+        RunDirGuard.hold(self.trainer, self.run_dir, self._get_section().get("run_dir_wait"))  # before any file
         poll_preemption_notices(self.trainer, self._get_section().get("preemption"))
         _rank_zero_print(describe_outputs(self.trainer, self.run_dir))
 

@@ -75,11 +75,15 @@ class SaveResolvedConfig(SaveConfigCallback):
 
 
 class StartupComplete(Callback):
-    """Disarms the start-up deadline at the first batch of any loop: from here on, step watchdogs take over."""
+    """Disarms the start-up deadline at the first batch of any loop: from here on, step watchdogs take over.
+
+    And at the first training batch, a preemption signal stops ending the process at once: it is saved.
+    """
 
     @override
     def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
         startup_guard.disarm()
+        preemption.training_started()
 
     @override
     def on_validation_batch_start(self, *args: Any, **kwargs: Any) -> None:

@@ -11,6 +11,7 @@ during which a scheduler's signal or a dead peer must not go unnoticed):
 - ``exit.py``: how a rank leaves with the agreed status and without an abort on the way out.
 - ``launcher.py``: whether Lightning's launcher started this rank, and waiting for it to go first.
 - ``child.py``: a ``fit`` started by a sweep or ``profile``: its environment, and signals passed on to it.
+- ``run_lock.py``: one live job per run directory (the lock rank zero holds, and the record naming it).
 
 Example::
 

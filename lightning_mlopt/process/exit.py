@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -74,6 +75,29 @@ def exit_hung_rank(code: int) -> NoReturn:
     wait_for_launcher()
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_before_training(signal_name: str, code: int) -> NoReturn:
+    """End a rank preempted before its first training step, now: there is nothing to save (the signal watcher).
+
+    One line, the report ``launch`` reads (preempted, ``code``), and a launched rank lets its launcher go first.
+    ``os._exit``: the main thread may be importing, in the rendezvous or loading a checkpoint for minutes, and
+    leaving from any of them loses nothing that a kill would not (every write of a run is atomic).
+    """
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("LOCAL_RANK")
+    line = (
+        f"{f'rank {rank}: ' if rank else ''}preemption ({signal_name}) before the first training step: nothing to "
+        f"save; exiting with status {code}, a relaunch resumes from the newest committed checkpoint, if any\n"
+    ).encode()
+    with contextlib.suppress(OSError):  # descriptor 2: the exit must not wait on a buffered sys.stderr
+        while line:
+            line = line[os.write(2, line) :]
+    with contextlib.suppress(Exception):  # a report is a courtesy: it must never keep this process alive
+        launch_report.note(preempted=True)
+        launch_report.write(status=code)
+        launch_report.tell_launcher_if_preempted()
+    wait_for_launcher()
     os._exit(code)
 
 

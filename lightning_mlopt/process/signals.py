@@ -15,8 +15,8 @@ SIGTERM, Kubernetes' SIGTERM, a cloud's spot notice). Three facts shape how we t
   (no new checkpoint; the previous one is intact). The first rank to leave breaks its peers' collectives: an
   uncaught failure after the signal exits with the same status, so the job is requeued, not marked failed.
 - A signal can arrive while the process is still importing torch and Lightning (SLURM may send it up to N
-  seconds early). The entry point installs these handlers before importing anything slow, so a signal in
-  start-up is remembered, not fatal.
+  seconds early) or waiting in the rendezvous. The entry point installs these handlers before importing
+  anything slow; until the first training step a signal ends the process at once (there is nothing to save).
 
 Only the standard library is imported here: this module loads before torch.
 
@@ -45,6 +45,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from lightning_mlopt.process import exit_codes
+from lightning_mlopt.process.exit import leave_before_training
 from lightning_mlopt.process.grace import ANY_SIGNAL, grace_for, signal_deadline_within
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -74,6 +75,7 @@ class PreemptionSignals:
         self._watcher: threading.Thread | None = None
         self._leaving = threading.Lock()  # the deadline and a failure after the signal: one of them says why
         self._hooked_excepthook: Any = None  # the hook ours replaced (None: ours is not installed)
+        self._before_training = False  # the entry point's start-up: a signal ends the process at once
 
     # ------------------------------------------------------------------ public
 
@@ -214,6 +216,15 @@ class PreemptionSignals:
         self._stop_watcher()
         self._received = None
         self._notice = None
+
+    def end_at_once_before_training(self) -> None:
+        """Until :meth:`training_started`, a signal ends the process at once: start-up has nothing to save."""
+        self._before_training = True
+        self._wake_watcher()  # a signal already received
+
+    def training_started(self) -> None:
+        """The first training step begins: from here a signal is saved at a step boundary."""
+        self._before_training = False
 
     def acknowledge(self) -> None:
         """The signal was acted on (saved, exiting): release() must not deliver it again."""
@@ -359,6 +370,9 @@ class PreemptionSignals:
                 return
             for number in data:
                 self._record(number)
+            if self._before_training and self._received is not None:  # the main thread may block for minutes
+                self._leaving.acquire()  # the one exit that speaks: failures it causes meanwhile stay quiet
+                leave_before_training(self.describe(), self.exit_code)
 
     def _seconds_left(self) -> float | None:
         deadline = self.current_deadline_s()

@@ -674,3 +674,23 @@ class StrayCollectiveGPT(pl.LightningModule):
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+
+class HoldAtStep(pl.Callback):
+    """Holds every rank at the end of optimizer step ``step`` until the file ``release`` exists: a live job that a
+    test keeps alive while it launches another into the same run directory.
+
+    Each rank writes ``<release>.rank<R>`` (its process id) when it starts holding.
+    """
+
+    def __init__(self, release: str, step: int = 1, timeout_s: float = 300.0) -> None:
+        self.release, self.step, self.timeout_s = Path(release), step, timeout_s
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        if trainer.global_step != self.step:
+            return
+        Path(f"{self.release}.rank{trainer.global_rank}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + self.timeout_s
+        while not self.release.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
