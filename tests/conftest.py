@@ -66,8 +66,19 @@ def cli_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     return full_env
 
 
-def run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None):
-    """Run ``python -m lightning_mlopt ARGS`` in a fresh process, as a user would; return the result."""
+def run_cli(
+    args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None, preloaded: bool = False
+):
+    """Run ``python -m lightning_mlopt ARGS`` in a fresh process, as a user would; return the result.
+
+    ``preloaded``: in processes forked from one that imported torch, Lightning and DeepSpeed already, every rank
+    started at once as torchrun starts them (``tests/support/preloaded.py``): for runs whose subject is what
+    training computes and writes, not how a launch starts or ends.
+    """
+    if preloaded:
+        from tests.support.preloaded import run_preloaded
+
+        return run_preloaded(args, cwd, cli_environment(env), timeout)
     return subprocess.run(
         [sys.executable, "-m", "lightning_mlopt", *args],
         cwd=cwd,

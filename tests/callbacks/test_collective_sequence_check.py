@@ -47,6 +47,7 @@ def _stray(tmp_path: Path, kind: str, stray_rank: int, *extra: str):  # type: ig
             run_dir=tmp_path / "run",
         ),
         cwd=tmp_path,
+        preloaded=True,
         timeout=240,
     )
 

@@ -91,6 +91,7 @@ def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):
             run_dir=tmp_path / "run",
         ),
         cwd=tmp_path,
+        preloaded=True,
     )
 
 

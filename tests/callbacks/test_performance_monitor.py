@@ -152,6 +152,7 @@ def test_two_ranks_input_stall_slowest_rank_trace_and_summary(tmp_path):
             run_dir=run_dir,
         ),
         cwd=tmp_path,
+        preloaded=True,
     )
     assert result.returncode == 0, failure_report(result)
     stalls = re.findall(r"input-stalled: .*?: ((?:rank \d+ \d+%(?:, )?)+) of the step", result.stderr)

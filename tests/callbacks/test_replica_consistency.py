@@ -78,6 +78,7 @@ def _run(tmp_path, strategy: str, steps: int, injection: str | None, *extra: str
             run_dir=tmp_path / "run",
         ),
         cwd=tmp_path,
+        preloaded=True,
         env={inject.ENV: injection} if injection else None,
     )
 

@@ -37,6 +37,7 @@ def _fit(tmp_path: Path, run: str, out: str, *extra: str, strategy: str = "ddp")
             run_dir=tmp_path / run,
         ),
         cwd=tmp_path,
+        preloaded=True,
         timeout=240,
     )
 

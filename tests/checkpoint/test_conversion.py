@@ -164,13 +164,13 @@ LEDGER = [
 def test_a_mid_epoch_resume_at_another_world_size_trains_on_every_sample_once(tmp_path: Path, before, after):
     ledger, run = tmp_path / "ledger", tmp_path / "run"
     args = [*LEDGER, f"--model.out_dir={ledger}", f"--run_dir={run}"]
-    first = run_cli([*args, f"--trainer.devices={before}", "--trainer.max_steps=4"], cwd=tmp_path)
+    first = run_cli([*args, f"--trainer.devices={before}", "--trainer.max_steps=4"], cwd=tmp_path, preloaded=True)
     assert first.returncode == 0, failure_report(first)
     # Killed after step 4 trained but before it was saved: the newest checkpoint is step 3, and step 4 is redone.
     shutil.rmtree(run / "checkpoints" / "step-000000004")
     for path in ledger.glob("ledger-rank*.txt"):
         path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
-    second = run_cli([*args, f"--trainer.devices={after}"], cwd=tmp_path)
+    second = run_cli([*args, f"--trainer.devices={after}"], cwd=tmp_path, preloaded=True)
     assert second.returncode == 0, failure_report(second)
     said = second.stderr + second.stdout
     assert f"Resuming mid-epoch with {after} data-parallel processes (saved by {before})" in said, said[-2000:]

@@ -28,6 +28,7 @@ def _run(tmp_path, subcommand: str, strategy: str, *extra: str):  # type: ignore
             *extra,
         ],
         cwd=tmp_path,
+        preloaded=True,
     )
 
 

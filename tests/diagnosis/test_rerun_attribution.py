@@ -88,6 +88,7 @@ def test_a_one_time_nan_is_transient_and_skip_trains_on(tmp_path):
             run_dir=tmp_path / "run",
         ),
         cwd=tmp_path,
+        preloaded=True,
         env={inject.ENV: "nan:rank=1,step=7,module=layers.0.mlp"},
     )
     assert result.returncode == 0, failure_report(result)

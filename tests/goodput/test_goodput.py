@@ -369,6 +369,7 @@ def _command(
         f"--trainer.callbacks.hold_s={hold_s}",
         "--trainer.callbacks.pace_s=0.1",
         "--trainer.callbacks+=tests.support.helpers.LogLaunch",  # each step's row names the launch that computed it
+        "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",  # callback rows beside Lightning's
         strategy="ddp",
         steps=MAX_STEPS,
         run_dir=run_dir,
@@ -473,6 +474,11 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock_and_mlflow_
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(MAX_STEPS))
     launches = {m.step: int(m.value) for m in client.get_metric_history(run_id, "launch")}
     assert launches == {s: 1 if s < 4 else 2 if s < 12 else 3 if s < 17 else 4 for s in range(MAX_STEPS)}
+    # Our callbacks' rows carry the same labels: every grad_norm row once, none missing at a resume step;
+    # PerformanceMonitor's (each launch's first batch is start-up, in no window) never twice.
+    assert sorted(m.step for m in client.get_metric_history(run_id, "grad_norm/total")) == list(range(MAX_STEPS))
+    perf = [m.step for m in client.get_metric_history(run_id, "perf/frac_forward")]
+    assert perf and len(perf) == len(set(perf)) and set(perf) <= set(range(MAX_STEPS)), sorted(perf)
     # goodput/* went to the final launch's logger, over every launch so far.
     wasted = client.get_metric_history(run_id, "goodput/wasted_s")
     newest = max(wasted, key=lambda m: (m.step, m.timestamp))

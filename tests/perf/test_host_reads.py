@@ -48,6 +48,7 @@ def _launch(tmp_path: Path, strategy: str, devices: int, *extra: str) -> list[di
             quiet=False,
         ),
         cwd=tmp_path,
+        preloaded=True,
     )
     assert result.returncode == 0, failure_report(result)
     return [json.loads((out / f"host-reads-rank{rank}.json").read_text()) for rank in range(devices)]

@@ -70,6 +70,7 @@ def test_fp16_hook_is_registered_on_cpu_and_ranks_stay_in_sync(tmp_path):
             quiet=False,
         ),
         cwd=tmp_path,
+        preloaded=True,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_records(out)

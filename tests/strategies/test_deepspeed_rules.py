@@ -29,6 +29,7 @@ def test_trainer_settings_win_and_are_reported(tmp_path):
             *SMOKE,
         ],
         cwd=tmp_path,
+        preloaded=True,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]

@@ -288,7 +288,9 @@ def test_validation_under_pp_runs_the_model_in_eval_mode(tmp_path, pp_runs):
         args = ("--model.init_args.dropout=0.5", f"--ckpt_path={saved.path}", "--trainer.limit_val_batches=2", *extra)
         run_dir = tmp_path / f"{strategy}{devices}"
         result = run_cli(
-            fit_args(*args, strategy=strategy, devices=devices, run_dir=run_dir, subcommand="validate"), cwd=tmp_path
+            fit_args(*args, strategy=strategy, devices=devices, run_dir=run_dir, subcommand="validate"),
+            cwd=tmp_path,
+            preloaded=True,
         )
         assert result.returncode == 0, failure_report(result)
         # Lightning draws the table with rich where rich is installed (transformers brings it): "│" between cells.

@@ -58,13 +58,13 @@ def train(
         steps=steps,
         run_dir=run_dir,
     )
-    result = run_cli(args, cwd=tmp_path)
+    result = run_cli(args, cwd=tmp_path, preloaded=True)  # what training computes: imports paid once
     if retry_native_crash and result.returncode in _NATIVE_CRASHES:
         report = failure_report(result)
         warnings.warn(f"{name} crashed (exit {result.returncode}), trained again:\n{report}", stacklevel=2)
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)  # from scratch: never a resume of the crashed run
-        result = run_cli(args, cwd=tmp_path)
+        result = run_cli(args, cwd=tmp_path, preloaded=True)  # what training computes: imports paid once
     assert result.returncode == 0, f"{name} failed (exit {result.returncode}):\n{failure_report(result)}"
     (out / "output.txt").write_text(result.stdout + result.stderr)  # what the run printed, for tests to read
     return trained_run(tmp_path, name, devices)

@@ -1,0 +1,197 @@
+"""CLI runs for the tests that pay torch's, Lightning's and DeepSpeed's imports once, not once per rank and launch.
+
+A ``python -m lightning_mlopt fit`` on 2 CPU processes spends most of its time importing: rank zero imports,
+builds its Trainer, then Lightning's launcher starts rank one, which imports again (about 13 s of a short run's
+17 on this 2-core machine). Here one server process per test worker imports everything once and, for each run,
+forks one fresh process per rank with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``): every rank starts at once, already imported, and
+runs the CLI's own entry point (``lightning_mlopt.__main__.run``) as ``python -m`` would. Each run keeps process
+isolation (our process-wide patches rule out running ranks in the test process).
+
+What differs from a real launch, on purpose: the ranks are started as torchrun starts them, not by Lightning's
+launcher; the process has torch imported before the entry point runs. So tests about start-up, signals, exit
+statuses of launcher-started ranks, or environment read at import (``OMP_NUM_THREADS``) launch for real
+(:func:`tests.conftest.run_cli`); runs whose subject is what training computes and writes come here.
+
+The server is single-threaded (it only accepts and forks), so forking it is safe; torch has started no thread
+pool in it (nothing ran).
+
+Example::
+
+    result = run_preloaded(fit_args("--trainer.max_steps=3", strategy="ddp", run_dir=run), cwd=tmp_path)
+    assert result.returncode == 0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_SERVER: tuple[subprocess.Popen[bytes], Path] | None = None
+_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "deepspeed", "lightning_mlopt.cli.entry")
+
+
+def ranks_of(args: Sequence[str]) -> int:
+    """The world size a command line asks for: ``--trainer.devices=N`` (1 without it)."""
+    devices = [arg.split("=", 1)[1] for arg in args if arg.startswith("--trainer.devices=")]
+    return int(devices[-1]) if devices and devices[-1].isdigit() else 1
+
+
+def run_preloaded(
+    args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python -m lightning_mlopt ARGS`` on ``ranks_of(args)`` forked, pre-imported processes; the run's status.
+
+    The status is rank zero's, or, where rank zero exited 0, the first other rank's that did not.
+
+    stdout and stderr are every rank's, as a launch's are (the ranks share the two files).
+    """
+    with tempfile.TemporaryDirectory(prefix="preloaded-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        request = {"args": list(args), "cwd": str(cwd), "env": env, "ranks": ranks_of(args), "out": str(out)}
+        request["err"] = str(err)
+        with socket.socket(socket.AF_UNIX) as connection:
+            connection.connect(str(_server_socket()))
+            connection.sendall(json.dumps(request).encode() + b"\n")
+            reader = connection.makefile("r")
+            leader = int(reader.readline())
+            connection.settimeout(timeout)
+            try:
+                status = int(reader.readline())
+            except TimeoutError:
+                os.killpg(leader, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(["preloaded", *args], timeout) from None
+        return subprocess.CompletedProcess(["preloaded", *args], status, out.read_text(), err.read_text())
+
+
+def _server_socket() -> Path:
+    """The server of this test process, started on first use (its imports: seconds, once)."""
+    global _SERVER
+    if _SERVER is not None and _SERVER[0].poll() is None:
+        return _SERVER[1]
+    path = Path(tempfile.mkdtemp(prefix="preload-")) / "socket"
+    from tests.conftest import REPO_PYTHONPATH
+
+    environment = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "DS_ACCELERATOR": "cpu"}
+    log = path.with_name("server.log")
+    with log.open("wb") as output:  # what the imports print stays out of the tests' output
+        server = subprocess.Popen(
+            [sys.executable, "-c", f"from tests.support.preloaded import serve; serve({str(path)!r})"],
+            env=environment,
+            stdout=output,
+            stderr=output,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"the preloading server did not start (status {server.poll()}):\n{log.read_text()}")
+        time.sleep(0.05)
+    _SERVER = (server, path)
+    import atexit
+
+    atexit.register(server.kill)
+    return path
+
+
+def serve(path: str) -> None:
+    """The server: import once, then fork a job leader per request (which forks the ranks and reports)."""
+    import importlib
+
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # leaders are reaped by the kernel; the server never waits
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".tmp")
+    listener.listen(8)
+    os.rename(path + ".tmp", path)  # the client waits for the name: it exists once it accepts
+    while True:
+        connection, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            _lead(connection)
+        connection.close()
+
+
+def _lead(connection: socket.socket) -> None:
+    """A job leader: its own session (the client kills it, ranks included, on a timeout), one fork per rank."""
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        request = json.loads(connection.makefile("r").readline())
+        connection.sendall(f"{os.getpid()}\n".encode())
+        ranks = int(request["ranks"])
+        port = _free_port()
+        pids = [_fork_rank(request, rank, ranks, port) for rank in range(ranks)]
+        statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        # Rank zero's status, as Lightning's launcher reports it; but a rank that failed alone fails the run.
+        code = statuses[0] or next((status for status in statuses if status), 0)
+        connection.sendall(f"{code}\n".encode())
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(0)
+
+
+def _fork_rank(request: dict[str, Any], rank: int, world: int, port: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if world > 1:  # torchrun's environment: every rank started at once, none by Lightning's launcher
+            os.environ.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), NODE_RANK="0",
+                WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"preloaded-{port}",
+            )  # fmt: skip
+        code = _run_entry_point(request["args"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run_entry_point(args: list[str]) -> int:
+    """``python -m lightning_mlopt ARGS`` in this process: its status, its exit handlers run."""
+    import lightning_mlopt.__main__ as entry
+    from lightning_mlopt._compat import run_exit_handlers
+
+    sys.argv = [entry.__file__, *args]
+    try:
+        entry.run()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    run_exit_handlers()  # as the interpreter would at exit (W&B's flush, our journals)
+    return code
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
