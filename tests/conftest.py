@@ -33,6 +33,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """An unmarked test whose call runs past the fast tier's budget fails (``tests/support/fast_tier.py``)."""
+    from tests.support.fast_tier import over_budget
+
+    report = yield
+    if call.when == "call" and report.passed:
+        markers = {marker.name for marker in item.iter_markers()}
+        why = over_budget(markers, call.duration, item.config.getoption("markexpr") or "")
+        if why is not None:
+            report.outcome, report.longrepr = "failed", why
+    return report
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
