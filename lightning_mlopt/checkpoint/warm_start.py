@@ -78,6 +78,8 @@ class WarmStart:
                 f"ckpt_path: loading {self.given} ({always}), not this run's own step {step} ({where}); the run's "
                 f"checkpoints newer than the one loaded move to {ROLLED_BACK_DIR}/"
             )
+        if self.given == "last":  # names the run's own newest: no choice was made
+            return f"ckpt_path: last: resuming from this run's own newest checkpoint, step {step} ({where})"
         return (
             f"ckpt_path: resuming from this run's own step {step} ({where}); {self.given} is the warm start of a "
             f"run with no checkpoint of its own; to load it instead, set {always}"

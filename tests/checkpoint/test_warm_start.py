@@ -62,6 +62,10 @@ def test_the_runs_own_checkpoint_wins_unless_always_and_each_choice_says_why():
     forced = WarmStart(WARM, own, "always")
     assert forced.loads_given and "not this run's own step 40" in forced.line() and ROLLED_BACK_DIR in forced.line()
     assert WarmStart(WARM, None, "always").loads_given
+    last = WarmStart("last", own)  # `last` names the run's own newest: said as such, not as a warm start
+    assert not last.loads_given and last.line() == (
+        "ckpt_path: last: resuming from this run's own newest checkpoint, step 40 (runs/b/checkpoints/step-000000040)"
+    )
     with pytest.raises(ValueError, match=r"resume\.ckpt_path must be 'warm_start' or 'always', got 'newest'"):
         WarmStart(WARM, own, "newest")  # type: ignore[arg-type]
 
