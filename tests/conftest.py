@@ -225,7 +225,7 @@ COUNTED_STEPS = (10, 12)
 
 def _count_collectives(out: Path) -> tuple[str, ...]:
     return (
-        "--trainer.callbacks+=tests.support.helpers.CountCollectives",
+        "--trainer.callbacks+=tests.support.recorders.CountCollectives",
         f"--trainer.callbacks.out_dir={out}",
         f"--trainer.callbacks.first_step={COUNTED_STEPS[0]}",
         f"--trainer.callbacks.last_step={COUNTED_STEPS[1]}",

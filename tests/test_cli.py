@@ -133,7 +133,7 @@ def test_relaunching_from_the_saved_or_printed_config_lands_in_the_same_run(tmp_
     monkeypatch.chdir(tmp_path)
     # A user's own model and config file (no datamodule: the model brings its dataloaders).
     (tmp_path / "lm.yaml").write_text(
-        "model:\n  class_path: tests.support.helpers.ThirdPartyLM\ntrainer:\n  limit_val_batches: 1\n"
+        "model:\n  class_path: tests.support.models.ThirdPartyLM\ntrainer:\n  limit_val_batches: 1\n"
         "  val_check_interval: 2\n  num_sanity_val_steps: 0\n  enable_progress_bar: false\n"
     )
     first_args = ["fit", "--config", "lm.yaml", "--trainer.max_steps=2"]
@@ -178,11 +178,11 @@ def test_relaunching_from_the_saved_or_printed_config_lands_in_the_same_run(tmp_
 
 @pytest.mark.multiprocess
 def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path):
-    from tests.support.helpers import read_records
+    from tests.support.recorders import read_records
 
     common = [
         "fit",
-        "--model=tests.support.helpers.ThirdPartyLM",  # dropout 0.1: the RNG state shows in the losses
+        "--model=tests.support.models.ThirdPartyLM",  # dropout 0.1: the RNG state shows in the losses
         "--trainer.accelerator=cpu",
         "--trainer.devices=2",
         "--trainer.max_steps=3",
@@ -203,7 +203,7 @@ def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path)
                     else ["--trainer.strategy=ddp"]
                 ),
                 f"--run_dir={out}",
-                "--trainer.callbacks+=tests.support.helpers.RecordTraining",
+                "--trainer.callbacks+=tests.support.recorders.RecordTraining",
                 f"--trainer.callbacks.out_dir={out / 'record'}",
             ],
             cwd=tmp_path,

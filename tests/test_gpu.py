@@ -134,7 +134,7 @@ def test_no_host_sync_off_logging_steps_with_the_default_callbacks(tmp_path, ove
         "--trainer.callbacks+=lightning_mlopt.callbacks.ThroughputProgressBar",
         "--trainer.callbacks.log_every_n_steps=0",
         "--trainer.callbacks.min_interval_s=3600",
-        "--trainer.callbacks+=tests.support.helpers.NoHostSyncBetween",
+        "--trainer.callbacks+=tests.support.recorders.NoHostSyncBetween",
         "--trainer.callbacks.first_step=3",
         "--trainer.callbacks.last_step=8",
         f"--run_dir={tmp_path / 'run'}",

@@ -56,7 +56,7 @@ def test_two_torchrun_agents_train_and_an_elastic_restart_resumes_from_the_check
         "--trainer.enable_progress_bar=false",
         f"--run_dir={run_dir}",
         "--checkpoint.every_n_steps=2",
-        "--trainer.callbacks+=tests.support.helpers.Pace",
+        "--trainer.callbacks+=tests.support.faults.Pace",
         f"--trainer.callbacks.out_dir={pace}",
         "--trainer.callbacks.seconds_per_step=0.5",
     ]
@@ -106,7 +106,7 @@ def test_sigterm_to_one_nodes_launcher_ends_both_nodes_preempted_with_75(tmp_pat
         *["--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=mlopt-one"],
         *["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.num_nodes=2", "--trainer.devices=1"],
         *["--trainer.max_steps=200", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"],
-        *[f"--run_dir={run_dir}", "--checkpoint.every_n_steps=2", "--trainer.callbacks+=tests.support.helpers.Pace"],
+        *[f"--run_dir={run_dir}", "--checkpoint.every_n_steps=2", "--trainer.callbacks+=tests.support.faults.Pace"],
         *[f"--trainer.callbacks.out_dir={pace}", "--trainer.callbacks.seconds_per_step=0.2"],
     ]
     logs = [tmp_path / f"node{node}.log" for node in (0, 1)]

@@ -130,9 +130,9 @@ def command(run_dir: Path, strategy: str, *extra: str, launcher: list[str] | Non
         "--data.init_args.num_sequences=160",
         "--checkpoint.every_n_steps=2",
         f"--run_dir={run_dir}",
-        "--trainer.callbacks+=tests.support.helpers.RecordEverything",
+        "--trainer.callbacks+=tests.support.recorders.RecordEverything",
         f"--trainer.callbacks.out_dir={run_dir / 'record'}",
-        "--trainer.callbacks+=tests.support.helpers.Pace",
+        "--trainer.callbacks+=tests.support.faults.Pace",
         f"--trainer.callbacks.out_dir={run_dir / 'pace'}",
         "--trainer.callbacks.seconds_per_step=0.25",  # a few seconds of training to land faults in
         *extra,
@@ -321,7 +321,7 @@ def _launcher_output_problem(log: Path) -> str | None:
 def trial_grace(strategy: str, work: Path, rng: random.Random, reference: dict) -> str | None:
     """Saves slower than the grace: the signal ends the run at once, without a save it could not finish."""
     run_dir = work / "run"
-    slow = ["--trainer.callbacks+=tests.support.helpers.SlowSaves", f"--trainer.callbacks.seconds={SAVE_S}"]
+    slow = ["--trainer.callbacks+=tests.support.faults.SlowSaves", f"--trainer.callbacks.seconds={SAVE_S}"]
     cmd = command(run_dir, strategy, f"--checkpoint.preemption.grace_s={GRACE_S}", *slow)
     process, problem = start_after_first_checkpoint(cmd, work / "signalled.log", run_dir, rng.uniform(0.0, 2.0))
     if process is None:

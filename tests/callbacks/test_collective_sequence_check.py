@@ -1,7 +1,7 @@
 """CollectiveSequenceCheck through the real CLI on 2 CPU processes: a rank-dependent collective, named in one line.
 
 The GPT demo under DDP, with one rank issuing a collective the other does not at step 2
-(``tests.support.helpers.StrayCollectiveGPT``):
+(``tests.support.models.StrayCollectiveGPT``):
 
 - ``sync_dist``: ``self.log(..., sync_dist=True)`` inside a rank-0 branch; ``all_gather``: ``self.all_gather`` on
   rank 1. Each waits for a partner that never comes: NCCLHealthCheck's watchdog ends the job (124) and its
@@ -23,18 +23,18 @@ from lightning_mlopt.checkpoint import CheckpointStore
 from tests.conftest import failure_report, run_cli
 from tests.support.cli_args import fit_args
 
-HELPERS = Path(__file__).resolve().parents[1] / "support" / "helpers.py"
+MODELS = Path(__file__).resolve().parents[1] / "support" / "models.py"
 
 
 def _line_of(text: str) -> int:
-    lines = HELPERS.read_text().splitlines()
+    lines = MODELS.read_text().splitlines()
     return next(index for index, line in enumerate(lines, start=1) if text in line)
 
 
 def _stray(tmp_path: Path, kind: str, stray_rank: int, *extra: str):  # type: ignore[no-untyped-def]
     return run_cli(
         fit_args(
-            "--model=tests.support.helpers.StrayCollectiveGPT",
+            "--model=tests.support.models.StrayCollectiveGPT",
             f"--model.init_args.kind={kind}",
             f"--model.init_args.stray_rank={stray_rank}",
             "--trainer.limit_val_batches=0",
@@ -56,8 +56,8 @@ def _stray(tmp_path: Path, kind: str, stray_rank: int, *extra: str):  # type: ig
 @pytest.mark.parametrize(
     ("kind", "stray_rank", "expected"),
     [
-        ("sync_dist", 0, "rank 0 barrier() at helpers.py:{line}; rank 1 issued no other, now in backward"),
-        ("all_gather", 1, "rank 1 all_gather(2x float32[4]) at helpers.py:{line}; rank 0 issued no other, now in"),
+        ("sync_dist", 0, "rank 0 barrier() at models.py:{line}; rank 1 issued no other, now in backward"),
+        ("all_gather", 1, "rank 1 all_gather(2x float32[4]) at models.py:{line}; rank 0 issued no other, now in"),
     ],
 )
 def test_a_stray_collective_that_hangs_is_named_in_the_watchdogs_first_line(tmp_path, kind, stray_rank, expected):
@@ -96,7 +96,7 @@ def test_collectives_that_pair_up_but_differ_stop_every_rank_at_the_boundary_and
     )
     assert verdict is not None, failure_report(result)
     assert verdict[1] == (
-        f"rank 0 all_reduce(float32[4]) at helpers.py:{line}; rank 1 all_reduce(float32[2, 2]) at helpers.py:{line}"
+        f"rank 0 all_reduce(float32[4]) at models.py:{line}; rank 1 all_reduce(float32[2, 2]) at models.py:{line}"
     )
     saved = CheckpointStore(tmp_path / "run" / "checkpoints").newest_valid()
     assert saved is not None and saved.step == 2, "step 2 diverged: its checkpoint (global step 3) was refused"

@@ -38,7 +38,7 @@ GPT_ARGS = [
 def _command(run_dir: Path, strategy: str, devices: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
     args = fit_args(
         *GPT_ARGS,
-        "--trainer.callbacks+=tests.support.helpers.RecordEverything",
+        "--trainer.callbacks+=tests.support.recorders.RecordEverything",
         f"--trainer.callbacks.out_dir={run_dir / 'record'}",
         *extra,
         strategy=strategy,
@@ -85,7 +85,7 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
     run_dir = tmp_path / "interrupted"
     command = _command(run_dir, strategy)
     held = [
-        "--trainer.callbacks+=tests.support.helpers.InterfereWithBackgroundWrite",
+        "--trainer.callbacks+=tests.support.faults.InterfereWithBackgroundWrite",
         f"--trainer.callbacks.out_dir={run_dir / 'markers'}",
         "--trainer.callbacks.step=6",
         "--trainer.callbacks.hold_s=60",
@@ -133,7 +133,7 @@ def test_sigterm_saves_the_current_step_and_exits_non_zero(tmp_path):
             "--trainer.max_steps=1000",
             "--data.init_args.num_sequences=4096",
             "--checkpoint.every_n_steps=null",
-            "--trainer.callbacks+=tests.support.helpers.Pace",
+            "--trainer.callbacks+=tests.support.faults.Pace",
             f"--trainer.callbacks.out_dir={marks}",
             "--trainer.callbacks.seconds_per_step=0.05",
         ),
@@ -370,7 +370,7 @@ def test_a_background_write_that_fails_on_rank_1_only_ends_every_rank_and_commit
     # EISDIR) in the background thread, after rank 0 wrote its own. Both ranks must end with rank 1's cause.
     run_dir = tmp_path / "run"
     blocked = (
-        "--trainer.callbacks+=tests.support.helpers.InterfereWithBackgroundWrite",
+        "--trainer.callbacks+=tests.support.faults.InterfereWithBackgroundWrite",
         f"--trainer.callbacks.out_dir={run_dir / 'markers'}",
         "--trainer.callbacks.step=4",
         "--trainer.callbacks.block_rank=1",
@@ -412,7 +412,7 @@ def test_a_ddp_run_relaunched_under_zero2_trains_on_and_a_layout_none_reads_is_r
             "-m",
             "lightning_mlopt",
             "fit",
-            "--model=tests.support.helpers.ThirdPartyLM",  # a user's model, with its own dataloaders
+            "--model=tests.support.models.ThirdPartyLM",  # a user's model, with its own dataloaders
             "--trainer.accelerator=cpu",
             "--trainer.devices=2",
             f"--trainer.strategy={strategy}",
@@ -451,9 +451,9 @@ def _signalled_quickstart(tmp_path: Path, grace_s: float, save_s: float) -> tupl
         _quickstart(
             tmp_path,
             f"--checkpoint.preemption.grace_s={grace_s}",
-            "--trainer.callbacks+=tests.support.helpers.SlowSaves",
+            "--trainer.callbacks+=tests.support.faults.SlowSaves",
             f"--trainer.callbacks.seconds={save_s}",
-            "--trainer.callbacks+=tests.support.helpers.SignalAtStep",
+            "--trainer.callbacks+=tests.support.faults.SignalAtStep",
             "--trainer.callbacks.step=5",
         )
     return stopped.value.code, "\n".join(str(warning.message) for warning in warned)
@@ -494,10 +494,10 @@ def test_a_background_save_that_cannot_finish_in_the_grace_is_abandoned_and_neve
         *QUICK,
         "--checkpoint.async_save=true",
         "--checkpoint.preemption.grace_s=2.5",  # 1.5 s left after the margin: the write in flight needs 3 s
-        "--trainer.callbacks+=tests.support.helpers.SlowWrite",
+        "--trainer.callbacks+=tests.support.faults.SlowWrite",
         "--trainer.callbacks.step=4",
         "--trainer.callbacks.seconds=3",
-        "--trainer.callbacks+=tests.support.helpers.SignalAtStep",
+        "--trainer.callbacks+=tests.support.faults.SignalAtStep",
         "--trainer.callbacks.step=5",
     ]
     done = _run(command, tmp_path, timeout=120)

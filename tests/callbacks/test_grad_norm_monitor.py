@@ -23,7 +23,7 @@ MONITOR = [
 
 
 def _record(out: Path) -> tuple[str, ...]:
-    return ("--trainer.callbacks+=tests.support.helpers.RecordMonitor", f"--trainer.callbacks.out_dir={out}")
+    return ("--trainer.callbacks+=tests.support.recorders.RecordMonitor", f"--trainer.callbacks.out_dir={out}")
 
 
 def _reference(out: Path, start_params: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
@@ -78,12 +78,12 @@ def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):
             "--trainer.limit_val_batches=0",
             "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
             f"--trainer.callbacks.on_nonfinite={action}",
-            "--trainer.callbacks+=tests.support.helpers.InjectNonFinite",
+            "--trainer.callbacks+=tests.support.faults.InjectNonFinite",
             "--trainer.callbacks.module=model.layers.1.mlp.0",
             "--trainer.callbacks.step=3",
             "--trainer.callbacks.ranks=[1]",
             *_record(out),
-            "--trainer.callbacks+=tests.support.helpers.RecordEverything",
+            "--trainer.callbacks+=tests.support.recorders.RecordEverything",
             f"--trainer.callbacks.out_dir={tmp_path / 'record'}",
             *extra,
             strategy="ddp",
@@ -150,7 +150,7 @@ def _spike_run(tmp_path: Path, **monitor: object) -> tuple[object, GradNormMonit
     import lightning.pytorch as pl
 
     from lightning_mlopt.demos import TokenDataModule
-    from tests.support.helpers import InjectNonFinite
+    from tests.support.faults import InjectNonFinite
 
     pl.seed_everything(0)
     callback = GradNormMonitor(log_every_n_steps=1, spike_min_history=5, **monitor)  # type: ignore[arg-type]

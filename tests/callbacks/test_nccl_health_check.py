@@ -36,7 +36,7 @@ HEALTH = ["--trainer.callbacks+=lightning_mlopt.callbacks.NCCLHealthCheck"]
 
 
 def _sleepy(**init_args: object) -> list[str]:
-    args = ["--model=tests.support.helpers.SleepyGPT"]
+    args = ["--model=tests.support.models.SleepyGPT"]
     return args + [f"--model.init_args.{key}={value}" for key, value in init_args.items()]
 
 
@@ -133,9 +133,9 @@ def test_version_skew_and_a_straggler_are_reported_by_rank(tmp_path):
             "--trainer.devices=2",
             "--trainer.max_steps=4",
             f"--run_dir={tmp_path / 'run'}",
-            "--trainer.callbacks+=tests.support.helpers.FakeVersionOnRank",
+            "--trainer.callbacks+=tests.support.faults.FakeVersionOnRank",
             "--trainer.callbacks.value=2.0.0",
-            "--trainer.callbacks+=tests.support.helpers.SlowRank",
+            "--trainer.callbacks+=tests.support.faults.SlowRank",
             # Two ranks: the median is their mean, so rank 1 is 1.5x it only when rank 0's own forward takes under
             # a quarter of rank 1's; a full second keeps that true on a loaded CI machine.
             "--trainer.callbacks.seconds=1.0",
@@ -161,7 +161,7 @@ def test_a_rank_missing_at_the_barrier_is_named(tmp_path):
             "--trainer.devices=2",
             "--trainer.max_steps=2",
             f"--run_dir={tmp_path / 'run'}",
-            "--trainer.callbacks+=tests.support.helpers.LateToSetup",
+            "--trainer.callbacks+=tests.support.faults.LateToSetup",
             "--trainer.callbacks.seconds=12",
             *HEALTH,
             "--trainer.callbacks.barrier_timeout=3",

@@ -136,7 +136,7 @@ def test_two_ranks_input_stall_slowest_rank_trace_and_summary(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli(
         fit_args(
-            "--data=tests.support.helpers.SlowCollateTokens",
+            "--data=tests.support.models.SlowCollateTokens",
             "--data.collate_sleep_s=0.05",
             "--data.slow_ranks=[1]",
             "--model.n_layer=1",
@@ -144,7 +144,7 @@ def test_two_ranks_input_stall_slowest_rank_trace_and_summary(tmp_path):
             "--trainer.limit_val_batches=0",
             "--trainer.num_sanity_val_steps=0",
             "--trainer.log_every_n_steps=5",
-            "--trainer.callbacks+=tests.support.helpers.SlowRank",
+            "--trainer.callbacks+=tests.support.faults.SlowRank",
             "--trainer.callbacks.rank=0",
             "--trainer.callbacks.seconds=0.03",
             "--performance.profile_steps=[4,6]",

@@ -16,7 +16,7 @@ from lightning_mlopt.callbacks.uneven_inputs import EarlyEnd
 from lightning_mlopt.checkpoint import CheckpointStore
 from tests.conftest import failure_report, run_cli
 from tests.support.cli_args import fit_args
-from tests.support.helpers import read_records
+from tests.support.recorders import read_records
 
 
 def _fit(tmp_path: Path, run: str, out: str, *extra: str, strategy: str = "ddp"):  # type: ignore[no-untyped-def]
@@ -28,7 +28,7 @@ def _fit(tmp_path: Path, run: str, out: str, *extra: str, strategy: str = "ddp")
         fit_args(
             "--data=tests.support.uneven.UnevenTokens",
             "--trainer.max_epochs=2",
-            "--trainer.callbacks+=tests.support.helpers.RecordEverything",
+            "--trainer.callbacks+=tests.support.recorders.RecordEverything",
             f"--trainer.callbacks.out_dir={tmp_path / out}",
             "--trainer.callbacks+=lightning_mlopt.callbacks.NCCLHealthCheck",
             "--trainer.callbacks.watchdog.timeout=60",

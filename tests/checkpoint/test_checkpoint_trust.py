@@ -20,7 +20,7 @@ from lightning_mlopt.checkpoint.serialization import load_file
 from lightning_mlopt.checkpoint.trust import globals_in_pickle, untrusted_globals
 from lightning_mlopt.exceptions import BadInputError
 from tests.conftest import run_tool_here
-from tests.support.helpers import ThirdPartyLM
+from tests.support.models import ThirdPartyLM
 
 
 class CreatesAFile:

@@ -17,8 +17,8 @@ import torch
 
 from tests.conftest import failure_report, run_cli, run_tool_here
 from tests.support.cli_args import QUIET
-from tests.support.helpers import read_records
 from tests.support.ledger import read_ledger
+from tests.support.recorders import read_records
 from tests.support.strategy_runs import train
 
 pytestmark = pytest.mark.multiprocess

@@ -1,6 +1,6 @@
 """validate / test / predict from our checkpoints: a step folder, a checkpoints folder, ``last``; every strategy.
 
-The model is a user's (tests.support.helpers.ThirdPartyLM: its own dataloaders, no datamodule), not one of our demos.
+The model is a user's (tests.support.models.ThirdPartyLM: its own dataloaders, no datamodule), not one of our demos.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def _run(tmp_path, subcommand: str, strategy: str, *extra: str):  # type: ignore
     return run_cli(
         [
             subcommand,
-            "--model=tests.support.helpers.ThirdPartyLM",
+            "--model=tests.support.models.ThirdPartyLM",
             f"--trainer.strategy={strategy}",  # a short name: the overlays name our demo's block classes
             "--trainer.accelerator=cpu",
             "--trainer.devices=2",

@@ -35,9 +35,9 @@ EPOCH_BATCHES = 22  # the digits' 1437 training samples in batches of 64, the la
 def _quickstart(run_dir: Path) -> list[str]:
     return [
         sys.executable, "-m", "lightning_mlopt", *QUICKSTART, f"--run_dir={run_dir}",
-        "--trainer.callbacks+=tests.support.helpers.RecordEverything",
+        "--trainer.callbacks+=tests.support.recorders.RecordEverything",
         f"--trainer.callbacks.out_dir={run_dir / 'record'}",
-        "--trainer.callbacks+=tests.support.helpers.Pace", f"--trainer.callbacks.out_dir={run_dir / 'pace'}",
+        "--trainer.callbacks+=tests.support.faults.Pace", f"--trainer.callbacks.out_dir={run_dir / 'pace'}",
     ]  # fmt: skip
 
 

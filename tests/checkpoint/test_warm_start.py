@@ -191,7 +191,7 @@ def test_a_requeued_command_with_ckpt_path_progresses_from_its_own_checkpoints(t
     signals = [
         f"--trainer.callbacks{arg}"
         for step in (5, 8)
-        for arg in ("+=tests.support.helpers.SignalAtStep", f".step={step}")
+        for arg in ("+=tests.support.faults.SignalAtStep", f".step={step}")
     ]
     command = _args(tmp_path / "b", 10, f"--ckpt_path={warm}", *signals)
     run_dir = tmp_path / "b"

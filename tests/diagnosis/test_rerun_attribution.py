@@ -100,7 +100,7 @@ def test_a_one_time_nan_is_transient_and_skip_trains_on(tmp_path):
 @pytest.mark.multiprocess
 def test_a_nan_from_a_bad_sample_is_reproducible(tmp_path):
     config = tmp_path / "bad_sample.yaml"
-    config.write_text("model:\n  class_path: tests.support.helpers.NaNSampleRegression\n")
+    config.write_text("model:\n  class_path: tests.support.models.NaNSampleRegression\n")
     arguments = ["fit", "--config", str(config), "--trainer.accelerator=cpu", "--trainer.devices=2"]
     arguments += ["--trainer.max_steps=8", f"--run_dir={tmp_path / 'run'}", *QUIET]
     arguments += ["--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor"]

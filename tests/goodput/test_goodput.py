@@ -189,7 +189,7 @@ def test_a_disk_that_fills_mid_run_stops_the_ledger_once_and_never_training(tmpf
     import lightning.pytorch as pl
 
     from lightning_mlopt.goodput import append_log as _append_log
-    from tests.support.helpers import ThirdPartyLM
+    from tests.support.models import ThirdPartyLM
 
     disk = tmpfs("ledger", size="1m")
     # Reserve a page at a time (not 1 MiB), so that the ledger needs new blocks within a 40-step run.
@@ -368,7 +368,7 @@ def _command(
         f"--trainer.callbacks.hold_at={'null' if hold_at is None else hold_at}",
         f"--trainer.callbacks.hold_s={hold_s}",
         "--trainer.callbacks.pace_s=0.1",
-        "--trainer.callbacks+=tests.support.helpers.LogLaunch",  # each step's row names the launch that computed it
+        "--trainer.callbacks+=tests.support.recorders.LogLaunch",  # each step's row names the launch that computed it
         "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",  # callback rows beside Lightning's
         strategy="ddp",
         steps=MAX_STEPS,

@@ -307,7 +307,7 @@ def test_a_rank_whose_launcher_dies_in_deepspeed_start_up_exits(tmp_path):
         "-m",
         "lightning_mlopt",
         "fit",
-        "--model=tests.support.helpers.ThirdPartyLM",  # a user's model
+        "--model=tests.support.models.ThirdPartyLM",  # a user's model
         "--trainer.accelerator=cpu",
         "--trainer.devices=2",
         "--trainer.strategy=zero2",

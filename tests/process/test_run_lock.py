@@ -249,7 +249,7 @@ def _fit(run_dir: Path, release: Path, *extra: str) -> list[str]:
         *[sys.executable, "-m", "lightning_mlopt", "fit", "--config", str(CONFIGS / "quickstart.yaml")],
         *["--trainer.max_steps=3", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"],
         *["--trainer.enable_progress_bar=false", "--checkpoint.every_n_steps=1", f"--run_dir={run_dir}"],
-        *["--trainer.callbacks+=tests.support.helpers.HoldAtStep", f"--trainer.callbacks.release={release}"],
+        *["--trainer.callbacks+=tests.support.faults.HoldAtStep", f"--trainer.callbacks.release={release}"],
         *extra,
     ]
 

@@ -10,7 +10,7 @@ from lightning_mlopt.strategies import DDPStrategy
 from lightning_mlopt.strategies.ddp import bf16_compress_hook
 from tests.conftest import CONFIGS, SMOKE, run_cli
 from tests.support.cli_args import fit_args
-from tests.support.helpers import read_records
+from tests.support.recorders import read_records
 
 
 def test_knobs_reach_distributed_data_parallel():
@@ -64,7 +64,7 @@ def test_fp16_hook_is_registered_on_cpu_and_ranks_stay_in_sync(tmp_path):
         fit_args(
             *SMOKE,
             "--trainer.max_steps=3",
-            "--trainer.callbacks+=tests.support.helpers.RecordTraining",
+            "--trainer.callbacks+=tests.support.recorders.RecordTraining",
             f"--trainer.callbacks.out_dir={out}",
             strategy="ddp_fp16",
             quiet=False,

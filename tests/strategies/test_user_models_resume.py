@@ -34,7 +34,7 @@ from tests.support.user_models import HFCausalLM, llama, write_user_config
 
 EVERY_2 = "--checkpoint.every_n_steps=2"
 SIGNALLED_AT = 3  # a step no save falls on: the checkpoint a relaunch resumes from is the signal's own
-SIGNAL = ("--trainer.callbacks+=tests.support.helpers.SignalAtStep", f"--trainer.callbacks.step={SIGNALLED_AT}")
+SIGNAL = ("--trainer.callbacks+=tests.support.faults.SignalAtStep", f"--trainer.callbacks.step={SIGNALLED_AT}")
 
 
 class _Llama(_Runs):

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import failure_report, run_cli
 from tests.support.cli_args import fit_args
-from tests.support.helpers import read_records
+from tests.support.recorders import read_records
 
 
 class TrainedRun(NamedTuple):
@@ -50,7 +50,7 @@ def train(
     args = fit_args(
         "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0",
-        "--trainer.callbacks+=tests.support.helpers.RecordEverything",
+        "--trainer.callbacks+=tests.support.recorders.RecordEverything",
         f"--trainer.callbacks.out_dir={out}",
         *extra,
         strategy=strategy,

@@ -316,9 +316,9 @@ def _manifest_command(tmp_path: Path, mount: Path, monkeypatch: pytest.MonkeyPat
         "--model.init_args.dropout=0.1",
         "--data.init_args.num_sequences=160",
         "--checkpoint.every_n_steps=2",
-        "--trainer.callbacks+=tests.support.helpers.RecordEverything",
+        "--trainer.callbacks+=tests.support.recorders.RecordEverything",
         f"--trainer.callbacks.out_dir={mount / 'record'}",
-        "--trainer.callbacks+=tests.support.helpers.Pace",
+        "--trainer.callbacks+=tests.support.faults.Pace",
         f"--trainer.callbacks.out_dir={mount / 'pace'}",
         "--trainer.callbacks.seconds_per_step=0.25",
     ]

@@ -89,7 +89,7 @@ def test_a_signal_to_the_launcher_alone_reaches_the_rank_not_its_loader_and_it_s
         *[sys.executable, "-m", "lightning_mlopt", "launch", "--nproc-per-node=1", "fit"],
         *["--config", str(CONFIGS / "quickstart.yaml"), f"--run_dir={run_dir}", "--trainer.max_steps=200"],
         *["--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--checkpoint.every_n_steps=2"],
-        *["--trainer.callbacks+=tests.support.helpers.Pace", f"--trainer.callbacks.out_dir={tmp_path / 'pace'}"],
+        *["--trainer.callbacks+=tests.support.faults.Pace", f"--trainer.callbacks.out_dir={tmp_path / 'pace'}"],
         "--trainer.callbacks.seconds_per_step=0.1",
         "--data.init_args.num_workers=1",  # a DataLoader worker: the signal must reach the rank, not kill it
     ]

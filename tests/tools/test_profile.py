@@ -79,7 +79,7 @@ def test_gpt_demo_is_compute_bound(tmp_path):
 @pytest.mark.slow
 @pytest.mark.solo  # its data-wait fraction is measured: another worker beside it skews it
 def test_slow_dataset_is_input_bound(tmp_path):
-    slow_data = ["--data=tests.support.helpers.SlowCollateTokens", "--data.collate_sleep_s=0.05"]
+    slow_data = ["--data=tests.support.models.SlowCollateTokens", "--data.collate_sleep_s=0.05"]
     result = _profile(tmp_path, "--trainer.devices=1", *slow_data, "--model.n_layer=1", "--model.d_model=64")
     assert "**Verdict: input-bound.**" in result.stdout
     assert "data wait up to" in (tmp_path / "run" / "profile.md").read_text()

@@ -184,7 +184,7 @@ def test_the_generated_script_saves_on_the_signal_requeues_and_the_requeued_job_
             "--trainer.num_sanity_val_steps=0",
             "--trainer.enable_progress_bar=false",
             "--checkpoint.every_n_steps=2",
-            "--trainer.callbacks+=tests.support.helpers.Pace",
+            "--trainer.callbacks+=tests.support.faults.Pace",
             f"--trainer.callbacks.out_dir={tmp_path / 'pace'}",
             "--trainer.callbacks.seconds_per_step=0.3",
         ],

@@ -150,7 +150,7 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path, monkeypatch
         tmp_path,
         monkeypatch,
         "--trainer.max_steps=100000",
-        "--trainer.callbacks+=tests.support.helpers.Pace",
+        "--trainer.callbacks+=tests.support.faults.Pace",
         f"--trainer.callbacks.out_dir={tmp_path / 'pace'}",
         "--trainer.callbacks.seconds_per_step=0.2",
         time_limit="00:02:00",

@@ -109,9 +109,7 @@ def test_a_key_written_as_another_tool_names_it_is_named_in_the_sweep_file_with_
 def _small_model_config(tmp_path: Path) -> list[str]:
     """A user's model (train_loss and val_loss, its own dataloaders) that fits in seconds."""
     path = tmp_path / "lm.yaml"
-    path.write_text(
-        "trainer: {accelerator: cpu, devices: 1}\nmodel: {class_path: tests.support.helpers.ThirdPartyLM}\n"
-    )
+    path.write_text("trainer: {accelerator: cpu, devices: 1}\nmodel: {class_path: tests.support.models.ThirdPartyLM}\n")
     return ["--config", str(path)]
 
 
@@ -211,7 +209,7 @@ def test_local_grid_on_two_process_trials_ranks_results_and_every_rank_gets_the_
         "--trainer.limit_val_batches=1",
         "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_progress_bar=false",
-        "--trainer.callbacks+=tests.support.helpers.RecordHyperparameters",
+        "--trainer.callbacks+=tests.support.recorders.RecordHyperparameters",
         "--no_probe",  # the probe's two-batch fit: docs/sweeps.md's example runs it, and the next tests fail it
     ]
     result = run_cli(args, cwd=tmp_path, timeout=400)
@@ -285,7 +283,7 @@ def test_a_sweep_as_a_slurm_job_array_runs_one_trial_per_array_task_and_the_resu
         "--trainer.limit_val_batches=1",
         "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_progress_bar=false",
-        "--trainer.callbacks+=tests.support.helpers.RecordHyperparameters",
+        "--trainer.callbacks+=tests.support.recorders.RecordHyperparameters",
     ]
     sweep_args = ["sweep", *BASE, "--sweep", str(sweep), "--sweep_dir=sweep", *fit_args]
     emitted = run_cli(

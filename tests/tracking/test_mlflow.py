@@ -18,8 +18,8 @@ from lightning_mlopt.checkpoint import CheckpointStore
 from lightning_mlopt.tracking import MLflowTracker
 from lightning_mlopt.tracking.outbox import Outbox
 from tests.conftest import CONFIGS, failure_report, start_cli
-from tests.support.helpers import ThirdPartyLM
 from tests.support.mlflow_server import MLflowServer
+from tests.support.models import ThirdPartyLM
 
 MLFLOW = ["--config", str(CONFIGS / "trackers" / "mlflow.yaml")]
 
@@ -167,7 +167,7 @@ def test_a_recorded_run_the_store_does_not_have_is_replaced_by_a_new_one_and_sai
 def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, max_steps: int) -> list[str]:
     return [
         "fit",
-        "--model=tests.support.helpers.ThirdPartyLM",
+        "--model=tests.support.models.ThirdPartyLM",
         *MLFLOW,
         f"--trainer.logger.init_args.tracking_uri={server.uri}",
         "--trainer.logger.init_args.experiment_name=kills",
@@ -181,10 +181,10 @@ def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, max_steps: int) -
         "--trainer.log_every_n_steps=1",
         "--trainer.enable_progress_bar=false",
         "--checkpoint.every_n_steps=5",
-        "--trainer.callbacks+=tests.support.helpers.Pace",
+        "--trainer.callbacks+=tests.support.faults.Pace",
         f"--trainer.callbacks.out_dir={pace}",
         "--trainer.callbacks.seconds_per_step=0.2",
-        "--trainer.callbacks+=tests.support.helpers.LogLaunch",
+        "--trainer.callbacks+=tests.support.recorders.LogLaunch",
         f"--run_dir={run_dir}",
     ]
 

@@ -345,7 +345,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
     pace = tmp_path / "pace"
     args = [
         "fit",
-        "--model=tests.support.helpers.ThirdPartyLM",  # a user's model with its own dataloaders
+        "--model=tests.support.models.ThirdPartyLM",  # a user's model with its own dataloaders
         *WANDB,
         "--trainer.max_steps=16",
         "--trainer.max_epochs=-1",
@@ -353,7 +353,7 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
         "--trainer.log_every_n_steps=1",
         "--checkpoint.every_n_steps=5",
         "--trainer.logger.init_args.upload_checkpoints=true",
-        "--trainer.callbacks+=tests.support.helpers.Pace",
+        "--trainer.callbacks+=tests.support.faults.Pace",
         f"--trainer.callbacks.out_dir={pace}",
         "--trainer.callbacks.seconds_per_step=0.2",
         f"--run_dir={run_dir}",
@@ -381,7 +381,7 @@ def test_wandb_logs_each_checkpoint_once_and_its_closing_lines_carry_no_colour_c
     result = run_cli(
         [
             "fit",
-            "--model=tests.support.helpers.ThirdPartyLM",
+            "--model=tests.support.models.ThirdPartyLM",
             *WANDB,
             "--trainer.max_steps=4",
             "--trainer.max_epochs=-1",
