@@ -36,6 +36,11 @@ class SpikeDetector:
             raise ValueError(f"spike_window must be >= 2, got {window}")
         if threshold <= 0:
             raise ValueError(f"spike_threshold must be > 0, got {threshold}")
+        if min_history > window:  # the history holds `window` values: nothing would ever be judged
+            raise ValueError(
+                f"spike_min_history ({min_history}) must be <= spike_window ({window}): the history holds "
+                f"{window} steps, so a spike would never be judged"
+            )
         self.window = window
         self.threshold = threshold
         self.min_history = min_history

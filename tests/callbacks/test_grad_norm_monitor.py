@@ -184,10 +184,10 @@ def test_spike_stop_raises_with_the_statistics(tmp_path):
 
 
 def test_state_survives_save_and_resume():
-    first = GradNormMonitor(spike_window=4)
+    first = GradNormMonitor(spike_window=4, spike_min_history=3)
     first.loss_history.extend([1.0, 2.0, 3.0, 4.0, 5.0])
     first.spike_events, first.skipped_steps = 2, 1
-    second = GradNormMonitor(spike_window=4)
+    second = GradNormMonitor(spike_window=4, spike_min_history=3)
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert list(second.loss_history) == [2.0, 3.0, 4.0, 5.0]
     assert (second.spike_events, second.skipped_steps) == (2, 1)
