@@ -22,6 +22,7 @@ from jsonargparse import Namespace
 from lightning_mlopt.checkpoint.manifest import MANIFEST_NAME, Manifest
 from lightning_mlopt.checkpoint.remote.tiers import checkpoint_folder
 from lightning_mlopt.checkpoint.settings import configured
+from lightning_mlopt.process.launcher import is_global_rank_zero
 
 
 def read_by_lightning(value: Any, read: Callable[[], None]) -> None:
@@ -134,7 +135,8 @@ def _convert_for_this_strategy(config: Namespace, step_folder: Path, layout: Any
     from lightning_mlopt.exceptions import BadInputError, first_line
 
     try:
-        copy, described = converted_copy(step_folder, into, layout, trust)
+        # Rank zero converts (and says what it converted); the job's other ranks wait for its copy.
+        copy, described = converted_copy(step_folder, into, layout, trust, may_convert=is_global_rank_zero())
     except BadInputError:
         raise
     except Exception as error:  # whatever the reader raised: one line, nothing written

@@ -56,6 +56,7 @@ from lightning_mlopt.exceptions import BadInputError, CheckpointWriteError, Stop
 from lightning_mlopt.goodput.ledger import GoodputLedger
 from lightning_mlopt.process import exit_codes, launch_report
 from lightning_mlopt.process.exit import exit_after_launcher, leave_without_destructors, shut_down_process_group
+from lightning_mlopt.process.launcher import is_global_rank_zero
 from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.process.startup import DEFAULT_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_EXIT_CODE, startup_guard
 from lightning_mlopt.run_dir import config_name, fill_run_dir, refuse_foreign_config, resolve_run_dir
@@ -339,9 +340,7 @@ def print_config(args: Sequence[str], subcommand: str = "fit") -> str:
 
 
 def _rank_zero_print(text: str) -> None:
-    # Before the Trainer exists its rank helpers are not set up; launchers set RANK, SLURM_PROCID or LOCAL_RANK.
-    rank = os.environ.get("RANK") or (os.environ.get("SLURM_PROCID") if "SLURM_NTASKS" in os.environ else None)
-    if (rank or os.environ.get("LOCAL_RANK", "0")) == "0":
+    if is_global_rank_zero():  # before the Trainer exists its rank helpers are not set up
         print(text, flush=True)
 
 

@@ -28,6 +28,17 @@ def started_by_lightning_launcher() -> bool:
     return env.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in env and "SLURM_PROCID" not in env
 
 
+def is_global_rank_zero() -> bool:
+    """Whether this process is the job's rank zero, from its launcher's environment (before any Trainer exists).
+
+    torchrun sets ``RANK``; srun ``SLURM_PROCID`` (read only inside an allocation with ``SLURM_NTASKS``: a stray
+    value in a login shell must not silence a one-process run); Lightning's launcher ``LOCAL_RANK`` on one machine.
+    """
+    env = os.environ
+    rank = env.get("RANK") or (env.get("SLURM_PROCID") if "SLURM_NTASKS" in env else None)
+    return (rank or env.get("LOCAL_RANK", "0")) == "0"
+
+
 def wait_for_parent_to_exit(limit_s: float) -> None:
     """Poll until this process's parent has exited (it is re-parented), ``limit_s`` at most.
 

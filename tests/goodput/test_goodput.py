@@ -418,8 +418,9 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock_and_mlflow_
     process = _launch_until(_command(run_dir, clocks[1], mlflow_server.uri, hold_at=14), clocks[1], 14, tmp_path, 2)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(30)
-    # Launch 3: SIGTERM to every process while the batch at step 15 runs: seen at its end (step 16) and, with
-    # steps this short, agreed a boundary later (the vote is summed in the background): step 17 saved, exit 75.
+    # Launch 3: SIGTERM to every process while the batch at step 15 runs: seen at its end (step 16) and agreed at
+    # that boundary or, with steps this short, the next (the vote is summed in the background): 16 or 17 saved,
+    # exit 75. The ledger's and the trackers' truths below follow the step it saved.
     command = _command(run_dir, clocks[2], mlflow_server.uri, hold_at=15, hold_s=2.0)
     process = _launch_until(command, clocks[2], 15, tmp_path, 3)
     os.killpg(process.pid, signal.SIGTERM)
@@ -449,7 +450,8 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock_and_mlflow_
     assert report["launches"][2]["signal"] == "SIGTERM"
 
     resumed = [_clock(clock)[0][0] for clock in clocks[1:]]  # each relaunch's first batch: where it resumed
-    assert resumed == [4, 12, 17]
+    signal_step = resumed[2]
+    assert resumed[:2] == [4, 12] and signal_step in (16, 17), resumed
     truth = _time_lost(clocks[0], resumed[0], 7) + _time_lost(clocks[1], resumed[1], 14)
     assert seconds["wasted"] == pytest.approx(truth, rel=0.02)
     assert seconds["productive"] > 0 and seconds["checkpoint_restore"] > 0 and seconds["between_launches"] > 0
@@ -458,12 +460,12 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock_and_mlflow_
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert report["final_step"] == metrics["global_step"] == MAX_STEPS
     assert report["steps_survived"] == MAX_STEPS
-    assert [launch["steps_run"] for launch in report["launches"]] == [7, 10, 5, MAX_STEPS - 17]
+    assert [launch["steps_run"] for launch in report["launches"]] == [7, 10, signal_step - 12, MAX_STEPS - signal_step]
     assert report["steps_run"] == MAX_STEPS + 5  # steps 5-7 and 13-14 ran twice
 
     # MLflow: one run for four launches of two processes, each step's row once, from the launch whose
     # computation survived (a batch ending at global step s + 1 logs at step s): 0-3 the first launch (its 4-6
-    # were redone), 4-11 the second (its 12-13 redone), 12-16 the third, 17-19 the fourth.
+    # were redone), 4-11 the second (its 12-13 redone), 12 to the signal's save the third, the rest the fourth.
     client = mlflow_server.client()
     (experiment,) = [e for e in client.search_experiments() if e.name == "requeued"]
     (run,) = client.search_runs([experiment.experiment_id])
@@ -473,7 +475,7 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock_and_mlflow_
     assert CheckpointStore(run_dir / "checkpoints").newest_valid().manifest.run_ids["mlflow"] == run_id
     assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(MAX_STEPS))
     launches = {m.step: int(m.value) for m in client.get_metric_history(run_id, "launch")}
-    assert launches == {s: 1 if s < 4 else 2 if s < 12 else 3 if s < 17 else 4 for s in range(MAX_STEPS)}
+    assert launches == {s: 1 if s < 4 else 2 if s < 12 else 3 if s < signal_step else 4 for s in range(MAX_STEPS)}
     # Our callbacks' rows carry the same labels: every grad_norm row once, none missing at a resume step;
     # PerformanceMonitor's (each launch's first batch is start-up, in no window) never twice.
     assert sorted(m.step for m in client.get_metric_history(run_id, "grad_norm/total")) == list(range(MAX_STEPS))
@@ -495,8 +497,8 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock_and_mlflow_
     samples = client.get_metric_history(run_id, cpu)
     assert any(m.timestamp >= final_start * 1000 for m in samples)
     assert len({m.step for m in samples}) == len(samples)
-    # One record per committed checkpoint: 4 (launch 1), 8 and 12 (launch 2), 16 and the signal's 17 (launch 3),
-    # the final 20 (launch 4).
+    # One record per committed checkpoint: 4 (launch 1), 8 and 12 (launch 2), 16 and the signal's save (16 or 17)
+    # (launch 3), the final 20 (launch 4).
     records = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
-    assert records == {f"checkpoints/step-{s}.json" for s in (4, 8, 12, 16, 17, 20)}
+    assert records == {f"checkpoints/step-{s}.json" for s in (4, 8, 12, 16, signal_step, 20)}
     assert run.data.tags["mlopt.checkpoint.step"] == str(MAX_STEPS)
