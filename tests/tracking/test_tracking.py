@@ -333,9 +333,10 @@ def test_progress_lines_come_every_n_steps_when_stdout_is_not_a_terminal(tmp_pat
 
 
 @pytest.mark.slow
-def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_path):
+def test_two_killed_launches_one_before_its_first_commit_end_as_one_wandb_run_with_every_row_once(tmp_path):
     # A SIGKILL to the job left W&B's offline file of that launch empty (its service buffers records): the
-    # rows it logged were lost from `wandb sync`. The journal carries them into the next launch of the run.
+    # rows it logged were lost from `wandb sync`. The journal carries them into the next launch of the run, and
+    # the run id recorded in the run directory keeps a launch killed before any checkpoint in the same run.
     import os
     import signal
     import subprocess
@@ -358,20 +359,28 @@ def test_what_a_killed_launch_logged_reaches_wandb_through_the_next_launch(tmp_p
         "--trainer.callbacks.seconds_per_step=0.2",
         f"--run_dir={run_dir}",
     ]
-    job = start_cli(args, tmp_path, _wandb_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while not (pace / "step-8.rank0").exists() and time.monotonic() < deadline:
-        assert job.poll() is None, "the job ended before step 8"
-        time.sleep(0.05)
-    os.killpg(job.pid, signal.SIGKILL)  # resumes from step 5: steps 5..7 are trained (and logged) again
-    job.wait()
-    second = run_cli(args, cwd=tmp_path, env=_wandb_env(tmp_path))
-    assert second.returncode == 0, second.stderr[-3000:]
-    _killed, resumed = _offline_runs(run_dir)
-    steps = [row["trainer/global_step"] for row in summary_of(resumed)["history"] if "train_loss" in row]
+
+    def kill_at(step: int) -> None:
+        for stale in pace.glob("step-*"):  # each launch's own pace files
+            stale.unlink()
+        job = start_cli(args, tmp_path, _wandb_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while not (pace / f"step-{step}.rank0").exists() and time.monotonic() < deadline:
+            assert job.poll() is None, f"the job ended before step {step}"
+            time.sleep(0.05)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+    kill_at(3)  # before the first commit (step 5): the next launch starts from scratch, in the same W&B run
+    kill_at(8)  # resumes from step 5: steps 5..7 are trained (and logged) again
+    third = run_cli(args, cwd=tmp_path, env=_wandb_env(tmp_path))
+    assert third.returncode == 0, third.stderr[-3000:]
+    launches = _offline_runs(run_dir)
+    assert len(launches) == 3 and len({folder.name.rsplit("-", 1)[1] for folder in launches}) == 1, launches
+    steps = [row["trainer/global_step"] for row in summary_of(launches[-1])["history"] if "train_loss" in row]
     assert steps == list(range(16)), "every step once: 0..4 replayed from the journal, 5..15 trained"
     # The killed launch's checkpoint artifact (step 5) is logged again too, before this launch's own.
-    aliases = [set(artifact["aliases"]) for artifact in summary_of(resumed)["artifacts"]]
+    aliases = [set(artifact["aliases"]) for artifact in summary_of(launches[-1])["artifacts"]]
     assert "step-5" in aliases[0] and "step-15" in aliases[-2] | aliases[-1]
 
 
