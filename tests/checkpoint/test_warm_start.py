@@ -28,7 +28,7 @@ from lightning_mlopt.cli import main
 from lightning_mlopt.cli.ckpt_path import prefer_own_checkpoint, resolve_ckpt_path
 from lightning_mlopt.cli.support import finished_run
 from lightning_mlopt.run_dir import config_fingerprint
-from tests.conftest import CONFIGS, REPO_PYTHONPATH
+from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
 from tests.support.faults import kill_job_when
 
 WARM = "/runs/a/checkpoints/step-000000010"
@@ -156,10 +156,8 @@ def _args(run_dir: Path, steps: int, *extra: str) -> list[str]:
 
 
 def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
-    env.pop("MASTER_PORT", None)
-    command = [sys.executable, "-m", "lightning_mlopt", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    """One launch of the command, forked from the preloaded server: what a requeue starts is the subject here."""
+    return run_cli(args, cwd, preloaded=True)
 
 
 def _warm_start(tmp_path: Path) -> Path:

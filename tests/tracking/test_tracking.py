@@ -216,7 +216,7 @@ def test_wandb_offline_one_run_per_job_continued_on_relaunch_and_no_secret_in_an
     env = {**_wandb_env(tmp_path), **planted}
     # The first launch stops at step 3 with a committed, non-final checkpoint, as a preempted job would.
     first_only = ["--trainer.max_steps=3", "--checkpoint.every_n_steps=3", "--checkpoint.save_on.train_end=false"]
-    first = run_cli([*args, *first_only], cwd=tmp_path, env=env)
+    first = run_cli([*args, *first_only], cwd=tmp_path, env=env, preloaded=True)
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"WandbTracker: {run_dir}/wandb (offline" in first.stdout  # where the logs go, said at start
     (run,) = _offline_runs(run_dir)  # one W&B run for the 2-process job, not one per rank
@@ -239,7 +239,7 @@ def test_wandb_offline_one_run_per_job_continued_on_relaunch_and_no_secret_in_an
     assert "state.ckpt" in artifact["files"]
 
     # A relaunch with more steps (a requeued job) resumes from the checkpoint and logs into the same run.
-    second = run_cli([*args, "--trainer.max_steps=5"], cwd=tmp_path, env=env)
+    second = run_cli([*args, "--trainer.max_steps=5"], cwd=tmp_path, env=env, preloaded=True)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Auto-resuming from" in second.stdout + second.stderr
     runs = _offline_runs(run_dir)
@@ -373,7 +373,7 @@ def test_two_killed_launches_one_before_its_first_commit_end_as_one_wandb_run_wi
 
     kill_at(3)  # before the first commit (step 5): the next launch starts from scratch, in the same W&B run
     kill_at(8)  # resumes from step 5: steps 5..7 are trained (and logged) again
-    third = run_cli(args, cwd=tmp_path, env=_wandb_env(tmp_path))
+    third = run_cli(args, cwd=tmp_path, env=_wandb_env(tmp_path), preloaded=True)
     assert third.returncode == 0, third.stderr[-3000:]
     launches = _offline_runs(run_dir)
     assert len(launches) == 3 and len({folder.name.rsplit("-", 1)[1] for folder in launches}) == 1, launches
