@@ -184,6 +184,7 @@ def test_fsdp_wrap_class_not_in_the_model(tmp_path, monkeypatch, capsys):
     assert "lightning_mlopt.demos.gpt.TransformerBlock" in message, "the model's classes are listed"
 
 
+@pytest.mark.slow
 def test_tensor_parallel_plan_that_does_not_fit_the_model(tmp_path, monkeypatch, capsys):
     # A typo in a glob would otherwise be skipped with a warning by parallelize_module, and train unsplit.
     name = _write(
@@ -269,6 +270,7 @@ def test_a_bad_value_in_a_checkpoint_group_names_the_grouped_key(tmp_path, monke
     assert "keep.last must be >= 1" in message
 
 
+@pytest.mark.slow
 def test_a_flat_mlflow_delivery_key_of_0_1_names_its_grouped_key(tmp_path, monkeypatch, capsys):
     logger = "trainer:\n  logger:\n    class_path: lightning_mlopt.tracking.MLflowTracker\n"
     name = _write(tmp_path, "mlflow.yaml", logger + "    init_args:\n      flush_timeout_s: 5\n")
@@ -313,6 +315,7 @@ def test_a_mistyped_ckpt_path_names_the_step_folder_meant(tmp_path, monkeypatch,
     assert f"(did you mean {run}/checkpoints/step-000000066?)" in message
 
 
+@pytest.mark.slow
 def test_a_ckpt_path_that_is_no_checkpoint_is_refused_without_torchs_unsafe_advice(tmp_path, monkeypatch, capsys):
     run = _run_of_before(tmp_path)
     message = _fails_in(run, monkeypatch, capsys, f"--ckpt_path={CONFIGS / 'quickstart.yaml'}")

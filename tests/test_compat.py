@@ -36,6 +36,7 @@ def test_a_missing_reach_fails_loudly_naming_it():
         _compat.keep_lightning_off_signals(object(), [signal.SIGTERM])
 
 
+@pytest.mark.slow
 def test_deepspeed_initialize_is_wrapped_only_inside_the_block():
     import deepspeed
 

@@ -167,6 +167,7 @@ def _spike_run(tmp_path: Path, **monitor: object) -> tuple[object, GradNormMonit
     return trainer, callback
 
 
+@pytest.mark.slow
 def test_loss_spike_is_caught_and_logged_through_the_logger(tmp_path):
     trainer, monitor = _spike_run(tmp_path)
     assert monitor.spike_events >= 1

@@ -137,6 +137,7 @@ def test_an_unreachable_endpoint_a_missing_bucket_and_no_credentials_each_end_in
     assert "\n" not in str(failure.value)
 
 
+@pytest.mark.slow
 def test_stale_multipart_uploads_are_aborted_and_deletes_go_in_batches(moto_server, s3_bucket):
     client = moto_server.client()
     client.create_multipart_upload(Bucket=s3_bucket, Key="runs/a/step-000000003/data/state.ckpt")  # a killed save

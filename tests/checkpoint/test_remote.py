@@ -137,6 +137,7 @@ def test_two_writers_racing_on_one_step_exactly_one_commits(s3_bucket, tmp_path)
     assert entry is not None and (entry.path / "state.ckpt").read_bytes() == (winner / "state.ckpt").read_bytes()
 
 
+@pytest.mark.slow
 def test_one_step_saved_again_replaces_its_commit_and_re_uploading_a_commit_is_a_no_op(s3_bucket, tmp_path):
     remote = _remote(s3_bucket)
     periodic = _local_checkpoint(tmp_path / "a", 4)

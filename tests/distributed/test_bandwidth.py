@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from tests.distributed.two_ranks import on_two_ranks
@@ -22,6 +23,7 @@ def _probe_with_rank_1_slow(rank: int) -> dict[str, Any]:
     return {"seconds": result.seconds, "busbw": result.busbw_gbps}
 
 
+@pytest.mark.slow
 def test_every_rank_reports_the_slowest_ranks_time(tmp_path):
     first, second = on_two_ranks(_probe_with_rank_1_slow, tmp_path)
     assert first == second, "one figure everywhere: a bandwidth threshold fails on every rank or on none"

@@ -87,6 +87,7 @@ def test_our_handler_put_back_after_a_release_passes_the_signal_on():
     assert child.returncode == -signal.SIGTERM, (out, err)
 
 
+@pytest.mark.slow
 def test_a_grace_known_after_the_signal_moves_the_deadline_it_runs_on():
     # The entry point owns the signals from its first second; a grace read later (the config's) must shorten
     # the deadline of a signal already received, or the scheduler's kill comes first (137, no requeue).
@@ -119,6 +120,7 @@ def test_no_preemption_signals_in_the_config_gives_back_what_the_entry_point_too
         guard.release()
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_final_save_leaves_a_finished_run_finished(tmp_path):
     # The time limit lands while the last checkpoint is written: the run is saved and done, and ends with 0.
     child = _python(

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from lightning_mlopt.process import phase
 from lightning_mlopt.process.startup import StartupGuard
 from lightning_mlopt.process.watchdog import HangWatchdog
@@ -205,6 +207,7 @@ print(child.pid, child.poll(), flush=True)  # still waiting for this launcher: N
 """
 
 
+@pytest.mark.slow
 def test_a_launched_rank_whose_watchdog_fired_exits_only_after_its_launcher(tmp_path: Path) -> None:
     """Lightning's launcher SIGKILLs rank zero when a child exits non-zero first: the job's 124 would be -9."""
     launcher = subprocess.run([sys.executable, "-c", _LAUNCHER], capture_output=True, text=True, timeout=60)

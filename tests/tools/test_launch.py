@@ -31,6 +31,7 @@ def test_torchrun_options_pass_through_with_our_signals_and_grace():
     assert options.shutdown_timeout == 45 and options.preempted_exit_code == 75
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,says",
     [

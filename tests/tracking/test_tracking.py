@@ -320,6 +320,7 @@ def test_the_cli_progress_bar_shows_throughput_and_eta(tmp_path, monkeypatch, ca
     assert line.startswith("step 6/6 (epoch 0): ") and "samples/s=" in line
 
 
+@pytest.mark.slow
 def test_progress_lines_come_every_n_steps_when_stdout_is_not_a_terminal(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = [*QUICK, "--trainer.max_steps=6", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
