@@ -36,6 +36,9 @@ def run() -> None:
             preemption.end_at_once_before_training()  # a signal in start-up: nothing to save, exit 75 now
         startup_guard.arm(DEFAULT_STARTUP_TIMEOUT_S)  # the config's startup_timeout replaces it once parsed
         if "LOCAL_RANK" in os.environ:  # started by a launcher (Lightning's, for ranks 1.., or torchrun)
+            from lightning_mlopt.process.launcher import remember_launcher  # stdlib only
+
+            remember_launcher()  # an exit that waits for it must not wait for whoever adopts an orphan
             startup_guard.watch_parent()
 
     from lightning_mlopt.cli.entry import main

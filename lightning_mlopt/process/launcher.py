@@ -39,11 +39,27 @@ def is_global_rank_zero() -> bool:
     return (rank or env.get("LOCAL_RANK", "0")) == "0"
 
 
-def wait_for_parent_to_exit(limit_s: float) -> None:
-    """Poll until this process's parent has exited (it is re-parented), ``limit_s`` at most.
+_launcher_pid: int | None = None  # the parent this rank started with (remember_launcher)
 
-    Safe from any thread (the signal deadline's watcher, the start-up guard's own thread): it stops nothing.
+
+def remember_launcher() -> None:
+    """Record this process's parent as its launcher, at start-up (the entry point, for a launched rank).
+
+    A rank whose launcher died is re-parented; without this record, waiting for "the parent" to exit would wait
+    for the new one (init, a subreaper), which never does.
     """
-    parent, deadline = os.getppid(), time.monotonic() + limit_s
+    global _launcher_pid
+    _launcher_pid = os.getppid()
+
+
+def wait_for_parent_to_exit(limit_s: float) -> None:
+    """Poll until this process's launcher has exited (it is re-parented), ``limit_s`` at most.
+
+    The launcher is the parent :func:`remember_launcher` recorded (else the parent now): a rank whose launcher
+    is already gone returns at once. Safe from any thread (the signal deadline's watcher, the start-up guard's
+    own thread): it stops nothing.
+    """
+    parent = _launcher_pid if _launcher_pid is not None else os.getppid()
+    deadline = time.monotonic() + limit_s
     while os.getppid() == parent and time.monotonic() < deadline:
         time.sleep(0.05)
