@@ -103,9 +103,20 @@ def run_cli(
     )
 
 
-def start_cli(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen:
+def start_cli(
+    args: Sequence[str], cwd: Path, env: dict[str, str] | None = None, preloaded: bool = False, **popen: Any
+) -> Any:
     """Start ``python -m lightning_mlopt ARGS`` as a job of its own: a new session, so that a signal to its
-    process group reaches every rank at once, as a scheduler's does (``os.killpg(job.pid, ...)``)."""
+    process group reaches every rank at once, as a scheduler's does (``os.killpg(job.pid, ...)``).
+
+    Returns a :class:`subprocess.Popen`; with ``preloaded``, a :class:`tests.support.preloaded.PreloadedJob`
+    (its ranks forked from the preloaded server: see :func:`run_cli`), whose output is read with
+    ``communicate()`` (``popen`` is ignored).
+    """
+    if preloaded:
+        from tests.support.preloaded import PreloadedJob
+
+        return PreloadedJob(args, cwd, cli_environment(env))
     command = [sys.executable, "-m", "lightning_mlopt", *args]
     return subprocess.Popen(command, cwd=cwd, env=cli_environment(env), start_new_session=True, **popen)
 

@@ -20,7 +20,7 @@ from lightning.pytorch import Callback
 from lightning_mlopt.callbacks import CheckpointWriteError, FaultTolerantCheckpoint, Preemption, Resume
 from lightning_mlopt.checkpoint import CheckpointStore, verify
 from lightning_mlopt.cli import main
-from tests.conftest import CONFIGS, REPO_PYTHONPATH
+from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
 from tests.support.cli_args import fit_args
 from tests.support.faults import kill_job_when
 
@@ -59,13 +59,19 @@ def _run(command: list[str], cwd: Path, timeout: float = 300) -> subprocess.Comp
     return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def _run_forked(command: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``_run`` with the ranks forked from the preloaded server: for runs whose subject is what they commit."""
+    return run_cli(command[3:], cwd, timeout=timeout, preloaded=True)  # after `python -m lightning_mlopt`
+
+
 def _kill_job_during_background_write(command: list[str], cwd: Path, markers: Path) -> None:
-    """Start the job; SIGKILL every process while the save of step 6 is written but not yet committed."""
+    """Start the job (forked, preloaded); SIGKILL every process while the save of step 6 is written but not
+    yet committed."""
 
     def both_ranks_in_flight() -> bool:
         return len(list(markers.glob("in-flight-rank*"))) >= 2
 
-    kill_job_when(command, cwd, _env(), both_ranks_in_flight, "its background write")
+    kill_job_when(command[3:], cwd, both_ranks_in_flight, "its background write", preloaded=True)
 
 
 @pytest.mark.multiprocess
@@ -78,7 +84,7 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
     """Killed during an async sharded save's background write (DDP killed at a random instant: the torture
     script's ``kill`` fault, one trial of which runs in tests/test_torture.py)."""
     reference_dir = tmp_path / "reference"
-    reference = _run(_command(reference_dir, strategy), tmp_path)
+    reference = _run_forked(_command(reference_dir, strategy), tmp_path)
     assert reference.returncode == 0, reference.stderr[-4000:]
     expected = torch.load(reference_dir / "record" / "params.pt")
 
@@ -96,7 +102,7 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
     assert committed and committed[-1] < 6, committed
     assert not (run_dir / "record" / "params.pt").exists(), "the kill came after the run had finished"
 
-    resumed = _run(command, tmp_path)  # the identical command
+    resumed = _run_forked(command, tmp_path)  # the identical command
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "Auto-resuming from" in resumed.stderr + resumed.stdout
     start = torch.load(run_dir / "record" / "start_params.pt")
@@ -115,7 +121,7 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
     if strategy != "fsdp":
         return
     record_written = (run_dir / "record" / "rank0.json").stat().st_mtime_ns
-    again = _run(command, tmp_path)
+    again = _run_forked(command, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "is marked final" in again.stderr + again.stdout
     assert (run_dir / "record" / "rank0.json").stat().st_mtime_ns == record_written

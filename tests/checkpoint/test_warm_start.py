@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from lightning_mlopt.cli import main
 from lightning_mlopt.cli.ckpt_path import prefer_own_checkpoint, resolve_ckpt_path
 from lightning_mlopt.cli.support import finished_run
 from lightning_mlopt.run_dir import config_fingerprint
-from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
+from tests.conftest import CONFIGS, run_cli
 from tests.support.faults import kill_job_when
 
 WARM = "/runs/a/checkpoints/step-000000010"
@@ -234,15 +233,13 @@ def test_a_requeued_command_with_ckpt_path_progresses_from_its_own_checkpoints(t
 
 
 def _kill_after_commit(args: list[str], cwd: Path, run_dir: Path, after: int) -> None:
-    """Launch the job; SIGKILL every process of it once a checkpoint newer than ``after`` is committed."""
-    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "PYTHONUNBUFFERED": "1"}
-    env.pop("MASTER_PORT", None)
-    command = [sys.executable, "-m", "lightning_mlopt", *args]
+    """Launch the job (forked, preloaded); SIGKILL every process of it once a checkpoint newer than ``after``
+    is committed."""
 
     def committed_past_after() -> bool:
         return any(step > after for step in _steps(run_dir))
 
-    kill_job_when(command, cwd, env, committed_past_after, f"a checkpoint past step {after}")
+    kill_job_when(args, cwd, committed_past_after, f"a checkpoint past step {after}", preloaded=True)
 
 
 @pytest.mark.multiprocess

@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ from lightning_mlopt.process.phase import set_phase
 from lightning_mlopt.tools import goodput as tool
 from tests.conftest import CONFIGS, run_cli, start_cli
 from tests.support.cli_args import fit_args
+from tests.support.preloaded import PreloadedJob
 
 
 def _launch(start: float, process_start: float) -> dict:
@@ -381,16 +381,16 @@ def _clock(path: Path) -> list[tuple[int, float]]:
     return [(int(step), float(at)) for step, at in (line.split() for line in path.read_text().splitlines())]
 
 
-def _launch_until(command: list[str], clock: Path, step: int, cwd: Path, launch: int) -> subprocess.Popen:
+def _launch_until(command: list[str], clock: Path, step: int, cwd: Path, launch: int) -> PreloadedJob:
     """Start launch number ``launch`` of the job; return once rank zero started the batch at global step ``step``."""
     os.environ.pop("MLFLOW_RUN_ID", None)  # an in-process test's export must not pick the run
     env = {"TEST_LAUNCH": str(launch)}
-    process = start_cli(command, cwd, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = start_cli(command, cwd, env, preloaded=True)  # the ledger's subject is the run, not its imports
     deadline = time.monotonic() + 120
     while not (clock.is_file() and any(seen == step for seen, _ in _clock(clock))):
         if process.poll() is not None or time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
-            pytest.fail(f"the job did not reach step {step}: {process.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
+            process.kill()
+            pytest.fail(f"the job did not reach step {step}: {process.stderr_text()[-3000:]}")
         time.sleep(0.02)
     return process
 
@@ -429,7 +429,7 @@ def test_two_sigkills_and_a_sigterm_requeue_add_up_to_the_wall_clock_and_mlflow_
     # Launch 4 names its checkpoint (`ckpt_path` changes; the run, and its MLflow parameters, do not), finishes.
     final_start = time.time()
     command = [*_command(run_dir, clocks[3], mlflow_server.uri), "--ckpt_path=last"]
-    final = run_cli(command, cwd=tmp_path, env={"TEST_LAUNCH": "4"})
+    final = run_cli(command, cwd=tmp_path, env={"TEST_LAUNCH": "4"}, preloaded=True)
     assert final.returncode == 0, final.stderr[-3000:]
     wall_clock = time.time() - first_start
     # The launches' parameters differ only in the test's own clock callback (its file, where it holds): the

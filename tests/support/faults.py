@@ -69,15 +69,16 @@ class HangOnRank(pl.Callback):
 
 
 def kill_job_when(
-    command: list[str], cwd: Path, env: dict[str, str], ready: Callable[[], bool], waiting_for: str
+    args: list[str], cwd: Path, ready: Callable[[], bool], waiting_for: str, preloaded: bool = False
 ) -> None:
-    """Start ``command`` in its own session; SIGKILL every process of it (ranks, workers) once ``ready()`` holds.
+    """Start ``python -m lightning_mlopt ARGS`` as a job of its own; SIGKILL every process of it (ranks, workers)
+    once ``ready()`` holds. ``preloaded``: its ranks forked from the preloaded server (``tests/conftest.py``).
 
     A job that ends before that fails the test, naming ``waiting_for``; after 240 s it is killed all the same.
     """
-    process = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    from tests.conftest import start_cli
+
+    process = start_cli(args, cwd, preloaded=preloaded, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
         while not ready() and time.monotonic() < deadline:

@@ -24,8 +24,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 _SERVER: tuple[subprocess.Popen[bytes], Path] | None = None
+_JOB_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 _PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "deepspeed", "lightning_mlopt.cli.entry")
 
 
@@ -56,22 +60,95 @@ def run_preloaded(
 
     stdout and stderr are every rank's, as a launch's are (the ranks share the two files).
     """
-    with tempfile.TemporaryDirectory(prefix="preloaded-") as folder:
-        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        request = {"args": list(args), "cwd": str(cwd), "env": env, "ranks": ranks_of(args), "out": str(out)}
-        request["err"] = str(err)
-        with socket.socket(socket.AF_UNIX) as connection:
-            connection.connect(str(_server_socket()))
-            connection.sendall(json.dumps(request).encode() + b"\n")
-            reader = connection.makefile("r")
-            leader = int(reader.readline())
-            connection.settimeout(timeout)
+    job = PreloadedJob(args, cwd, env)
+    try:
+        job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise
+    finally:
+        result = subprocess.CompletedProcess(["preloaded", *args], job.returncode, job.stdout_text(), job.stderr_text())
+        job.remove_outputs()
+    return result
+
+
+class PreloadedJob:
+    """A preloaded run in the background, with what a test uses of :class:`subprocess.Popen` to signal a job.
+
+    ``pid`` is the job's leader, in a session of its own with the ranks: ``os.killpg(job.pid, signal.SIGTERM)``
+    reaches every rank at once, as a scheduler's signal does (the leader ignores it and reports the ranks'
+    status); after ``SIGKILL`` to the group, whose leader dies too, the status is ``-9``, as Popen reports it.
+
+    Example::
+
+        job = PreloadedJob(fit_args(...), tmp_path, cli_environment())
+        os.killpg(job.pid, signal.SIGTERM)
+        assert job.wait(120) == 75
+    """
+
+    def __init__(self, args: Sequence[str], cwd: Path, env: dict[str, str]) -> None:
+        self.args = list(args)
+        self._folder = Path(tempfile.mkdtemp(prefix="preloaded-"))
+        self._out, self._err = self._folder / "stdout", self._folder / "stderr"
+        request = {"args": self.args, "cwd": str(cwd), "env": env, "ranks": ranks_of(args)}
+        request |= {"out": str(self._out), "err": str(self._err)}
+        self._connection = socket.socket(socket.AF_UNIX)
+        self._connection.connect(str(_server_socket()))
+        self._connection.sendall(json.dumps(request).encode() + b"\n")
+        self._received = b""
+        self.returncode: int | None = None
+        self.pid = int(self._line(timeout=60))
+
+    def poll(self) -> int | None:
+        """The status if the job ended, else None (never blocks)."""
+        if self.returncode is None and select.select([self._connection], [], [], 0)[0]:
+            self._finish(self._line(timeout=5))
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the job's status; ``subprocess.TimeoutExpired`` after ``timeout`` seconds (None: forever)."""
+        if self.returncode is None:
             try:
-                status = int(reader.readline())
+                self._finish(self._line(timeout))
             except TimeoutError:
-                os.killpg(leader, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(["preloaded", *args], timeout) from None
-        return subprocess.CompletedProcess(["preloaded", *args], status, out.read_text(), err.read_text())
+                raise subprocess.TimeoutExpired(["preloaded", *self.args], timeout or 0) from None
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[bytes, bytes]:
+        """Wait, then every rank's stdout and stderr, as bytes (as Popen's with ``PIPE``)."""
+        self.wait(timeout)
+        return self.stdout_text().encode(), self.stderr_text().encode()
+
+    def kill(self) -> None:
+        """SIGKILL the job, every rank and the leader."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def remove_outputs(self) -> None:
+        """Delete the files that hold the ranks' output (read them first)."""
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def stdout_text(self) -> str:
+        return self._out.read_text() if self._out.is_file() else ""
+
+    def stderr_text(self) -> str:
+        return self._err.read_text() if self._err.is_file() else ""
+
+    def _line(self, timeout: float | None) -> str:
+        """The next line the leader sends; '' when it closed the connection (it was killed)."""
+        self._connection.settimeout(timeout)
+        while b"\n" not in self._received:
+            chunk = self._connection.recv(4096)
+            if not chunk:
+                return ""
+            self._received += chunk
+        line, _, self._received = self._received.partition(b"\n")
+        return line.decode()
+
+    def _finish(self, line: str) -> None:
+        self.returncode = int(line) if line.strip() else -signal.SIGKILL  # the leader died with its ranks
+        self._connection.close()
 
 
 def _server_socket() -> Path:
@@ -130,6 +207,8 @@ def _lead(connection: socket.socket) -> None:
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for name in _JOB_SIGNALS:  # a signal to the job is for its ranks: the leader stays to report their status
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
         request = json.loads(connection.makefile("r").readline())
         connection.sendall(f"{os.getpid()}\n".encode())
         ranks = int(request["ranks"])
@@ -151,6 +230,8 @@ def _fork_rank(request: dict[str, Any], rank: int, world: int, port: int) -> int
         return pid
     code = 1
     try:
+        for name in _JOB_SIGNALS:  # as a freshly started process has them
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
         out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(out, 1)
