@@ -211,6 +211,12 @@ class PreemptionSignals:
         """
         if threading.current_thread() is not threading.main_thread():
             return
+        if self._before_training and self._received is not None:
+            # Received in start-up, and the failure it caused on a peer (a collective broken by the peer's exit)
+            # got here before this rank's watcher acted: the exit is the same, 75 at once, never a redelivery
+            # that would end the rank by the signal itself (srun: "task 0: User defined signal 1", no requeue).
+            self._leaving.acquire()  # the watcher may hold it: then it is ending the process already
+            leave_before_training(self.describe(), self.exit_code)
         for number in list(self._previous):
             self._give_back(number)
         self._stop_watcher()

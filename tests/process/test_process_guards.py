@@ -404,3 +404,25 @@ def test_a_native_crash_names_the_python_frames_it_happened_in(tmp_path):
     assert result.returncode == -signal.SIGSEGV, result.stderr[-3000:]
     assert "Fatal Python error: Segmentation fault" in result.stderr
     assert "read_address_zero" in result.stderr and "on_train_batch_end" in result.stderr, result.stderr[-3000:]
+
+
+def test_a_start_up_signal_that_a_peers_failure_reaches_first_still_exits_75_not_by_the_signal():
+    # srun delivers SIGUSR1 to every task in start-up; the first to leave breaks its peer's rendezvous, whose
+    # failure can reach the handlers' release before the peer's own watcher acts on the signal. Released then, the
+    # signal was delivered again to the default handler: the task died of it and the job was not requeued.
+    script = (
+        "import signal\n"
+        "from lightning_mlopt.process.signals import PreemptionSignals\n"
+        "signals = PreemptionSignals()\n"
+        "signals.install(['SIGUSR1'])\n"
+        "signals.end_at_once_before_training()\n"
+        "signals._record(signal.SIGUSR1)  # received; the watcher not woken yet\n"
+        "signals.release()  # the failure's path (Lightning's on_exception)\n"
+        "print('released without leaving')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH}
+    env.pop("RANK", None)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 75, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith("preemption (SIGUSR1) before the first training step: nothing to save; exiting")
