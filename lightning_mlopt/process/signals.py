@@ -212,9 +212,8 @@ class PreemptionSignals:
         if threading.current_thread() is not threading.main_thread():
             return
         if self._before_training and self._received is not None:
-            # Received in start-up, and the failure it caused on a peer (a collective broken by the peer's exit)
-            # got here before this rank's watcher acted: the exit is the same, 75 at once, never a redelivery
-            # that would end the rank by the signal itself (srun: "task 0: User defined signal 1", no requeue).
+            # Received in start-up; a peer's exit broke a collective here before the watcher acted: 75 at once,
+            # never a redelivery ending the rank by the signal (srun: "User defined signal 1", no requeue).
             self._leaving.acquire()  # the watcher may hold it: then it is ending the process already
             leave_before_training(self.describe(), self.exit_code)
         for number in list(self._previous):
@@ -280,8 +279,7 @@ class PreemptionSignals:
 
         Every rank of a preempted job receives the signal; the first to reach its deadline leaves, and the others'
         collectives then fail ("Connection closed by peer"). Exiting 1 there would turn a requeue into a failed
-        job (a job's status is rank zero's), so the process exits with the deadline's status and says what
-        happened.
+        job (a job's status is rank zero's): the process exits with the deadline's status and says why.
         """
         if self._received is None or not self._previous:
             self._hooked_excepthook(kind, error, trace)
@@ -315,15 +313,11 @@ class PreemptionSignals:
         status 137 instead of the agreed one, and a requeue never happens. The launching rank is at its own
         deadline or past it; the wait ends before the signal's grace does.
         """
-        from lightning_mlopt.process.launcher import (
-            LAUNCHER_WAIT_S,
-            started_by_lightning_launcher,
-            wait_for_parent_to_exit,
-        )
+        from lightning_mlopt.process import launcher
 
-        if started_by_lightning_launcher():
-            left = self.seconds_left()
-            wait_for_parent_to_exit(LAUNCHER_WAIT_S if left is None else min(LAUNCHER_WAIT_S, max(0.0, left - 1.0)))
+        if launcher.started_by_lightning_launcher():
+            left, limit = self.seconds_left(), launcher.LAUNCHER_WAIT_S
+            launcher.wait_for_parent_to_exit(limit if left is None else min(limit, max(0.0, left - 1.0)))
 
     # ------------------------------------------------------------------ watcher
 

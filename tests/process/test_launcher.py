@@ -13,13 +13,15 @@ LIMIT_S = 0.6
 
 def _orphan_waits(result: Path, remember: bool) -> float:
     """Seconds a rank spends in ``wait_for_parent_to_exit(LIMIT_S)`` once its launcher has died."""
+    ready_read, ready_write = os.pipe()
     middle = os.fork()
-    if middle == 0:  # the launcher: starts the rank, then dies at once (killed, out of memory)
+    if middle == 0:  # the launcher: starts the rank, then dies (killed, out of memory) once the rank is up
         if os.fork() == 0:  # the rank
             try:
                 parent = os.getppid()
                 if remember:
                     launcher.remember_launcher()  # what the entry point does for a launched rank
+                os.write(ready_write, b"1")  # only now may the launcher die: else the rank may start adopted
                 while os.getppid() == parent:  # until it is adopted
                     time.sleep(0.005)
                 started = time.monotonic()
@@ -27,8 +29,11 @@ def _orphan_waits(result: Path, remember: bool) -> float:
                 result.write_text(f"{time.monotonic() - started:.3f}")
             finally:
                 os._exit(0)
+        os.read(ready_read, 1)
         os._exit(0)
+    os.close(ready_write)
     os.waitpid(middle, 0)
+    os.close(ready_read)
     deadline = time.monotonic() + 10
     while not result.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
