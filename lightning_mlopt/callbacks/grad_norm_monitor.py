@@ -59,7 +59,8 @@ class GradNormMonitor(Callback):
     last ``spike_window`` steps triggers ``on_spike``; each optimizer (several under manual optimization) has a
     history of its own. Statistics and counters are callback state, so a resumed run continues them.
 
-    fp16 mixed precision: an overflow (non-finite gradients, finite loss) is the GradScaler's to skip, until one
+    fp16 mixed precision: an overflow (non-finite gradients, finite loss) is the loss scaler's to skip (AMP's
+    GradScaler, or DeepSpeed's engine, whose still-scaled gradients are divided by its scale here), until one
     overflows at a scale already at or below ``min_loss_scale``: that is a blow-up, handled as non-finite.
 
     Rerun attribution (``rerun_on_anomaly``): before acting on a non-finite step or a spike, every rank
@@ -88,8 +89,8 @@ class GradNormMonitor(Callback):
         spike_threshold: how many standard deviations above the mean counts as a spike.
         spike_min_history: steps of history before spikes are judged at all.
         rerun_on_anomaly: re-run a bad step's last micro-batch to classify it (see above); off costs nothing.
-        min_loss_scale: fp16: an overflow at a GradScaler scale at or below this is non-finite, not the
-            scaler's; None: every overflow is the scaler's.
+        min_loss_scale: fp16: an overflow at a loss scale (GradScaler's or DeepSpeed's) at or below this is
+            non-finite, not the scaler's; None: every overflow is the scaler's.
 
     Raises:
         ValueError: a bad value.
@@ -273,6 +274,9 @@ class GradNormMonitor(Callback):
         local = Packed()
         summed = local if self._norms.replicated else None
         grad_sq, grad_groups, device = self._norms.gradient_sums(per_group, pl_module.device)
+        carried = self._sharding.gradient_scale()
+        if carried is not None:  # DeepSpeed fp16: its gradients are still scaled (a host float: no device read)
+            grad_sq, grad_groups = grad_sq / carried**2, grad_groups / carried**2
         slots = {"grad_sq": grad_sq, "grad_groups": grad_groups if per_group else None}
         if logging_step and self.param_norms:
             param_sq, param_groups = self._norms.parameter_sums(per_group, device)
@@ -306,6 +310,11 @@ class GradNormMonitor(Callback):
 
     # ------------------------------------------------------------------ decisions
 
+    def _fp16_scale(self, trainer: pl.Trainer) -> float | None:
+        """The fp16 loss scale this step ran at: AMP's GradScaler's (one host read), or DeepSpeed's engine's."""
+        scale = loss_scale(trainer)
+        return float(scale) if scale is not None else self._sharding.gradient_scale()
+
     def _act(
         self,
         trainer: pl.Trainer,
@@ -319,12 +328,12 @@ class GradNormMonitor(Callback):
         total = math.sqrt(grad_sq) if grad_sq >= 0 else float("nan")
         loss = values["loss"][0]
         blow_up = ""
-        scale = loss_scale(trainer) if not math.isfinite(total) and math.isfinite(loss) else None
+        scale = self._fp16_scale(trainer) if not math.isfinite(total) and math.isfinite(loss) else None
         if scale is not None:
-            # fp16 AMP: the GradScaler skips this update and lowers its scale, as it does in any healthy run,
-            # unless it overflowed at the floor already (one host read, on overflow steps only).
+            # fp16: the loss scaler (AMP's GradScaler, DeepSpeed's engine) skips this update and lowers its scale,
+            # as it does in any healthy run, unless it overflowed at the floor already.
             self.scaler_skipped_steps += 1
-            blow_up = self.scale_floor.overflowed(float(scale)) or ""
+            blow_up = self.scale_floor.overflowed(scale) or ""
             if not blow_up:
                 return
         if not math.isfinite(total) or not math.isfinite(loss):

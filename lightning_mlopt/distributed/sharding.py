@@ -80,6 +80,14 @@ class Sharding(Protocol):
         """Every parameter piece this rank holds (its shard where parameters are sharded)."""
         ...
 
+    def gradient_scale(self) -> float | None:
+        """The factor the gradient pieces still carry after backward, or None where they are the true gradients.
+
+        An engine's fp16 loss scale, which it undoes inside its own step (DeepSpeed); AMP's GradScaler unscales
+        before ``on_before_optimizer_step``, so under it this is None.
+        """
+        ...
+
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
         """Whether every rank holds the whole, identical gradient of every parameter after an optimizer step.
 
@@ -241,6 +249,10 @@ class TensorSharding:
                 yield Piece(param, param.to_local(), self.replication_of(param))
             else:
                 yield Piece(param, param.detach(), copies)
+
+    def gradient_scale(self) -> float | None:
+        """See :class:`Sharding`: torch's GradScaler unscales the gradients before the hooks see them."""
+        return None
 
     def gradients_replicated(self, params: Sequence[Tensor]) -> bool:
         """See :class:`Sharding`: no parameter is a DTensor."""

@@ -7,8 +7,9 @@ ModelParallel strategy.
 
 ZeRO keeps reduced gradients in its own partitions, not in ``param.grad``; they are read from the engine's
 ZeRO optimizer: stages 1 and 2 align ``params_in_partition`` with ``averaged_gradients``, stage 3 aligns
-``fp16_groups``. Stage 3 parameters hold their partition in ``ds_tensor``. These are DeepSpeed's own
-attribute names (DeepSpeed 0.19); this module is the one place that reads them for norms.
+``fp16_groups``. Stage 3 parameters hold their partition in ``ds_tensor``. Under fp16 those gradients are still
+multiplied by the engine's loss scale (``gradient_scale``). These are DeepSpeed's own attribute names (DeepSpeed
+0.19); this module is the one place that reads them for norms.
 
 Example::
 
@@ -61,6 +62,19 @@ class ZeroSharding:
             for param, grad in zip(owners[group], grads, strict=False):
                 if grad is not None:
                     yield Piece(param, grad, 1)
+
+    def gradient_scale(self) -> float | None:
+        """fp16: the engine's loss scale, which its gradients carry until its ``step`` unscales them; else None.
+
+        Read from the engine's optimizer (``loss_scale``, a property of DeepSpeed's fp16 and ZeRO 1-3 optimizers,
+        a host float: no device read), so its value is the one this step's backward was scaled by.
+        """
+        engine = getattr(self.strategy, "model", None)
+        fp16_enabled = getattr(engine, "fp16_enabled", None)
+        if fp16_enabled is None or not fp16_enabled():
+            return None
+        scale = getattr(getattr(engine, "optimizer", None), "loss_scale", None)
+        return float(scale) if scale is not None else None
 
     def parameter_pieces(self, params: Sequence[Tensor]) -> Iterator[Piece]:
         """ZeRO-3: each parameter's partition; ZeRO-1/2: the whole parameter, on every rank."""

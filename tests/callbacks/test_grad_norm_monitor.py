@@ -265,3 +265,39 @@ def test_fp16_amp_overflow_steps_are_the_scalers_and_losses_are_unscaled():
     assert trainer.global_step == 16 and monitor.nonfinite_events == 0
     assert monitor.scaler_skipped_steps >= 1 and float(trainer.precision_plugin.scaler.get_scale()) < 65536
     assert max(monitor.loss_history) < 1e5, "the losses are the model's, not multiplied by the scale"
+
+
+@pytest.mark.multiprocess
+def test_under_deepspeed_fp16_overflows_are_the_engines_and_norms_are_unscaled(tmp_path):
+    # DeepSpeed scales the loss inside its backward and unscales its gradient partitions inside its step: between
+    # the two, where the monitor reads them, they carry the loss scale (2^16 by default: norms 65536 times too
+    # large). A scale too large overflows, and the engine skips the step and halves it, as early steps of fp16 runs
+    # do; read as non-finite, such a step stopped the run. A first scale of 2^20 makes the first steps overflow.
+    fp16 = '{"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 20, "hysteresis": 1}}'
+    from tests.conftest import failure_report, run_cli
+    from tests.support.cli_args import fit_args
+
+    out = tmp_path / "deepspeed"
+    args = fit_args(
+        "--trainer.limit_val_batches=0",
+        "--trainer.precision=16-mixed",
+        f"--trainer.strategy.init_args.config={fp16}",
+        "--trainer.callbacks+=tests.support.faults.DeepSpeedFp16OnCpu",
+        *MONITOR,
+        "--trainer.callbacks+=tests.support.recorders.RecordDeepSpeedNorms",
+        f"--trainer.callbacks.out_dir={out}",
+        strategy="zero2",
+        steps=8,
+        run_dir=tmp_path / "run",
+    )
+    result = run_cli(args, cwd=tmp_path, preloaded=True)
+    assert result.returncode == 0, failure_report(result)
+    for rank in (0, 1):
+        rows = json.loads((out / f"deepspeed-rank{rank}.json").read_text())
+        skipped = [row["skipped"] > (rows[i - 1]["skipped"] if i else 0) for i, row in enumerate(rows)]
+        assert skipped[0] and not all(skipped), f"the first steps overflow at 2^20, later ones do not: {rows}"
+        assert rows[-1]["scaler_skipped_steps"] == sum(skipped), "every step the engine skipped, and only those"
+        assert rows[-1]["loss_scale"] == 2 ** (20 - sum(skipped))
+        for row, was_skipped in zip(rows, skipped, strict=True):
+            if not was_skipped:  # the engine's own unscaled norm of the same gradients
+                assert row["monitor"]["grad_norm/total"] == pytest.approx(row["engine_norm"], rel=1e-3), row

@@ -94,3 +94,18 @@ def test_pipeline_stages_compare_nothing_alone_and_leave_out_local_statistics_by
     nothing = sharding.replicas(stage, [])  # no stage group: a stage's ranks hold nothing alike (no TP)
     assert nothing.replicas == [] and nothing.process_group is None
     assert nothing.description.startswith("nothing (pipeline stages")
+
+
+def test_the_scale_zeros_gradients_still_carry_is_the_fp16_engines_loss_scale_and_none_elsewhere():
+    from types import SimpleNamespace
+
+    from lightning_mlopt.strategies.sharding import ZeroSharding
+
+    def engine(fp16: bool, scale: float | None) -> SimpleNamespace:
+        return SimpleNamespace(fp16_enabled=lambda: fp16, optimizer=SimpleNamespace(loss_scale=scale))
+
+    assert ZeroSharding(SimpleNamespace(model=engine(True, 4096.0))).gradient_scale() == 4096.0
+    assert ZeroSharding(SimpleNamespace(model=engine(False, 4096.0))).gradient_scale() is None  # bf16, fp32
+    assert ZeroSharding(SimpleNamespace(model=engine(True, None))).gradient_scale() is None  # a static scale off
+    assert ZeroSharding(SimpleNamespace(model=None)).gradient_scale() is None  # before the engine is built
+    assert TensorSharding().gradient_scale() is None  # AMP unscales before the hooks

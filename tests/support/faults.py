@@ -299,3 +299,15 @@ class HoldAtStep(pl.Callback):
         deadline = time.monotonic() + self.timeout_s
         while not self.release.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+class DeepSpeedFp16OnCpu(pl.Callback):
+    """Lets DeepSpeed build an fp16 engine on this CPU, which it refuses ("Type fp16 is not supported on your
+    device") where oneDNN has no fp16 kernels; torch runs fp16 on the CPU anyway, slowly. Before the strategy's
+    setup builds the engine (callbacks' ``setup`` comes first). For tests of what fp16 changes, not of speed."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True  # type: ignore[method-assign]

@@ -280,3 +280,36 @@ class LogLaunch(pl.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
         pl_module.log("launch", float(os.environ.get("TEST_LAUNCH", "0")), on_step=True, on_epoch=False)
+
+
+class RecordDeepSpeedNorms(pl.Callback):
+    """Writes, per step, DeepSpeed's own gradient norm and loss scale beside GradNormMonitor's figures.
+
+    ``deepspeed-rank<R>.json``: a list of ``{"step", "engine_norm", "loss_scale", "skipped", "monitor"}``, where
+    ``engine_norm`` is the engine's ``get_global_grad_norm()`` (unscaled, computed in its step; None on a step it
+    skipped) and ``monitor`` GradNormMonitor's ``last_metrics`` after the same step.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.rows: list[dict[str, Any]] = []
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+        from lightning_mlopt.callbacks import GradNormMonitor
+
+        engine = trainer.strategy.model
+        (monitor,) = [cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)]
+        norm = engine.get_global_grad_norm()
+        self.rows.append(
+            {
+                "step": trainer.global_step,
+                "engine_norm": None if norm is None else float(norm),
+                "loss_scale": float(engine.optimizer.loss_scale),
+                "skipped": int(engine.skipped_steps),
+                "monitor": dict(monitor.last_metrics),
+                "scaler_skipped_steps": monitor.scaler_skipped_steps,
+            }
+        )
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"deepspeed-rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
