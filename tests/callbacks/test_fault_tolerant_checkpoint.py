@@ -20,7 +20,7 @@ from lightning.pytorch import Callback
 from lightning_mlopt.callbacks import CheckpointWriteError, FaultTolerantCheckpoint, Preemption, Resume
 from lightning_mlopt.checkpoint import CheckpointStore, verify
 from lightning_mlopt.cli import main
-from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
+from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli, start_cli
 from tests.support.cli_args import fit_args
 from tests.support.faults import kill_job_when
 
@@ -237,6 +237,7 @@ def test_unwritable_directory_gives_a_clear_error_before_training(tmp_path, monk
         assert "stopped before training" in message
 
 
+@pytest.mark.slow  # two fits of the ResNet demo in this process
 def test_async_write_failure_is_reported_and_earlier_checkpoints_survive(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     callback = FaultTolerantCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_steps=2, async_save=True)
@@ -306,16 +307,24 @@ def test_time_trigger_saves_when_minutes_have_passed(tmp_path, monkeypatch):
     assert set(reasons.values()) == {"every_n_minutes"}
 
 
-def _signal_whole_job_after(command: list[str], cwd: Path, checkpoints: Path, signum: int) -> tuple[int, float, str]:
+def _signal_whole_job_after(
+    command: list[str], cwd: Path, checkpoints: Path, signum: int, preloaded: bool = False
+) -> tuple[int, float, str]:
     """Start the job in its own process group; after its first commit, signal every process of it at once
-    (as SLURM and Kubernetes do); return (exit status, seconds from the signal to the exit, stderr)."""
-    process = subprocess.Popen(
-        command, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
+    (as SLURM and Kubernetes do); return (exit status, seconds from the signal to the exit, stderr).
+
+    ``preloaded``: the ranks fork from the preloaded server (started as torchrun starts them), not Lightning's
+    launcher."""
+    if preloaded:
+        process: Any = start_cli(command[3:], cwd, preloaded=True)
+    else:
+        process = subprocess.Popen(
+            command, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 240
         while not list(checkpoints.glob("step-*")) and time.monotonic() < deadline:
-            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert process.poll() is None, process.communicate()[1].decode()[-3000:]
             time.sleep(0.05)
         time.sleep(random.Random(signum).uniform(0.2, 1.0))  # mid-step, most likely mid-collective
         started = time.monotonic()
@@ -339,12 +348,14 @@ def test_sigterm_to_every_process_of_a_sharded_job_saves_and_exits_75(tmp_path, 
         strategy,
         extra=("--trainer.max_steps=1000", "--data.init_args.num_sequences=4096", "--checkpoint.every_n_steps=3"),
     )
-    status, seconds, stderr = _signal_whole_job_after(command, tmp_path, run_dir / "checkpoints", signal.SIGTERM)
+    # FSDP's job is launched for real (Lightning's launcher and its handlers); PP's ranks fork preloaded.
+    checkpoints = run_dir / "checkpoints"
+    status, seconds, stderr = _signal_whole_job_after(command, tmp_path, checkpoints, signal.SIGTERM, strategy == "pp")
     assert status == 75, stderr[-3000:]
     assert seconds < 30
     entry = CheckpointStore(run_dir / "checkpoints").newest_valid()
     assert entry is not None and entry.manifest.reason == "signal"
-    resumed = _run([*command, f"--trainer.max_steps={entry.step + 2}"], tmp_path)
+    resumed = _run_forked([*command, f"--trainer.max_steps={entry.step + 2}"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Auto-resuming from {entry.path}" in resumed.stderr + resumed.stdout
 
@@ -360,7 +371,9 @@ def test_a_disk_full_mid_write_ends_every_rank_with_the_cause(tmp_path, tmpfs, s
         run_dir, strategy, extra=(f"--checkpoint.dirpath={disk / 'checkpoints'}", "--checkpoint.async_save=false")
     )
     started = time.monotonic()
-    result = _run(command, tmp_path, timeout=180)
+    # FSDP's run is launched for real (its status passes through Lightning's launcher); the others' ranks fork
+    # from the preloaded server, where what is written and said is the same.
+    result = (_run if strategy == "fsdp" else _run_forked)(command, tmp_path, timeout=180)
     assert result.returncode == 74, result.stderr[-3000:]
     assert time.monotonic() - started < 120
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -429,10 +442,10 @@ def test_a_ddp_run_relaunched_under_zero2_trains_on_and_a_layout_none_reads_is_r
             f"--run_dir={run_dir}",
         ]
 
-    first = _run(command("ddp", 2), tmp_path)
+    first = _run_forked(command("ddp", 2), tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     # DDP's one file loads into ZeRO's partitions as it is (at any world size): the run trains on.
-    switched = _run(command("zero2", 4), tmp_path)
+    switched = _run_forked(command("zero2", 4), tmp_path)
     assert switched.returncode == 0, switched.stderr[-3000:]
     assert f"Auto-resuming from {run_dir / 'checkpoints' / 'step-000000002'}" in switched.stdout + switched.stderr
     newest = CheckpointStore(run_dir / "checkpoints").newest_valid()
@@ -443,7 +456,7 @@ def test_a_ddp_run_relaunched_under_zero2_trains_on_and_a_layout_none_reads_is_r
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "layout": "the format of OwnFormat"}))
     before = sorted(str(p) for p in (run_dir / "checkpoints").rglob("*"))
-    refused = _run(command("ddp", 6), tmp_path)
+    refused = _run_forked(command("ddp", 6), tmp_path)
     assert refused.returncode == 2, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "(written by DeepSpeedStrategy on 2 processes: the format of OwnFormat)" in errors[0]

@@ -144,6 +144,7 @@ def test_version_skew_and_a_straggler_are_reported_by_rank(tmp_path):
             "--trainer.callbacks.probe_mb=1",
         ],
         cwd=tmp_path,
+        preloaded=True,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
@@ -168,6 +169,7 @@ def test_a_rank_missing_at_the_barrier_is_named(tmp_path):
         ],
         cwd=tmp_path,
         timeout=200,
+        preloaded=True,
     )
     assert result.returncode != 0
     assert "pre-flight barrier: not every rank arrived within 3 s. Missing: rank 1" in result.stderr

@@ -158,8 +158,9 @@ def test_under_pp_x_tp_each_stages_tensor_ranks_compare_and_a_flip_stops_every_r
     ],
     ids=["ddp", "zero2", "hsdp"],
 )
-def test_no_false_alarm_over_50_clean_steps(tmp_path, strategy, extra):
-    result = _run(tmp_path, strategy, 50, None, *extra)
+def test_no_false_alarm_over_20_clean_steps(tmp_path, strategy, extra):
+    # Four checks (steps 5 to 20), each after a save: the shared runs' length, not 50 steps (issue 59).
+    result = _run(tmp_path, strategy, 20, None, *extra)
     assert result.returncode == 0, failure_report(result)
     assert "replica mismatch" not in result.stdout + result.stderr
     assert "ReplicaConsistencyCheck: every 5 steps, 2 ranks compare" in result.stdout + result.stderr

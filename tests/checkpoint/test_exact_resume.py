@@ -6,11 +6,7 @@ resume into another permutation of the epoch (val/acc 0.947 instead of 0.983 aft
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, SaveOn
 from lightning_mlopt.checkpoint.data_order import exactness_notes, seed_epoch
-from tests.conftest import CONFIGS, cli_environment
+from tests.conftest import CONFIGS, run_cli, start_cli
 
 QUICKSTART = [
     "fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.max_epochs=2", "--checkpoint.every_n_steps=5",
@@ -34,20 +30,16 @@ EPOCH_BATCHES = 22  # the digits' 1437 training samples in batches of 64, the la
 
 def _quickstart(run_dir: Path) -> list[str]:
     return [
-        sys.executable, "-m", "lightning_mlopt", *QUICKSTART, f"--run_dir={run_dir}",
+        *QUICKSTART, f"--run_dir={run_dir}",
         "--trainer.callbacks+=tests.support.recorders.RecordEverything",
         f"--trainer.callbacks.out_dir={run_dir / 'record'}",
         "--trainer.callbacks+=tests.support.faults.Pace", f"--trainer.callbacks.out_dir={run_dir / 'pace'}",
     ]  # fmt: skip
 
 
-def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, cwd=cwd, env=cli_environment(), capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.multiprocess  # three launches of the CLI
+@pytest.mark.slow  # three one-process runs of the CLI, forked from the preloaded server
 def test_the_quickstart_killed_at_a_random_instant_mid_epoch_resumes_bitwise(tmp_path):
-    reference = _run(_quickstart(tmp_path / "reference"), tmp_path)
+    reference = run_cli(_quickstart(tmp_path / "reference"), tmp_path, preloaded=True)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = torch.load(tmp_path / "reference" / "record" / "params.pt")
 
@@ -56,19 +48,17 @@ def test_the_quickstart_killed_at_a_random_instant_mid_epoch_resumes_bitwise(tmp
     seed = random.randrange(1 << 30)
     kill_after = random.Random(seed).randint(EPOCH_BATCHES + 4, 2 * EPOCH_BATCHES - 2)
     run_dir = tmp_path / "killed"
-    job = subprocess.Popen(
-        _quickstart(run_dir), cwd=tmp_path, env=cli_environment(), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    job = start_cli(_quickstart(run_dir), tmp_path, preloaded=True)
     deadline = time.monotonic() + 240
     while not (run_dir / "pace" / f"step-{kill_after}.rank0").exists():
         assert job.poll() is None and time.monotonic() < deadline, f"the run ended before step {kill_after}"
         time.sleep(0.02)
     time.sleep(random.Random(seed).uniform(0.0, 0.1))  # mid-step, mid-save
-    os.killpg(job.pid, signal.SIGKILL)
+    job.kill()  # the whole job, as the operating system's out-of-memory killer or a node loss would
     job.wait(30)
+    job.remove_outputs()
 
-    relaunch = _run(_quickstart(run_dir), tmp_path)
+    relaunch = run_cli(_quickstart(run_dir), tmp_path, preloaded=True)
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     said = relaunch.stdout + relaunch.stderr
     assert "Resuming mid-epoch: skipping the" in said and "epoch 1 used" in said, said[-2000:]

@@ -207,6 +207,7 @@ def test_strategy_auto_trains_exactly_the_run_of_the_strategy_it_chose(tmp_path)
                 f"--trainer.callbacks.out_dir={out / 'record'}",
             ],
             cwd=tmp_path,
+            preloaded=True,
         )
         assert result.returncode == 0, result.stderr[-3000:]
         records[strategy] = read_records(out / "record")

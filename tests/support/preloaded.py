@@ -72,6 +72,31 @@ def run_preloaded(
     return result
 
 
+def fork_tools_child_fits(monkeypatch: Any) -> None:
+    """Make the fits a tool starts (``parity``'s runs, ``profile``'s measurements, a sweep's trials) preloaded jobs.
+
+    For a tool run in the test process (:func:`tests.conftest.run_tool_here`) whose subject is what it compares or
+    measures, not how its children start: each child's ranks fork from the server instead of ``python -m``.
+    Signals to the tool are not forwarded (a test of forwarding launches for real).
+    """
+
+    def run(command: Sequence[str], log: Any, env: dict[str, str]) -> tuple[int, bool]:
+        from tests.conftest import cli_environment
+
+        assert list(command[1:3]) == ["-m", "lightning_mlopt"], command  # the tool's ``command_line``
+        job = PreloadedJob(list(command[3:]), Path.cwd(), cli_environment(env))
+        try:
+            return job.wait(300), False
+        finally:
+            log.write((job.stdout_text() + job.stderr_text()).encode())
+            log.flush()
+            job.remove_outputs()
+
+    monkeypatch.setattr("lightning_mlopt.process.child.run_forwarding_signals", run)
+    monkeypatch.setattr("lightning_mlopt.tools.sweep.runner.run_forwarding_signals", run)
+    monkeypatch.setattr("lightning_mlopt.tools.sweep.probe.run_forwarding_signals", run)
+
+
 class PreloadedJob:
     """A preloaded run in the background, with what a test uses of :class:`subprocess.Popen` to signal a job.
 

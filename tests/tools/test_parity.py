@@ -1,5 +1,5 @@
 """``python -m lightning_mlopt parity``: a configuration against a one-process run of the same model, seed and
-data, through the real CLI on CPU processes.
+data: the tool runs in the test process, its two fits forked from the preloaded server on CPU processes.
 
 A correct 2-process DDP run matches (the reference trains on the global batch of 2 x 16 in one process); a
 tensor-parallel plan that passes every static check on a model that is not tensor-parallel-correct (a
@@ -14,15 +14,18 @@ import torch
 import yaml
 
 from lightning_mlopt.strategies.tp_plan import resolve
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, run_cli, run_tool_here
 from tests.support.llama_style import FixedHeadsGPT
+from tests.support.preloaded import fork_tools_child_fits
 
 QUIET = ("--trainer.accelerator=cpu", "--trainer.devices=2")
 
 
 @pytest.mark.multiprocess
-def test_a_correct_ddp_run_matches_one_process_on_its_global_batch(tmp_path):
-    result = run_cli(["parity", "--config", str(CONFIGS / "gpt.yaml"), "--trainer.strategy=ddp", *QUIET], cwd=tmp_path)
+def test_a_correct_ddp_run_matches_one_process_on_its_global_batch(tmp_path, monkeypatch):
+    fork_tools_child_fits(monkeypatch)
+    arguments = ["--config", str(CONFIGS / "gpt.yaml"), "--trainer.strategy=ddp", *QUIET]
+    result = run_tool_here("parity", arguments, tmp_path, monkeypatch)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     verdict = result.stdout.strip().splitlines()[-1]
     assert verdict.startswith("parity: 4 steps match the one-process run (losses, ")
@@ -33,12 +36,15 @@ def test_a_correct_ddp_run_matches_one_process_on_its_global_batch(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_wrong_plan_that_passes_the_static_check_is_caught(tmp_path):
+def test_a_wrong_plan_that_passes_the_static_check_is_caught(tmp_path, monkeypatch):
     gpt = yaml.safe_load((CONFIGS / "gpt.yaml").read_text())
     resolve(FixedHeadsGPT(**gpt["model"]["init_args"]), FixedHeadsGPT.tp_plan, 2)  # the check finds nothing
     gpt["model"]["class_path"] = "tests.support.llama_style.FixedHeadsGPT"
     (tmp_path / "fixed_heads.yaml").write_text(yaml.safe_dump(gpt))
-    result = run_cli(["parity", "--config", "fixed_heads.yaml", "--trainer.strategy=tp", *QUIET], cwd=tmp_path)
+    fork_tools_child_fits(monkeypatch)
+    result = run_tool_here(
+        "parity", ["--config", "fixed_heads.yaml", "--trainer.strategy=tp", *QUIET], tmp_path, monkeypatch
+    )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     out = result.stdout
     assert "parity: DIVERGES from the one-process run" in out
@@ -71,9 +77,12 @@ def test_the_recorded_gradients_are_copies_that_clipping_cannot_change(tmp_path)
 
 
 @pytest.mark.multiprocess
-def test_a_pipeline_run_matches_one_process_with_every_stages_gradients(tmp_path):
+def test_a_pipeline_run_matches_one_process_with_every_stages_gradients(tmp_path, monkeypatch):
     overlay = str(CONFIGS / "strategies" / "pp.yaml")
-    result = run_cli(["parity", "--config", str(CONFIGS / "gpt.yaml"), "--config", overlay, *QUIET], cwd=tmp_path)
+    fork_tools_child_fits(monkeypatch)
+    result = run_tool_here(
+        "parity", ["--config", str(CONFIGS / "gpt.yaml"), "--config", overlay, *QUIET], tmp_path, monkeypatch
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     verdict = result.stdout.strip().splitlines()[-1]
     # Both stages' gradients and parameters (53 of the 4-layer demo's), gathered over the pipeline.

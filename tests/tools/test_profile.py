@@ -6,7 +6,8 @@ import pytest
 
 from lightning_mlopt.perf.verdict import decide, scaling_efficiency
 from lightning_mlopt.tools import profile as tool
-from tests.conftest import CONFIGS, failure_report, run_cli
+from tests.conftest import CONFIGS, failure_report, run_tool_here
+from tests.support.preloaded import fork_tools_child_fits
 
 
 def test_scaling_efficiency_arithmetic():
@@ -58,18 +59,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, argumen
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.ckpt"))
 
 
-def _profile(tmp_path, *arguments: str):
-    base = ["profile", "--config", str(CONFIGS / "gpt.yaml"), "--steps", "8", "--trainer.accelerator=cpu"]
-    result = run_cli([*base, f"--run_dir={tmp_path / 'run'}", *arguments], cwd=tmp_path)
+def _profile(tmp_path, monkeypatch, *arguments: str):
+    """The tool in this process, its measured fits forked from the preloaded server (their start-up is not measured)."""
+    base = ["--config", str(CONFIGS / "gpt.yaml"), "--steps", "8", "--trainer.accelerator=cpu"]
+    fork_tools_child_fits(monkeypatch)
+    result = run_tool_here("profile", [*base, f"--run_dir={tmp_path / 'run'}", *arguments], tmp_path, monkeypatch)
     assert result.returncode == 0, failure_report(result)
     return result
 
 
 @pytest.mark.multiprocess
 @pytest.mark.solo  # its compute/input verdict is measured: another worker beside it skews it
-def test_gpt_demo_is_compute_bound(tmp_path):
+def test_gpt_demo_is_compute_bound(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    _profile(tmp_path, "--trainer.devices=2")
+    _profile(tmp_path, monkeypatch, "--trainer.devices=2")
     report = (run_dir / "profile.md").read_text()
     assert "**Verdict: compute-bound.**" in report
     assert "| loader-only | 2 |" in report and "| train | 2 |" in report
@@ -79,8 +82,10 @@ def test_gpt_demo_is_compute_bound(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.solo  # its data-wait fraction is measured: another worker beside it skews it
-def test_slow_dataset_is_input_bound(tmp_path):
+def test_slow_dataset_is_input_bound(tmp_path, monkeypatch):
     slow_data = ["--data=tests.support.models.SlowCollateTokens", "--data.collate_sleep_s=0.05"]
-    result = _profile(tmp_path, "--trainer.devices=1", *slow_data, "--model.n_layer=1", "--model.d_model=64")
+    result = _profile(
+        tmp_path, monkeypatch, "--trainer.devices=1", *slow_data, "--model.n_layer=1", "--model.d_model=64"
+    )
     assert "**Verdict: input-bound.**" in result.stdout
     assert "data wait up to" in (tmp_path / "run" / "profile.md").read_text()

@@ -12,6 +12,7 @@ from lightning_mlopt.cli.entry import check_arguments
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.tools.sweep import SweepSpec, grid_trials, load_sweep, random_trials, trial_arguments
 from tests.conftest import CONFIGS, run_cli, run_tool_here
+from tests.support.preloaded import fork_tools_child_fits
 from tests.support.slurm_cluster import missing_requirement
 from tests.support.slurm_standins import slurm_environment
 
@@ -114,15 +115,16 @@ def _small_model_config(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_metric_the_model_never_logs_fails_before_any_trial_naming_what_it_logs(tmp_path):
+def test_a_metric_the_model_never_logs_fails_before_any_trial_naming_what_it_logs(tmp_path, monkeypatch):
     sweep = _sweep_file(
         tmp_path,
         "method: grid\nmetric: {name: Validation Accuracy, goal: maximize}\nparameters:\n"
         "  model.init_args.lr: {values: [0.01, 0.001]}\n",
     )
     # A dry run too: it checks what a run would, the metric included.
-    args = ["sweep", *_small_model_config(tmp_path), "--sweep", str(sweep), "--sweep_dir=sweep", "--dry_run"]
-    result = run_cli(args, cwd=tmp_path)
+    args = [*_small_model_config(tmp_path), "--sweep", str(sweep), "--sweep_dir=sweep", "--dry_run"]
+    fork_tools_child_fits(monkeypatch)
+    result = run_tool_here("sweep", args, tmp_path, monkeypatch)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "metric.name 'Validation Accuracy'" in result.stderr
     assert "a two-batch fit of trial 0 logged train_loss, val_loss. Set metric.name to one of them" in result.stderr
@@ -130,15 +132,16 @@ def test_a_metric_the_model_never_logs_fails_before_any_trial_naming_what_it_log
 
 
 @pytest.mark.slow
-def test_a_trial_that_ends_without_the_metric_stops_the_sweep_listing_what_it_logged(tmp_path):
+def test_a_trial_that_ends_without_the_metric_stops_the_sweep_listing_what_it_logged(tmp_path, monkeypatch):
     sweep = _sweep_file(
         tmp_path,
         "method: grid\nmetric: {name: val/acc, goal: maximize}\nparameters:\n"
         "  model.init_args.lr: {values: [0.01, 0.001]}\n",
     )
-    result = run_cli(
+    fork_tools_child_fits(monkeypatch)
+    result = run_tool_here(
+        "sweep",
         [
-            "sweep",
             *_small_model_config(tmp_path),
             "--sweep",
             str(sweep),
@@ -147,7 +150,8 @@ def test_a_trial_that_ends_without_the_metric_stops_the_sweep_listing_what_it_lo
             "--trainer.max_steps=1",
             "--trainer.enable_progress_bar=false",
         ],
-        cwd=tmp_path,
+        tmp_path,
+        monkeypatch,
     )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "trial-000 logged train_loss. Set metric.name to one of them" in result.stderr
@@ -198,7 +202,6 @@ def test_local_grid_on_two_process_trials_ranks_results_and_every_rank_gets_the_
         "  model.init_args.lr: {values: [0.0001, 0.1]}\n",
     )
     args = [
-        "sweep",
         *BASE,
         "--sweep",
         str(sweep),
@@ -212,7 +215,8 @@ def test_local_grid_on_two_process_trials_ranks_results_and_every_rank_gets_the_
         "--trainer.callbacks+=tests.support.recorders.RecordHyperparameters",
         "--no_probe",  # the probe's two-batch fit: docs/sweeps.md's example runs it, and the next tests fail it
     ]
-    result = run_cli(args, cwd=tmp_path, timeout=400)
+    fork_tools_child_fits(monkeypatch)
+    result = run_tool_here("sweep", args, tmp_path, monkeypatch)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for number, lr in enumerate([0.0001, 0.1]):
         folder = tmp_path / "sweep" / f"trial-{number:03d}"
@@ -233,7 +237,7 @@ def test_local_grid_on_two_process_trials_ranks_results_and_every_rank_gets_the_
         f"trial-{best:03d},"
     )
     # The same sweep again: finished trials are read, not trained again.
-    again = run_tool_here("sweep", args[1:], tmp_path, monkeypatch)  # nothing to launch: in this process
+    again = run_tool_here("sweep", args, tmp_path, monkeypatch)  # nothing to launch
     assert again.returncode == 0 and again.stdout.count(": done earlier") == 2
 
 
