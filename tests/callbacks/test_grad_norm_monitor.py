@@ -12,6 +12,7 @@ import torch
 from lightning_mlopt.callbacks import GradNormMonitor
 from lightning_mlopt.callbacks.grad_norm_monitor import module_group
 from lightning_mlopt.demos import GPTLanguageModel
+from tests.conftest import failure_report
 from tests.support.strategy_runs import train
 
 MONITOR = [
@@ -267,30 +268,38 @@ def test_fp16_amp_overflow_steps_are_the_scalers_and_losses_are_unscaled():
     assert max(monitor.loss_history) < 1e5, "the losses are the model's, not multiplied by the scale"
 
 
-@pytest.mark.multiprocess
-def test_under_deepspeed_fp16_overflows_are_the_engines_and_norms_are_unscaled(tmp_path):
-    # DeepSpeed scales the loss inside its backward and unscales its gradient partitions inside its step: between
-    # the two, where the monitor reads them, they carry the loss scale (2^16 by default: norms 65536 times too
-    # large). A scale too large overflows, and the engine skips the step and halves it, as early steps of fp16 runs
-    # do; read as non-finite, such a step stopped the run. A first scale of 2^20 makes the first steps overflow.
-    fp16 = '{"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 20, "hysteresis": 1}}'
-    from tests.conftest import failure_report, run_cli
+def _deepspeed_fp16_run(tmp_path: Path, out: Path, devices: int, *monitor: str):  # type: ignore[no-untyped-def]
+    """8 steps of ZeRO-2 in fp16 from a first loss scale of 2^20 (its first steps overflow), GradNormMonitor at
+    every step with ``monitor`` settings, and DeepSpeed's own norm and scale recorded beside it."""
+    from tests.conftest import run_cli
     from tests.support.cli_args import fit_args
 
-    out = tmp_path / "deepspeed"
+    fp16 = '{"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 20, "hysteresis": 1}}'
     args = fit_args(
         "--trainer.limit_val_batches=0",
         "--trainer.precision=16-mixed",
         f"--trainer.strategy.init_args.config={fp16}",
         "--trainer.callbacks+=tests.support.faults.DeepSpeedFp16OnCpu",
         *MONITOR,
+        *monitor,
         "--trainer.callbacks+=tests.support.recorders.RecordDeepSpeedNorms",
         f"--trainer.callbacks.out_dir={out}",
         strategy="zero2",
+        devices=devices,
         steps=8,
         run_dir=tmp_path / "run",
     )
-    result = run_cli(args, cwd=tmp_path, preloaded=True)
+    return run_cli(args, cwd=tmp_path, preloaded=True)
+
+
+@pytest.mark.multiprocess
+def test_under_deepspeed_fp16_overflows_are_the_engines_and_norms_are_unscaled(tmp_path):
+    # DeepSpeed scales the loss inside its backward and unscales its gradient partitions inside its step: between
+    # the two, where the monitor reads them, they carry the loss scale (2^16 by default: norms 65536 times too
+    # large). A scale too large overflows, and the engine skips the step and halves it, as early steps of fp16 runs
+    # do; read as non-finite, such a step stopped the run. A first scale of 2^20 makes the first steps overflow.
+    out = tmp_path / "deepspeed"
+    result = _deepspeed_fp16_run(tmp_path, out, devices=2)
     assert result.returncode == 0, failure_report(result)
     for rank in (0, 1):
         rows = json.loads((out / f"deepspeed-rank{rank}.json").read_text())
@@ -301,3 +310,15 @@ def test_under_deepspeed_fp16_overflows_are_the_engines_and_norms_are_unscaled(t
         for row, was_skipped in zip(rows, skipped, strict=True):
             if not was_skipped:  # the engine's own unscaled norm of the same gradients
                 assert row["monitor"]["grad_norm/total"] == pytest.approx(row["engine_norm"], rel=1e-3), row
+
+
+@pytest.mark.slow
+def test_under_deepspeed_fp16_in_one_process_an_overflow_at_the_floor_is_a_blow_up(tmp_path):
+    # The engine's scale is the one the floor is held against: with min_loss_scale at the first scale, the first
+    # overflow is no longer the scaler's routine but a blow-up, and on_nonfinite (stop) ends the run at step 1.
+    result = _deepspeed_fp16_run(tmp_path, tmp_path / "deepspeed", 1, f"--trainer.callbacks.min_loss_scale={2**20}")
+    assert result.returncode == 1, failure_report(result)
+    said = result.stdout + result.stderr
+    floor = "fp16: the update overflowed at a loss scale of 1.04858e+06, at or below min_loss_scale"
+    assert floor in said, said[-3000:]
+    assert "NonFiniteGradientError" in said and "at step 1 " in said
