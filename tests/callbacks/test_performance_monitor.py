@@ -111,9 +111,9 @@ def test_phase_clock_adds_up_time_per_phase_and_leaves_out_other_work():
     finally:
         clock.detach()
         set_phase("setup")
-    assert seconds["forward"] == pytest.approx(0.05, abs=0.02)
-    assert seconds["backward"] == pytest.approx(0.02, abs=0.02)
-    assert seconds["monitor"] == pytest.approx(0.03, abs=0.02)
+    # Each phase took at least its sleep; scheduling on a loaded machine may add to it, never take from it.
+    for name, slept in (("forward", 0.05), ("backward", 0.02), ("monitor", 0.03)):
+        assert slept <= seconds[name] < slept + 0.04, (name, seconds)
 
 
 @pytest.mark.parametrize(

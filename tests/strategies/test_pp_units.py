@@ -82,9 +82,10 @@ def test_the_bubble_is_the_step_time_outside_the_stages_compute() -> None:
         stage.forward_one_chunk()
         time.sleep(0.04)  # waiting for a neighbour
         stage.backward_one_chunk()
-    assert clock.bubble() == pytest.approx(0.5, abs=0.1)
+    # Scheduling on a loaded machine only adds time (to any of the three sleeps): bounds from below, slack above.
+    assert 0.3 < clock.bubble() < 0.7
     idle, steps = clock.take()
-    assert idle == pytest.approx(0.04, abs=0.015) and steps == pytest.approx(0.08, abs=0.02)
+    assert 0.04 <= idle < 0.04 + 0.04 and 0.08 <= steps < 0.08 + 0.06
     assert clock.take() == (0.0, 0.0), "taken once"
 
 
