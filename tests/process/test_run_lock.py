@@ -195,9 +195,12 @@ import os, signal, time
 from pathlib import Path
 from lightning_mlopt.process.run_lock import RunLock
 RunLock(Path({str(tmp_path)!r})).acquire()
-if os.fork() == 0:
+ready_read, ready_write = os.pipe()
+if os.fork() == 0:  # the fork hooks ran before this line (a worker that is up, as a killed job's workers are)
+    os.write(ready_write, b"1")
     time.sleep(60)
     os._exit(0)
+os.read(ready_read, 1)
 print("holding", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
