@@ -39,6 +39,28 @@ def test_tensor_parallel_trains_on_gpus_in_bf16(tmp_path, overlay):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.requires_cuda
+def test_grad_norm_monitor_under_deepspeed_fp16_on_gpus_reads_the_engines_scale(tmp_path):
+    # The CPU test's claim (tests/callbacks/test_grad_norm_monitor.py) where DeepSpeed runs fp16 for real: the
+    # first steps overflow at 2^20 and are the engine's to skip, and the norms equal its own unscaled norm.
+    import json
+
+    from tests.callbacks.test_grad_norm_monitor import DEEPSPEED_FP16_FROM_2_20 as fp16
+    from tests.callbacks.test_grad_norm_monitor import MONITOR as monitor
+
+    out = tmp_path / "deepspeed"
+    record = ["--trainer.callbacks+=tests.support.recorders.RecordDeepSpeedNorms", f"--trainer.callbacks.out_dir={out}"]
+    fit = ["--trainer.precision=16-mixed", f"--trainer.strategy.init_args.config={fp16}", "--trainer.max_steps=8"]
+    result = _fit_on_gpus(tmp_path, "zero2", *fit, "--trainer.limit_val_batches=0", *monitor, *record)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "deepspeed-rank0.json").read_text())
+    skipped = [row["skipped"] > (rows[i - 1]["skipped"] if i else 0) for i, row in enumerate(rows)]
+    assert rows[-1]["scaler_skipped_steps"] == sum(skipped) and not all(skipped), rows
+    for row, was_skipped in zip(rows, skipped, strict=True):
+        if not was_skipped:
+            assert row["monitor"]["grad_norm/total"] == pytest.approx(row["engine_norm"], rel=1e-2), row
+
+
 def _gpt_trainer(tmp_path, callbacks, steps=12):  # type: ignore[no-untyped-def]
     import lightning.pytorch as pl
 

@@ -268,17 +268,20 @@ def test_fp16_amp_overflow_steps_are_the_scalers_and_losses_are_unscaled():
     assert max(monitor.loss_history) < 1e5, "the losses are the model's, not multiplied by the scale"
 
 
+DEEPSPEED_FP16_FROM_2_20 = '{"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 20, "hysteresis": 1}}'
+"""DeepSpeed's fp16 block with a first loss scale of 2^20 (its first steps overflow) and halving on each overflow."""
+
+
 def _deepspeed_fp16_run(tmp_path: Path, out: Path, devices: int, *monitor: str):  # type: ignore[no-untyped-def]
     """8 steps of ZeRO-2 in fp16 from a first loss scale of 2^20 (its first steps overflow), GradNormMonitor at
     every step with ``monitor`` settings, and DeepSpeed's own norm and scale recorded beside it."""
     from tests.conftest import run_cli
     from tests.support.cli_args import fit_args
 
-    fp16 = '{"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 20, "hysteresis": 1}}'
     args = fit_args(
         "--trainer.limit_val_batches=0",
         "--trainer.precision=16-mixed",
-        f"--trainer.strategy.init_args.config={fp16}",
+        f"--trainer.strategy.init_args.config={DEEPSPEED_FP16_FROM_2_20}",
         "--trainer.callbacks+=tests.support.faults.DeepSpeedFp16OnCpu",
         *MONITOR,
         *monitor,
