@@ -164,7 +164,11 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, tmp_path, monkeypatch
         log = (run_dir / f"slurm-{job_id}.out").read_text()
         assert "Exited with exit code 75" in log and f"requeueing job {job_id}" in log
         saved = CheckpointStore(run_dir / "checkpoints").newest_valid()
-        assert saved is not None and saved.manifest.reason == "signal", log[-3000:]
+        # SLURM's coarse timer may still signal a loaded machine's job in start-up (seen on CI at USR1@100): then
+        # every rank exits 75 at once with nothing to save, and the requeue is the same. Saving on USR1 in training
+        # is test_usr1_to_the_whole_job_saves_requeues_and_resumes's claim.
+        in_start_up = "before the first training step: nothing to save; exiting with status 75" in log
+        assert in_start_up or (saved is not None and saved.manifest.reason == "signal"), log[-3000:]
     finally:
         cluster.run("scancel", job_id)
         os.environ.pop("SLURM_CONF", None)
