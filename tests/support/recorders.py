@@ -285,9 +285,10 @@ class LogLaunch(pl.Callback):
 class RecordDeepSpeedNorms(pl.Callback):
     """Writes, per step, DeepSpeed's own gradient norm and loss scale beside GradNormMonitor's figures.
 
-    ``deepspeed-rank<R>.json``: a list of ``{"step", "engine_norm", "loss_scale", "skipped", "monitor"}``, where
-    ``engine_norm`` is the engine's ``get_global_grad_norm()`` (unscaled, computed in its step; None on a step it
-    skipped) and ``monitor`` GradNormMonitor's ``last_metrics`` after the same step.
+    ``deepspeed-rank<R>.json``: a list of ``{"step", "engine_norm", "loss_scale", "skipped", "monitor",
+    "scaler_skipped_steps"}``, where ``engine_norm`` is the engine's ``get_global_grad_norm()`` (unscaled, computed
+    in its step; inf on a step that overflowed), ``skipped`` the engine's count of skipped steps so far, and
+    ``monitor`` and ``scaler_skipped_steps`` GradNormMonitor's ``last_metrics`` and count after the same step.
     """
 
     def __init__(self, out_dir: str) -> None:
