@@ -23,8 +23,10 @@ def _table_rows(text: str) -> list[list[str]]:
     ][1:]
 
 
+# Not `solo`: the one timing it asserts on, an MFU against the matmul peak measured in the same run, is about 0.08
+# with this tiny model, twelve times under its bound of 1; a neighbour slowing either side by 2-3x cannot cross it,
+# and the machine to itself cost the other worker the section's whole minute.
 @pytest.mark.slow
-@pytest.mark.solo  # an MFU against the matmul peak measured in the run: another worker beside it skews it
 def test_the_gpu_checklist_runs_every_section_on_cpu_in_smoke_mode(tmp_path):
     result = subprocess.run(
         [

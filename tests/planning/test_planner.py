@@ -10,7 +10,7 @@ import torch
 from lightning_mlopt.demos import GPTLanguageModel, ResNetClassifier
 from lightning_mlopt.planning import parse_count, parse_size, plan_memory
 from lightning_mlopt.planning.memory import bytes_per_parameter
-from tests.conftest import CONFIGS, run_cli, run_tool_here
+from tests.conftest import CONFIGS, run_tool_here
 
 
 def test_reproduces_the_zero_paper_example():
@@ -73,12 +73,9 @@ def test_bad_input_exits_2_with_a_short_message(tmp_path, monkeypatch, args, mes
     assert len(result.stderr.strip().splitlines()) <= 15
 
 
-@pytest.mark.slow
-def test_plan_from_a_config_uses_the_meta_device_and_prints_json(tmp_path):
-    result = run_cli(
-        ["plan", "--config", str(CONFIGS / "gpt.yaml"), "--world_size", "2", "--gpu_memory", "1GB", "--format", "json"],
-        cwd=tmp_path,
-    )
+def test_plan_from_a_config_uses_the_meta_device_and_prints_json(tmp_path, monkeypatch):
+    args = ["--config", str(CONFIGS / "gpt.yaml"), "--world_size", "2", "--gpu_memory", "1GB", "--format", "json"]
+    result = run_tool_here("plan", args, tmp_path, monkeypatch)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["num_params"] == sum(p.numel() for p in GPTLanguageModel().parameters())

@@ -48,6 +48,7 @@ def test_a_training_step_issues_the_strategys_collectives_and_our_one_exchange(s
         every = counted["log_every_n_steps"]
         batches = [b for b in counted["batches"] if (b["step"] + 1) % every != 0]  # off logging steps
         assert [b["step"] for b in batches] == [s for s in range(*COUNTED_STEPS) if (s + 1) % every != 0]
+        assert batches, f"no batch counted off a logging step: COUNTED_STEPS {COUNTED_STEPS}, every {every}"
         for batch in batches:
             where = f"{strategy}, rank {rank}, step {batch['step']}: {batch['sites']}"
             issued = batch["by_issuer"]

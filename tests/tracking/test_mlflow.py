@@ -9,6 +9,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -189,13 +190,13 @@ def _fit_args(run_dir: Path, pace: Path, server: MLflowServer, max_steps: int) -
     ]
 
 
-def _launch(args: list[str], cwd: Path, launch: int, log: Path) -> subprocess.Popen[bytes]:
+def _launch(args: list[str], cwd: Path) -> Any:
+    """The fit, its one rank forked from the preloaded server: its subject is the tracker, not the launch."""
     os.environ.pop("MLFLOW_RUN_ID", None)  # an in-process test's export must not pick the run
-    with log.open("ab") as out:
-        return start_cli(args, cwd, {"TEST_LAUNCH": str(launch)}, stdout=out, stderr=out)
+    return start_cli(args, cwd, {"TEST_LAUNCH": "1"}, preloaded=True)
 
 
-def _wait_for(path: Path, job: subprocess.Popen[bytes], timeout: float = 240.0) -> None:
+def _wait_for(path: Path, job: Any, timeout: float = 240.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert job.poll() is None, f"the job ended (status {job.returncode}) before {path.name}"
@@ -205,17 +206,17 @@ def _wait_for(path: Path, job: subprocess.Popen[bytes], timeout: float = 240.0) 
 
 @pytest.mark.slow
 def test_a_server_stopped_mid_run_never_stops_training_and_gets_the_metrics_when_back(tmp_path, mlflow_server):
-    run_dir, pace, log = tmp_path / "run", tmp_path / "pace", tmp_path / "launch.log"
+    run_dir, pace = tmp_path / "run", tmp_path / "pace"
     args = _fit_args(run_dir, pace, mlflow_server, max_steps=30)
-    job = _launch(args, tmp_path, 1, log)
+    job = _launch(args, tmp_path)
     _wait_for(pace / "step-6.rank0", job)
     mlflow_server.stop()  # down for the rest of training
     _wait_for(pace / "step-30.rank0", job)  # training went on without it
     mlflow_server.start()  # back while the finished run waits to flush (delivery.flush_timeout_s)
-    assert job.wait(timeout=180) == 0, failure_report(
-        subprocess.CompletedProcess([], job.returncode, "", log.read_text())
-    )
-    said = log.read_text()
+    status = job.wait(timeout=180)
+    said = job.stdout_text() + job.stderr_text()
+    job.remove_outputs()
+    assert status == 0, failure_report(subprocess.CompletedProcess([], status, "", said))
     assert said.count("MLflow: cannot reach") == 1 and "answers again" in said, said[-3000:]
     client = mlflow_server.client()
     run_id = json.loads((run_dir / "mlflow" / "run.json").read_text())["run_id"]
