@@ -21,9 +21,10 @@ TRAINED_BY_SHARED_RUNS = {"ddp", "fsdp", "zero1", "zero2", "zero3"}
 TRAINED_BY_TP_TESTS = {"tp", "fsdp_tp", "tp_hf", "tp_sp"}
 # ... and tests/strategies/test_pipeline_parallel.py pp.yaml, against one process (the overlay by its file).
 TRAINED_BY_PP_TESTS = {"pp"}
-# ... tests/checkpoint/test_conversion.py zero3_offload.yaml (a ZeRO-2 checkpoint resumed under it, 2 processes), and
-# tests/cli/test_entry.py auto.yaml (the strategy it chose, against that strategy's own run).
-TRAINED_BY_OTHER_TESTS = {"zero3_offload", "auto"}
+# ... tests/checkpoint/test_conversion.py zero3_offload.yaml (a ZeRO-2 checkpoint resumed under it, 2 processes),
+# tests/cli/test_entry.py auto.yaml (the strategy it chose, against that strategy's own run), and
+# tests/strategies/test_fsdp_variants.py hsdp.yaml (2 x 2 on 4 processes, against one process).
+TRAINED_BY_OTHER_TESTS = {"zero3_offload", "auto", "hsdp"}
 TRACKERS = sorted(CONFIGS.glob("trackers/*.yaml"))
 
 

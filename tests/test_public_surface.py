@@ -36,8 +36,9 @@ from lightning_mlopt.tracking import Delivery, MLflowTracker, ThroughputProgress
 PINNED = {
     DDPStrategy: "comm_hook powersgd_rank powersgd_start_iter bucket_cap_mb gradient_as_bucket_view static_graph "
     "find_unused_parameters timeout_minutes process_group_backend",
-    FSDPStrategy: "wrap_classes min_params_to_wrap reshard_after_forward replicate_group_size activation_checkpointing "
-    "param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes process_group_backend",
+    FSDPStrategy: "wrap_classes min_params_to_wrap reshard_after_forward replicate_size activation_checkpointing "
+    "param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes process_group_backend "
+    "replicate_group_size",
     TensorParallelStrategy: "tensor_parallel_size tp_plan wrap_classes min_params_to_wrap reshard_after_forward "
     "activation_checkpointing param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes "
     "process_group_backend",

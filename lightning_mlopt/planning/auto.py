@@ -11,6 +11,7 @@ from lightning_mlopt.planning.memory import MemoryPlan, format_table, plan_memor
 
 # Planner rows -> our strategy names. ZeRO-3's row is trained with FSDP: PyTorch-native, and its
 # checkpoints reshard to other world sizes. With the optimizer offloaded, stage 2 is never worse than 1.
+# HSDP's row (``hsdp<nodes>x<devices>``, on several nodes) is `hsdp`: FSDP within each node, replicated across.
 STRATEGY_FOR_ROW = {
     "ddp": "ddp",
     "zero1": "zero1",
@@ -72,6 +73,8 @@ def choose_strategy(config: dict[str, Any]) -> tuple[str | None, MemoryPlan, str
         precision="mixed" if "mixed" in str(trainer.get("precision", "32")) else "fp32",
         optimizer=optimizer_kind(model),  # type: ignore[arg-type]
         activation_bytes=activations,
+        replicate=int(trainer.get("num_nodes", 1) or 1),  # HSDP's replicas: one per node
     )
-    name = STRATEGY_FOR_ROW.get(plan.recommendation) if plan.recommendation else None
+    recommendation = plan.recommendation or ""
+    name = "hsdp" if recommendation.startswith("hsdp") else STRATEGY_FOR_ROW.get(recommendation)
     return name, plan, "\n".join([format_table(plan), *notes])

@@ -137,8 +137,13 @@ def plan_memory(
     tensor_parallel: tuple[int, int] | None = None,
     tensor_parallel_activation_bytes: float | None = None,
     pipeline: PipelineShare | None = None,
+    replicate: int = 1,
 ) -> MemoryPlan:
-    """Rows for DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and their CPU-offload variants; the first that fits wins.
+    """Rows for DDP, ZeRO-1, ZeRO-2, HSDP, ZeRO-3/FSDP and their CPU-offload variants; the first that fits wins.
+
+    The HSDP row (``hsdpRxS``) is there when ``replicate`` > 1 (``strategy: auto`` on several nodes: R = the
+    node count): FSDP's state divided by the S = world / R ranks of one replica, not by the world. It comes after
+    ZeRO-2 and before full sharding: where it fits, a step's all-gathers stay within a node.
 
     A strategy fits when ``total x (1 + headroom) <= gpu_memory``. With ``tensor_parallel`` = (T, S), a plan
     splitting S of the parameters T ways, a last row: tensor parallelism (``tpT``), or FSDP x TP
@@ -167,6 +172,8 @@ def plan_memory(
         raise ValueError(f"gpu_memory must be > 0, got {gpu_memory}")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    if replicate < 1 or world_size % replicate:
+        raise ValueError(f"replicate_size ({replicate}) must divide the world size ({world_size})")
     p, g, k = bytes_per_parameter(precision, optimizer)
     # DeepSpeed's ZeRO optimizers keep an fp32 copy of their partition even when training in fp32 (measured:
     # benchmarks/results/strategies_*); FSDP, which `strategy: auto` runs for the ZeRO-3 row, does not.
@@ -177,6 +184,7 @@ def plan_memory(
         ("ddp", p * psi, g * psi, k * psi, 0.0),
         ("zero1", p * psi, g * psi, k_ds * psi / n, 0.0),
         ("zero2", p * psi, g * psi / n, k_ds * psi / n, 0.0),
+        *_hsdp_layouts(replicate, world_size, psi, (p, g, k)),
         ("zero3/fsdp", p * psi / n, g * psi / n, k * psi / n, 0.0),
         ("zero1+offload", p * psi, g * psi, 0.0, k_ds * psi / n),
         ("zero2+offload", p * psi, g * psi / n, 0.0, k_ds * psi / n),
@@ -201,6 +209,17 @@ def plan_memory(
         row = _pipeline_row(pipeline, world_size, (p, g, k), activation_bytes)
         rows.append(replace(row, fits=row.total * (1 + headroom) <= gpu_memory))
     return MemoryPlan(num_params, world_size, gpu_memory, headroom, precision, optimizer, rows, recommendation)
+
+
+def _hsdp_layouts(
+    replicate: int, world_size: int, psi: float, per_parameter: tuple[int, int, int]
+) -> list[tuple[str, float, float, float, float]]:
+    """HSDP's layout (none for one replica, or one shard: that is FSDP, or DDP): the state over one replica's ranks."""
+    shard = world_size // replicate
+    if replicate == 1 or shard == 1:
+        return []
+    p, g, k = per_parameter
+    return [(f"hsdp{replicate}x{shard}", p * psi / shard, g * psi / shard, k * psi / shard, 0.0)]
 
 
 def _tensor_parallel_row(

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
+
+from lightning_mlopt.distributed.mesh_plan import MeshPlan
 
 
 def instantiate(section: dict[str, Any]) -> Any:
@@ -129,7 +131,7 @@ def fake_world(size: int) -> Iterator[DeviceMesh]:
         raise RuntimeError("measuring a tensor-parallel rank's activations needs a process without a process group")
     dist.init_process_group("fake", rank=0, world_size=size, store=dist.HashStore())
     try:
-        yield init_device_mesh("cpu", (size,))
+        yield MeshPlan(tensor=size).build("cpu", keep=("tensor",))  # a tensor-parallel rank's view
     finally:
         dist.destroy_process_group()
 

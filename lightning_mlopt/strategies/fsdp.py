@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from datetime import timedelta
 from functools import partial
@@ -12,8 +11,9 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -26,16 +26,16 @@ from lightning_mlopt._compat import (
     set_num_threads_for_processes,
     setup_distributed,
 )
-from lightning_mlopt.checkpoint.checksum import digest_of
 from lightning_mlopt.checkpoint.layout import DCP_META_NAME, DCP_SHARDS, ONE_FILE, CheckpointLayout, PendingWrite
-from lightning_mlopt.checkpoint.manifest import FileEntry
 from lightning_mlopt.checkpoint.serialization import dcp_stager, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
+from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan, data_mesh, data_rank
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
-from lightning_mlopt.strategies.fsdp_units import is_sharded, root_units, select_by_size
+from lightning_mlopt.strategies.dcp_write import OwnShards
+from lightning_mlopt.strategies.fsdp_units import import_module_class, is_sharded, root_units, select_by_size
 from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_dcp_folder, load_full_file, saved_flattened
 from lightning_mlopt.strategies.spec import StrategySpec
 
@@ -62,9 +62,10 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         min_params_to_wrap: also shard any module with at least this many unwrapped parameters.
         reshard_after_forward: free gathered parameters after forward (full shard, least memory); False
             keeps them until backward (the shard-grad-op behaviour: less communication, more memory).
-        replicate_group_size: hybrid sharding (HSDP): the number of model replicas; parameters are sharded
-            within groups of ``world_size / replicate_group_size`` ranks (typically one node) and replicated
-            across them. None: shard across all ranks.
+        replicate_size: hybrid sharding (HSDP): the number of model replicas; parameters are sharded within
+            groups of ``world_size / replicate_size`` ranks (typically one node, where the all-gathers are
+            cheap) and replicated across them (one all-reduce of the gradient shards). ``"nodes"``: one replica
+            per node. None: shard across all ranks (``configs/strategies/hsdp.yaml``).
         activation_checkpointing: import paths of module classes whose activations are recomputed in
             backward instead of stored.
         param_dtype: dtype of gathered parameters for compute (mixed precision); None keeps fp32.
@@ -73,6 +74,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         save_distributed_checkpoint: save one shard per rank (DCP folder); False gathers a single file.
         timeout_minutes: process-group timeout.
         process_group_backend: ``gloo`` or ``nccl``; None picks NCCL on CUDA, gloo on CPU.
+        replicate_group_size: the earlier name of ``replicate_size``, still read, with a warning.
 
     Raises:
         ValueError: a knob is out of range, or a wrap class is not in the model (the message lists the
@@ -98,7 +100,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         wrap_classes: Sequence[str] = (),
         min_params_to_wrap: int | None = None,
         reshard_after_forward: bool = True,
-        replicate_group_size: int | None = None,
+        replicate_size: int | Literal["nodes"] | None = None,
         activation_checkpointing: Sequence[str] = (),
         param_dtype: DType | None = None,
         reduce_dtype: DType | None = None,
@@ -106,11 +108,13 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         save_distributed_checkpoint: bool = True,
         timeout_minutes: float = 30.0,
         process_group_backend: Literal["gloo", "nccl"] | None = None,
+        replicate_group_size: int | None = None,
     ) -> None:
+        replicate_size = _renamed_replicate_size(replicate_size, replicate_group_size)
         if min_params_to_wrap is not None and min_params_to_wrap < 1:
             raise ValueError(f"min_params_to_wrap must be >= 1, got {min_params_to_wrap}")
-        if replicate_group_size is not None and replicate_group_size < 1:
-            raise ValueError(f"replicate_group_size must be >= 1, got {replicate_group_size}")
+        if replicate_size is not None and replicate_size != "nodes" and replicate_size < 1:
+            raise ValueError(f"replicate_size must be >= 1 or 'nodes', got {replicate_size}")
         if timeout_minutes <= 0:
             raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
         super().__init__(
@@ -118,11 +122,13 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             process_group_backend=process_group_backend,
             timeout=timedelta(minutes=timeout_minutes),
         )
-        self.wrap_classes = [_import_class(path, "wrap_classes") for path in wrap_classes]
+        self.wrap_classes = [import_module_class(path, "wrap_classes") for path in wrap_classes]
         self.min_params_to_wrap = min_params_to_wrap
         self.reshard_after_forward = reshard_after_forward
-        self.replicate_group_size = replicate_group_size
-        self.checkpoint_classes = [_import_class(path, "activation_checkpointing") for path in activation_checkpointing]
+        self.replicate_size = replicate_size
+        self.checkpoint_classes = [
+            import_module_class(path, "activation_checkpointing") for path in activation_checkpointing
+        ]
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.cpu_offload = cpu_offload
@@ -161,7 +167,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             async_checkpointer_type=AsyncCheckpointerType(self.async_checkpointer),
             **({} if stager is None else {"async_stager": stager}),
         )
-        return _OwnShards(dcp_write, path, self.global_rank, written)
+        return OwnShards(dcp_write, path, self.global_rank, written)
 
     @override
     def teardown(self) -> None:
@@ -170,16 +176,34 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             self._stager = None
         super().teardown()
 
+    # The mesh dimensions this strategy's code indexes, kept in its mesh even at size 1.
+    mesh_dimensions_kept: tuple[Dimension, ...] = ("shard",)
+
+    @property
+    def mesh_plan(self) -> MeshPlan:
+        """The job's ranks as ``replicate x shard`` (HSDP with ``replicate_size``); checked against the world.
+
+        Raises:
+            BadInputError: ``replicate_size`` does not divide the world size.
+
+        """
+        replicate = self.num_nodes if self.replicate_size == "nodes" else self.replicate_size or 1
+        return MeshPlan.fill(self.world_size, replicate=replicate, keys={"replicate": "replicate_size"})
+
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """The device mesh parameters are sharded over: 1-D ``(shard,)``, or 2-D ``(replicate, shard)``."""
-        return self.device_mesh
+        """The data-parallel dimensions parameters are sharded over: ``(shard,)``, or HSDP's ``(replicate, shard)``."""
+        return data_mesh(self.device_mesh)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank under FSDP and HSDP alike: each gets its own slice of data.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # One slice of the data per data-parallel rank; the ranks of one replica's other dimensions (its tensor
+        # and pipeline ranks) compute it together and read the same batches.
+        plan = self.mesh_plan
+        if plan.data_parallel_size == self.world_size:  # FSDP and HSDP: every rank reads batches of its own
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": plan.data_parallel_size, "rank": data_rank(self.device_mesh)}
 
     @override
     def setup_environment(self) -> None:
@@ -187,22 +211,14 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         # set its thread count: rank 1 ran torch's default, oversubscribing the cores (most of a 1.37x gap to a
         # hand-written loop on 2 CPUs, issue 27). DDP and DeepSpeed always have a launcher; here every rank sets it.
         set_num_threads_for_processes(self.num_processes)
-        # Skip ModelParallelStrategy's 2-D (data, tensor) mesh: ours is (shard,) or (replicate, shard).
+        # Skip ModelParallelStrategy's 2-D (data, tensor) mesh: ours is the mesh plan's (see _build_mesh).
         super(ModelParallelStrategy, self).setup_environment()
         setup_distributed(self)
         assert self.lightning_module is not None
         set_device_mesh(self, self._build_mesh())
 
     def _build_mesh(self) -> DeviceMesh:
-        device_type = self.root_device.type
-        if self.replicate_group_size is None:
-            return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("shard",))
-        if self.world_size % self.replicate_group_size:
-            raise ValueError(
-                f"replicate_group_size ({self.replicate_group_size}) must divide the world size ({self.world_size})"
-            )
-        shape = (self.replicate_group_size, self.world_size // self.replicate_group_size)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+        return self.mesh_plan.build(self.root_device.type, keep=self.mesh_dimensions_kept)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -219,6 +235,9 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             self._shard(self.model)
         with declare_configure_model(self.lightning_module):
             super().setup(trainer)
+        plan = self.mesh_plan
+        if plan.replicate > 1 and self.global_rank == 0:
+            print(f"hybrid sharding (HSDP): {plan.replicate} replicas x {plan.shard} shards ({plan.describe()})")
 
     def _shard(self, module: nn.Module) -> None:
         """Apply activation checkpointing, then ``fully_shard`` to units, then to the root children."""
@@ -276,10 +295,14 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         }
 
     def check_model(self, module: nn.Module) -> None:
-        """Raise BadInputError when ``wrap_classes`` or ``activation_checkpointing`` name a class the model lacks.
+        """Raise BadInputError for sizes the world refuses, or for a wrap or checkpointing class the model lacks.
+
+        The mesh plan's sizes against the world size; ``wrap_classes`` and ``activation_checkpointing`` against
+        the model's module classes.
 
         The CLI calls it before anything is written; setup calls it again for models built in ``configure_model``.
         """
+        self.mesh_plan  # noqa: B018 -- the sizes against the world: BadInputError before anything starts
         present = {type(sub) for sub in module.modules()}
         for key, classes in (
             ("wrap_classes", self.wrap_classes),
@@ -327,41 +350,24 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             self.model.to(self.root_device)
 
 
-class _OwnShards:
-    """DCP's pending write, completed with the checksums of this rank's own shard files (``__<rank>_*.distcp``).
-
-    Each rank hashes what it wrote, in parallel and from the page cache it just filled; rank zero does not read
-    every rank's shards again at the commit.
-    """
-
-    def __init__(self, dcp_write: Any, folder: Path, rank: int, written: dict[str, FileEntry]) -> None:
-        self._dcp_write = dcp_write
-        self._folder = folder
-        self._rank = rank
-        self._written = written
-
-    def result(self, timeout: float | None = None) -> dict[str, FileEntry]:
-        self._dcp_write.result(timeout)
-        entries = dict(self._written)
-        for shard in sorted(self._folder.glob(f"__{self._rank}_*.distcp")):
-            entries[shard.name] = FileEntry(shard.stat().st_size, digest_of(shard))
-        return entries
-
-
 def _clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float, sharding: Sharding) -> None:
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     clip_grad_norm_(parameters, float(clip_val), sharding)
 
 
-def _import_class(path: str, key: str) -> type[nn.Module]:
-    module_name, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError):
-        raise ValueError(f"{key}: cannot import {path!r}; give the full import path of a module class") from None
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ValueError(f"{key}: {path!r} is not a torch.nn.Module class")
-    return cls
+def _renamed_replicate_size(
+    replicate_size: int | Literal["nodes"] | None, replicate_group_size: int | None
+) -> int | Literal["nodes"] | None:
+    """``replicate_size``, or the value given under its earlier name (with a warning saying the new one)."""
+    if replicate_group_size is None:
+        return replicate_size
+    if replicate_size is not None and replicate_size != replicate_group_size:
+        raise ValueError(
+            f"replicate_group_size ({replicate_group_size}) is the earlier name of replicate_size ({replicate_size}): "
+            "give only replicate_size"
+        )
+    rank_zero_warn("FSDPStrategy: replicate_group_size is now replicate_size (same meaning); rename the key")
+    return replicate_group_size
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -373,7 +379,10 @@ __all__ = ["FSDPStrategy"]
 
 SPEC = StrategySpec(
     FSDPStrategy,
-    names={"fsdp": ({}, "FSDP2 full shard; every direct child of the LightningModule is a unit")},
+    names={
+        "fsdp": ({}, "FSDP2 full shard; every direct child of the LightningModule is a unit"),
+        "hsdp": ({"replicate_size": "nodes"}, "hybrid sharding: FSDP2 within each node, replicated across nodes"),
+    },
     layout=CheckpointLayout(
         DCP_SHARDS,
         FSDPStrategy.consolidate_checkpoint,
@@ -381,5 +390,5 @@ SPEC = StrategySpec(
         resumes_from=(ONE_FILE,),  # DCP reads a full state dict and shards it
         written_by=("FSDPStrategy", "ModelParallelStrategy"),
     ),
-    overlays=("fsdp.yaml",),
+    overlays=("fsdp.yaml", "hsdp.yaml"),
 )

@@ -11,10 +11,23 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+
+def import_module_class(path: str, key: str) -> type[nn.Module]:
+    """The ``torch.nn.Module`` class at import path ``path`` (YAML key ``key``, named in the ValueError otherwise)."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"{key}: cannot import {path!r}; give the full import path of a module class") from None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"{key}: {path!r} is not a torch.nn.Module class")
+    return cls
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -57,4 +70,4 @@ def select_by_size(module: nn.Module, threshold: int, wrapped: set[nn.Module], i
     return count
 
 
-__all__ = ["is_container", "is_sharded", "root_units", "select_by_size"]
+__all__ = ["import_module_class", "is_container", "is_sharded", "root_units", "select_by_size"]

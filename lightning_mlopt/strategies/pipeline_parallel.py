@@ -23,24 +23,23 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt.checkpoint.optimizer_keys import flattened_state
+from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan, data_rank
 from lightning_mlopt.distributed.sharding import PartialGradients, PipelineSharding, synchronized_buffers
 from lightning_mlopt.distributed.state import register_pipeline_stage
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.hooks import RunsPipeline
 from lightning_mlopt.strategies import fsdp
-from lightning_mlopt.strategies.data_dimension import DATA, OverDataDimension
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
 from lightning_mlopt.strategies.pp_buffers import keep_out_of_checkpoints, non_persistent_buffers
 from lightning_mlopt.strategies.pp_module_split import trace_module_stages
@@ -67,18 +66,18 @@ from lightning_mlopt.strategies.pp_tensor import parallelize_stages, stage_plan
 from lightning_mlopt.strategies.spec import StrategySpec
 from lightning_mlopt.strategies.tensor_parallel import TENSOR
 
-PIPELINE = "pipeline"  # the mesh's dimensions: (pipeline, data[, tensor]), outermost first (pipelines span nodes)
+PIPELINE: Final = "pipeline"  # the mesh dimension outermost of all (pipelines span nodes)
 
 
-class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
+class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     """Pipeline parallelism: consecutive stages of the model on consecutive ranks, micro-batches streamed through.
 
-    The world is a mesh ``(pipeline, data)``: ``pipeline_parallel_size`` ranks each hold one stage (or
+    The world is a mesh ``(pipeline, shard)``: ``pipeline_parallel_size`` ranks each hold one stage (or
     ``stages_per_rank`` for the interleaved schedules), and ``world / pipeline_parallel_size`` pipeline replicas
     each train on their own slice of the data, their stages sharded by FSDP over the data dimension when it is
     > 1. The model is cut at ``split_points`` by torch's tracer (``torch.export``), unmodified; it declares one
     method, ``pipeline_loss(output, target)`` (:class:`~lightning_mlopt.strategies.pp_split.DeclaresPipelineLoss`).
-    With ``tensor_parallel_size`` > 1 the mesh is ``(pipeline, data, tensor)`` (3D): torch.fx's tracer cuts the
+    With ``tensor_parallel_size`` > 1 the mesh is ``(pipeline, shard, tensor)`` (3D): torch.fx's tracer cuts the
     model instead, keeping its module calls, and each stage's planned layers are split over that many
     consecutive ranks (:mod:`~lightning_mlopt.strategies.pp_tensor`).
     Batches are ``(inputs, target)`` pairs; every rank of a pipeline loads the same batch (the first stage uses
@@ -185,10 +184,21 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         ranks, m = self.pipeline_parallel_size, self.microbatches
         return bubble_advice(measured, self.theoretical_bubble, worst_rank, self.schedule, ranks, m)
 
+    mesh_dimensions_kept: tuple[Dimension, ...] = (PIPELINE, "shard")
+
+    @property
+    @override
+    def mesh_plan(self) -> MeshPlan:
+        """``pipeline x shard [x tensor]``; BadInputError where the sizes' product does not divide the world."""
+        keys = {"pipeline": "pipeline_parallel_size", "tensor": "tensor_parallel_size"}
+        return MeshPlan.fill(
+            self.world_size, pipeline=self.pipeline_parallel_size, tensor=self.tensor_parallel_size, keys=keys
+        )
+
     @property
     def data_parallel_size(self) -> int:
         """Pipeline replicas: ``world / (pipeline_parallel_size x tensor_parallel_size)``."""
-        return self.world_size // (self.pipeline_parallel_size * self.tensor_parallel_size)
+        return self.mesh_plan.data_parallel_size
 
     @property
     def pipeline_group(self) -> Any:
@@ -198,12 +208,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
     @override
     def check_model(self, module: nn.Module) -> None:
         """The split against the model, the sizes against the world, the schedule's rules (before launch)."""
-        size, tensor, world = self.pipeline_parallel_size, self.tensor_parallel_size, self.world_size
-        if world % (size * tensor):
-            sizes = f"pipeline_parallel_size={size}" + (f" x tensor_parallel_size={tensor}" if tensor > 1 else "")
-            raise BadInputError(
-                f"{sizes} must divide the world size ({world} = devices x nodes); choose sizes whose product divides it"
-            )
+        tensor = self.mesh_plan.tensor  # the sizes against the world first
         self.schedule.check_microbatches(self.microbatches, self.pipeline_parallel_size, self.stages)
         check_split(module, self.split_points, self.stages)
         if tensor > 1:
@@ -216,13 +221,6 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
             raise BadInputError(
                 f"microbatches={self.microbatches} must divide the batch size ({batch_size}); choose a divisor of it"
             )
-
-    @override
-    def _build_mesh(self) -> DeviceMesh:
-        sizes = {PIPELINE: self.pipeline_parallel_size, DATA: self.data_parallel_size}
-        if self.tensor_parallel_size > 1:
-            sizes[TENSOR] = self.tensor_parallel_size
-        return init_device_mesh(self.root_device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -241,7 +239,7 @@ class PipelineParallelStrategy(OverDataDimension, FSDPStrategy, RunsPipeline):
         rank_stages = ", ".join(str(stage.stage_index) for stage in self._stages)
         line = f"pipeline stage(s) {rank_stages} of {self.stages}: {sum(p.numel() for p in self.model.parameters()):,}"
         split = f", {self._split_modules} modules split {self.tensor_parallel_size} ways" if self._split_modules else ""
-        if self.device_mesh[DATA].get_local_rank() == 0:  # one line per pipeline rank, the first replica's
+        if data_rank(self.device_mesh) == 0:  # one line per pipeline rank, the first replica's
             print(f"[rank {self.global_rank}] {line} parameters{split}")
 
     @override

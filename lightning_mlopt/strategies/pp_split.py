@@ -305,7 +305,7 @@ def stage_indices(pipeline_rank: int, ranks: int, stages_per_rank: int) -> list[
 def stage_group(mesh: Any, pipeline_rank: int) -> Any:
     """The process group of the ranks that hold ``pipeline_rank``'s stages: its data x tensor ranks.
 
-    ``mesh``: the strategy's ``(pipeline, data, tensor)`` device mesh. With one data rank a stage's ranks are its
+    ``mesh``: the strategy's ``(pipeline, shard, tensor)`` device mesh. With one data rank a stage's ranks are its
     tensor ranks, whose group the mesh has already. Otherwise every rank creates every stage's group, in one order
     (torch's rule for ``new_group``), and keeps its own.
     """

@@ -4,27 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan
 from lightning_mlopt.distributed.sharding import PartialGradients, SubMeshSharding
-from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies import fsdp
-from lightning_mlopt.strategies.data_dimension import DATA, OverDataDimension
 from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
 from lightning_mlopt.strategies.spec import StrategySpec
 from lightning_mlopt.strategies.tp_loss import split_logits_loss
 from lightning_mlopt.strategies.tp_plan import ResolvedPlan, plan_of
 
-TENSOR = "tensor"  # the mesh's dimensions: (data-parallel, tensor-parallel)
+TENSOR: Final = "tensor"  # the mesh's dimensions: (shard, tensor), data-parallel outermost
 
 
 @runtime_checkable
@@ -40,16 +38,17 @@ class DeclaresTPPlan(Protocol):
     tp_plan: Mapping[str, str]
 
 
-class TensorParallelStrategy(OverDataDimension, FSDPStrategy):
+class TensorParallelStrategy(FSDPStrategy):
     """Tensor parallelism from a plan in YAML, with FSDP over the data-parallel dimension (2D) when it is > 1.
 
-    The world is a 2-D mesh ``(data, tensor)``: ``tensor_parallel_size`` consecutive ranks (one node's GPUs,
-    where the all-reduces are cheap) split each planned layer Megatron-style (column-wise, then row-wise, one
-    all-reduce per pair), and ``world / tensor_parallel_size`` data-parallel groups each get their own slice of
-    the data, their parameters sharded by FSDP with the FSDP keys below (``wrap_classes``,
-    ``reshard_after_forward``, mixed precision, activation checkpointing). The user's module is not changed;
-    the plan names its modules (see :mod:`lightning_mlopt.strategies.tp_plan` for the styles) and is checked
-    before any process group starts. Checkpoints are DCP folders, like FSDP's, and load at another layout.
+    The world is a 2-D mesh ``(shard, tensor)`` (one :class:`~lightning_mlopt.distributed.mesh_plan.MeshPlan`):
+    ``tensor_parallel_size`` consecutive ranks (one node's GPUs, where the all-reduces are cheap) split each
+    planned layer Megatron-style (column-wise, then row-wise, one all-reduce per pair), and
+    ``world / tensor_parallel_size`` data-parallel groups each get their own slice of the data, their parameters
+    sharded by FSDP with the FSDP keys below (``wrap_classes``, ``reshard_after_forward``, mixed precision,
+    activation checkpointing). The user's module is not changed; the plan names its modules (see
+    :mod:`lightning_mlopt.strategies.tp_plan` for the styles) and is checked before any process group starts.
+    Checkpoints are DCP folders, like FSDP's, and load at another layout.
 
     A model is tensor-parallel-correct when it works from the width it is given: heads counted from the local
     projection's width (``view(batch, time, -1, head_dim)``, never a fixed head count), and a fused projection
@@ -120,10 +119,23 @@ class TensorParallelStrategy(OverDataDimension, FSDPStrategy):
         """Ranks that split each planned layer (each node's devices unless set)."""
         return self._requested_tensor_parallel_size or self.num_processes
 
+    mesh_dimensions_kept: tuple[Dimension, ...] = ("shard", TENSOR)
+
+    @property
+    @override
+    def mesh_plan(self) -> MeshPlan:
+        """``shard x tensor``: FSDP over the data-parallel groups, each layer split over ``tensor_parallel_size``.
+
+        Raises:
+            BadInputError: ``tensor_parallel_size`` does not divide the world size.
+
+        """
+        return MeshPlan.fill(self.world_size, tensor=self.tensor_parallel_size, keys={"tensor": "tensor_parallel_size"})
+
     @property
     def data_parallel_size(self) -> int:
         """Data-parallel groups: ``world / tensor_parallel_size``."""
-        return self.world_size // self.tensor_parallel_size
+        return self.mesh_plan.data_parallel_size
 
     def plan_for(self, module: nn.Module) -> ResolvedPlan:
         """The plan resolved against ``module`` and checked (the CLI calls it through ``check_model``).
@@ -133,13 +145,7 @@ class TensorParallelStrategy(OverDataDimension, FSDPStrategy):
                 not fit the model (see :func:`~lightning_mlopt.strategies.tp_plan.resolve`).
 
         """
-        size, world = self.tensor_parallel_size, self.world_size
-        if world % size:
-            raise BadInputError(
-                f"tensor_parallel_size={size} must divide the world size ({world} = devices x nodes); "
-                f"choose a divisor of {world}"
-            )
-        return plan_of(module, self.tp_plan, size)
+        return plan_of(module, self.tp_plan, self.mesh_plan.tensor)  # the sizes checked first
 
     @override
     def check_model(self, module: nn.Module) -> None:
@@ -194,11 +200,6 @@ class TensorParallelStrategy(OverDataDimension, FSDPStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         # A prediction made from split logits (e.g. their argmax) comes out split: hand it over whole.
         return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, DTensor.full_tensor)
-
-    @override
-    def _build_mesh(self) -> DeviceMesh:
-        shape = (self.data_parallel_size, self.tensor_parallel_size)
-        return init_device_mesh(self.root_device.type, shape, mesh_dim_names=(DATA, TENSOR))
 
     @override
     def _shard(self, module: nn.Module) -> None:

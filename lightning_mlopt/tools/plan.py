@@ -55,6 +55,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--num_params", help="parameter count, e.g. 7.5B (instead of a config)")
     parser.add_argument("--world_size", type=int, help="data-parallel ranks (default: from the config)")
     parser.add_argument("--gpu_memory", default="80GB", help="memory per GPU, e.g. 80GB or 141GiB")
+    parser.add_argument(
+        "--replicate_size", type=int, help="HSDP replicas, for an hsdp row (default: the config's nodes, if > 1)"
+    )
     parser.add_argument("--precision", choices=["mixed", "fp32"], help="default: from the config, else mixed")
     parser.add_argument("--optimizer", choices=["adam", "sgd_momentum", "sgd"], help="default: from the model")
     parser.add_argument("--activation_memory", default=None, help="activations per rank, e.g. 4GB")
@@ -88,12 +91,14 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
     placements: list[str] = []
     notes: list[str] = []
     world_size = args.world_size
+    replicate = 1  # HSDP's replicas: the config's node count
     if args.config:
         config = _merged_config(args.config)
         with torch.device("meta"):  # no memory for the parameters, however large the model
             model = instantiate(config["model"])
         num_params = sum(p.numel() for p in model.parameters())
         trainer = config.get("trainer") or {}
+        replicate = int(trainer.get("num_nodes", 1) or 1)
         if precision is None:
             precision = "mixed" if "mixed" in str(trainer.get("precision", "32")) else "fp32"
         optimizer = optimizer or optimizer_kind(model)
@@ -141,6 +146,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
         tensor_parallel=tensor_parallel,
         tensor_parallel_activation_bytes=split_activations,
         pipeline=pipeline,
+        replicate=args.replicate_size or replicate,
     )
     return plan, placements, notes
 

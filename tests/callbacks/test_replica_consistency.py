@@ -154,7 +154,7 @@ def test_under_pp_x_tp_each_stages_tensor_ranks_compare_and_a_flip_stops_every_r
     [
         ("ddp", ()),
         ("zero2", ()),
-        ("fsdp", ("--trainer.strategy.init_args.replicate_group_size=2",)),
+        ("fsdp", ("--trainer.strategy.init_args.replicate_size=2",)),
     ],
     ids=["ddp", "zero2", "hsdp"],
 )

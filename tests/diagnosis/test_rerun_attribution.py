@@ -105,7 +105,7 @@ def test_a_nan_from_a_bad_sample_is_reproducible(tmp_path):
     arguments += ["--trainer.max_steps=8", f"--run_dir={tmp_path / 'run'}", *QUIET]
     arguments += ["--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor"]
     arguments += ["--trainer.callbacks.on_nonfinite=skip", "--trainer.callbacks.depth=0"]
-    result = run_cli(arguments, cwd=tmp_path)
+    result = run_cli(arguments, cwd=tmp_path, preloaded=True)  # what training computes: imports paid once
     assert result.returncode == 0, failure_report(result)
     assert "rerun (same micro-batch, same RNG state): reproducible on rank " in result.stderr
     assert "non-finite again (the data or the model)" in result.stderr

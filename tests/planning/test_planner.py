@@ -108,6 +108,34 @@ def test_auto_picks_the_simplest_strategy_that_fits(monkeypatch):
     assert auto.choose_strategy(_gpt_config(devices=2))[0] is None  # nothing fits
 
 
+def test_hsdp_rows_divide_the_state_by_one_replicas_ranks_and_come_between_zero2_and_full_sharding():
+    plan = plan_memory(7_500_000_000, 64, 80 * 10**9, replicate=8)
+    rows = {row.strategy: row for row in plan.rows}
+    names = [row.strategy for row in plan.rows]
+    assert names.index("zero2") < names.index("hsdp8x8") < names.index("zero3/fsdp")
+    assert rows["hsdp8x8"].total == pytest.approx(rows["ddp"].total / 8)  # 120 GB over one node's 8 ranks
+    assert rows["hsdp8x8"].total == pytest.approx(15e9)
+    # One replica is FSDP; one shard per replica is DDP: no row of its own.
+    for replicate in (1, 64):
+        assert not [row for row in plan_memory(10**9, 64, 10**11, replicate=replicate).rows if "hsdp" in row.strategy]
+    with pytest.raises(ValueError, match=r"replicate_size \(3\) must divide the world size \(64\)"):
+        plan_memory(10**9, 64, 10**11, replicate=3)
+
+
+def test_auto_on_several_nodes_picks_hsdp_where_it_fits_and_zero2_does_not(monkeypatch):
+    from lightning_mlopt.planning import auto
+
+    config = _gpt_config(devices=4)  # 2 nodes of 4: ZeRO-2 holds 6 bytes a parameter in fp32, HSDP 16 / 4
+    config["trainer"]["num_nodes"] = 2
+    monkeypatch.setattr(auto, "device_memory", lambda trainer, per_node: 10**11)
+    plan = auto.choose_strategy(config)[1]
+    rows = {row.strategy: row.total for row in plan.rows}
+    between = int(1.1 * (rows["hsdp2x4"] + rows["zero2"]) / 2)
+    monkeypatch.setattr(auto, "device_memory", lambda trainer, per_node: between)
+    name, plan, table = auto.choose_strategy(config)
+    assert plan.recommendation == "hsdp2x4" and name == "hsdp" and "hsdp2x4" in table
+
+
 def test_auto_world_size_from_trainer_settings():
     from lightning_mlopt.planning.auto import world_size_of
 

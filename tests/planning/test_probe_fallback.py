@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lightning_mlopt.demos import TokenDataModule
 from lightning_mlopt.planning.probe import MetaProbeError, measure_activations
-from tests.conftest import run_cli, run_tool_here
+from tests.conftest import run_tool_here
 from tests.support.user_models import llama, write_user_config
 
 NOTE = "note: activations not measured: the model's training_step does not run on the meta device"
@@ -74,9 +74,9 @@ def test_plan_falls_back_to_parameter_arithmetic_with_one_note(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_plan_on_a_hugging_face_llama_exits_0_with_the_note(tmp_path):
+def test_plan_on_a_hugging_face_llama_exits_0_with_the_note(tmp_path, monkeypatch):
     config = write_user_config(tmp_path, llama(), "llama.yaml", accelerator="cpu", devices=2)
-    result = run_cli(["plan", "--config", config], cwd=tmp_path)
+    result = run_tool_here("plan", ["--config", config], tmp_path, monkeypatch)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "Traceback" not in output

@@ -34,7 +34,7 @@ def test_fsdp_wrap_class_missing_from_model_lists_the_model_classes():
         ({"wrap_classes": ["builtins.dict"]}, "is not a torch.nn.Module class"),
         ({"activation_checkpointing": ["nope"]}, "activation_checkpointing: cannot import"),
         ({"min_params_to_wrap": 0}, "min_params_to_wrap must be >= 1"),
-        ({"replicate_group_size": 0}, "replicate_group_size must be >= 1"),
+        ({"replicate_size": 0}, "replicate_size must be >= 1"),
         ({"timeout_minutes": 0}, "timeout_minutes must be > 0"),
     ],
 )

@@ -338,9 +338,6 @@ def test_two_killed_launches_one_before_its_first_commit_end_as_one_wandb_run_wi
     # A SIGKILL to the job left W&B's offline file of that launch empty (its service buffers records): the
     # rows it logged were lost from `wandb sync`. The journal carries them into the next launch of the run, and
     # the run id recorded in the run directory keeps a launch killed before any checkpoint in the same run.
-    import os
-    import signal
-    import subprocess
     import time
 
     run_dir = tmp_path / "run"
@@ -364,13 +361,16 @@ def test_two_killed_launches_one_before_its_first_commit_end_as_one_wandb_run_wi
     def kill_at(step: int) -> None:
         for stale in pace.glob("step-*"):  # each launch's own pace files
             stale.unlink()
-        job = start_cli(args, tmp_path, _wandb_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Forked from the preloaded server: the subject is what W&B keeps, not how the job starts. The kill is of
+        # the whole job (its process group: every rank and W&B's service), as a node loss delivers it.
+        job = start_cli(args, tmp_path, _wandb_env(tmp_path), preloaded=True)
         deadline = time.monotonic() + 180
         while not (pace / f"step-{step}.rank0").exists() and time.monotonic() < deadline:
-            assert job.poll() is None, f"the job ended before step {step}"
+            assert job.poll() is None, f"the job ended before step {step}: {job.stderr_text()[-2000:]}"
             time.sleep(0.05)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        job.kill()
+        job.wait(30)
+        job.remove_outputs()
 
     kill_at(3)  # before the first commit (step 5): the next launch starts from scratch, in the same W&B run
     kill_at(8)  # resumes from step 5: steps 5..7 are trained (and logged) again
@@ -403,6 +403,7 @@ def test_wandb_logs_each_checkpoint_once_and_its_closing_lines_carry_no_colour_c
         ],
         cwd=tmp_path,
         env={**_wandb_env(tmp_path), "WANDB_SILENT": "false"},  # W&B's own lines, as a user's log file has them
+        preloaded=True,  # what W&B writes and says: imports paid once (the output is files, not a terminal)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = _offline_runs(run_dir)
