@@ -6,7 +6,8 @@ Every fenced code block is one of:
   them: importing torch once instead of once per block keeps this file fast);
 - ```bash: executed with ``bash -e`` in a folder under tmp_path holding a copy of ``configs/`` (so relative
   paths resolve and every output lands in tmp_path, never in the repository), with this interpreter first on
-  PATH; it must exit 0;
+  PATH (``python -m lightning_mlopt`` forked from the preloaded server: the same entry point, imports paid
+  once); it must exit 0;
 - ```yaml: parsed with ``yaml.safe_load``; preceded by ``<!-- file: NAME -->`` it is also written as NAME
   into the folder of that page's bash blocks (the sweep file a command names);
 - ```text: output or a folder layout, not a command.
@@ -33,6 +34,8 @@ import pytest
 import yaml
 
 from tests.conftest import CONFIGS, REPO, REPO_PYTHONPATH
+from tests.support.preloaded import SERVER_ENV, server_socket
+from tests.support.preloaded_client import python_shim
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN = {"python", "bash"}
@@ -197,8 +200,11 @@ def test_bash_block_runs(block: Block, tmp_path: Path):
     for other in BLOCKS:
         if other.page == block.page and other.marker == "file":
             (tmp_path / other.marker_text).write_text(other.code)
-    bin_dir = str(Path(sys.executable).parent)  # `python` in a block is this interpreter
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": REPO_PYTHONPATH}
+    # `python` in a block is this interpreter; `python -m lightning_mlopt ...` runs the CLI's entry point forked from
+    # the preloaded server (tests/support/preloaded_client.py): the same command, without its seconds of imports.
+    shim = python_shim(tmp_path / ".bin")
+    path = os.pathsep.join([str(shim), str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = {**os.environ, "PATH": path, "PYTHONPATH": REPO_PYTHONPATH, SERVER_ENV: str(server_socket())}
     env.pop("MASTER_PORT", None)
     result = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", block.code],

@@ -144,7 +144,8 @@ def test_fsdp_x_tp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
     health = "--trainer.callbacks+=lightning_mlopt.callbacks.NCCLHealthCheck"
     run = train(tmp_path, "fsdp_tp", "fsdp_tp", SHARED_RUN_STEPS, devices=4, extra=(SHARED_RUN_CLIP, health))
     # The pre-flight checked each mesh dimension's groups, not only the world.
-    assert "all-reduce per mesh dimension ok: shard (2), tensor (2)" in (tmp_path / "fsdp_tp" / "output.txt").read_text()
+    said = (tmp_path / "fsdp_tp" / "output.txt").read_text()
+    assert "all-reduce per mesh dimension ok: shard (2), tensor (2)" in said
     # Ranks 0 and 1 are data-parallel rank 0 (one tensor-parallel pair), ranks 2 and 3 data-parallel rank 1.
     _assert_same_training(run, strategy_runs["ddp"], {0: 0, 1: 0, 2: 1, 3: 1})
     # 2D: every parameter is sharded over the data dimension, the planned ones over the tensor one too.

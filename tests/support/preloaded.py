@@ -176,9 +176,26 @@ class PreloadedJob:
         self._connection.close()
 
 
+# A server another process started, for this one's jobs (tests/support/preloaded_client.py: a docs block's command).
+SERVER_ENV = "LIGHTNING_MLOPT_TESTS_PRELOADED"
+
+
+def server_socket() -> Path:
+    """The socket of this test process's server, started on first use (its imports: seconds, once).
+
+    A process given ``SERVER_ENV`` (a socket path) uses that server instead of starting its own.
+
+    Example::
+
+        env = {SERVER_ENV: str(server_socket())}  # a child process's jobs fork from this test's server
+    """
+    return _server_socket()
+
+
 def _server_socket() -> Path:
-    """The server of this test process, started on first use (its imports: seconds, once)."""
     global _SERVER
+    if os.environ.get(SERVER_ENV):
+        return Path(os.environ[SERVER_ENV])
     if _SERVER is not None and _SERVER[0].poll() is None:
         return _SERVER[1]
     path = Path(tempfile.mkdtemp(prefix="preload-")) / "socket"
