@@ -111,11 +111,14 @@ class PreloadedJob:
         assert job.wait(120) == 75
     """
 
-    def __init__(self, args: Sequence[str], cwd: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, args: Sequence[str], cwd: Path, env: dict[str, str], call: str | None = None, ranks: int | None = None
+    ) -> None:
+        """``call``: ``"module:function"`` to run on each rank as ``function(rank, *args)`` instead of the CLI."""
         self.args = list(args)
         self._folder = Path(tempfile.mkdtemp(prefix="preloaded-"))
         self._out, self._err = self._folder / "stdout", self._folder / "stderr"
-        request = {"args": self.args, "cwd": str(cwd), "env": env, "ranks": ranks_of(args)}
+        request = {"args": self.args, "cwd": str(cwd), "env": env, "ranks": ranks or ranks_of(args), "call": call}
         request |= {"out": str(self._out), "err": str(self._err)}
         self._connection = socket.socket(socket.AF_UNIX)
         self._connection.connect(str(_server_socket()))
@@ -287,7 +290,11 @@ def _fork_rank(request: dict[str, Any], rank: int, world: int, port: int) -> int
                 WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"preloaded-{port}",
             )  # fmt: skip
-        code = _run_entry_point(request["args"])
+        code = (
+            _run_call(request["call"], rank, request["args"])
+            if request.get("call")
+            else _run_entry_point(request["args"])
+        )
     except BaseException:
         traceback.print_exc()
     finally:
@@ -312,6 +319,19 @@ def _run_entry_point(args: list[str]) -> int:
         code = 1
     run_exit_handlers()  # as the interpreter would at exit (W&B's flush, our journals)
     return code
+
+
+def _run_call(call: str, rank: int, args: list[str]) -> int:
+    """``function(rank, *args)`` for ``call`` = ``"module:function"``, in this process: 0, or 1 if it raised."""
+    import importlib
+
+    module, _, name = call.partition(":")
+    try:
+        getattr(importlib.import_module(module), name)(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def _free_port() -> int:
