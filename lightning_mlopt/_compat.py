@@ -876,7 +876,7 @@ def signal_workers_not_their_children() -> None:
 PRIVATE_OVERRIDES = {
     # MLOptCLI: adds its default callbacks (startup, progress bar) to the ones the config names.
     ("lightning.pytorch.cli", "LightningCLI", "_instantiate_trainer"),
-    # _ParseOnlyCLI (``check_arguments``): parses and validates only, so it does not seed.
+    # ParseOnlyCLI (``check_arguments``): parses and validates only, so it does not seed.
     ("lightning.pytorch.cli", "LightningCLI", "_set_seed"),
     # MLOptCLI: checks ``ckpt_path`` before Lightning reads a file's hyperparameters from it (torch.load).
     ("lightning.pytorch.cli", "LightningCLI", "_parse_ckpt_path"),

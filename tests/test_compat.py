@@ -214,7 +214,7 @@ def test_private_overrides_are_listed_and_still_exist():
     found = set()
     ours = [
         cli.MLOptCLI,
-        cli._ParseOnlyCLI,
+        cli.ParseOnlyCLI,
         strategies.DDPStrategy,
         strategies.FSDPStrategy,
         strategies.DeepSpeedStrategy,

@@ -67,7 +67,7 @@ DEFAULT_SEED = 1234
 CHECKPOINT_WRITE_EXIT_CODE = exit_codes.CHECKPOINT_WRITE
 
 
-class _Parser(LightningArgumentParser):
+class MLOptParser(LightningArgumentParser):
     """Raises :class:`BadInputError` where jsonargparse would print its usage and exit."""
 
     argv: list[str] = []  # set by main(), to name the file or argument a bad key came from
@@ -104,7 +104,7 @@ class MLOptCLI(LightningCLI):
                 # brings its own dataloaders needs none.
                 datamodule_class=None,
                 subclass_mode_model=True,
-                parser_class=_Parser,
+                parser_class=MLOptParser,
                 save_config_callback=None,  # replaced by SaveResolvedConfig, which knows the run directory
                 seed_everything_default=DEFAULT_SEED,
                 args=list(args) if args is not None else None,
@@ -233,7 +233,7 @@ class MLOptCLI(LightningCLI):
         except (ValueError, TypeError, FileNotFoundError, MisconfigurationException) as error:
             if isinstance(error, TypeError) and not raised_by_lightning(error):  # a bug in the user's code: traceback
                 raise
-            message = explain_parser_error(str(error), _known_keys(self.parser), _Parser.argv, RENAMED)
+            message = explain_parser_error(str(error), _known_keys(self.parser), MLOptParser.argv, RENAMED)
             raise BadInputError(message) from None
         if replaced is not None and (unused := unused_model_arguments(self._get_section(), replaced)):
             _rank_zero_print(unused)
@@ -282,7 +282,7 @@ class MLOptCLI(LightningCLI):
             write_final_metrics(self.trainer, self.run_dir)
 
 
-class _ParseOnlyCLI(MLOptCLI):
+class ParseOnlyCLI(MLOptCLI):
     """Parses and validates a command line like ``fit`` would, and stops there: nothing built or written."""
 
     @override
@@ -296,26 +296,6 @@ class _ParseOnlyCLI(MLOptCLI):
     @override
     def _set_seed(self) -> None:
         pass  # seeding is an effect of running, not of checking
-
-
-def check_arguments(args: Sequence[str]) -> Namespace:
-    """Check a ``fit`` command line (without the subcommand) against the CLI's parser, building nothing.
-
-    Returns:
-        The parsed configuration.
-
-    Raises:
-        BadInputError: the short message ``fit`` would print, naming the key or file and the fix.
-
-    Example::
-
-        check_arguments(["--config", "configs/quickstart.yaml", "--model.init_args.lr=0.1"])
-
-    """
-    argv = list(args)
-    check_config_files(config_paths(argv))
-    _Parser.argv = argv
-    return _ParseOnlyCLI(argv, run=False).config
 
 
 def print_config(args: Sequence[str], subcommand: str = "fit") -> str:
@@ -332,7 +312,7 @@ def print_config(args: Sequence[str], subcommand: str = "fit") -> str:
     for name, value in list(os.environ.items()):
         if name.startswith(prefix):
             os.environ["PL_" + name[len(prefix) :]] = value
-    parsed = _ParseOnlyCLI(rest, run=False)  # main() has checked the config files
+    parsed = ParseOnlyCLI(rest, run=False)  # main() has checked the config files
     config = parsed.config
     config["run_dir"] = str(resolve_run_dir(config.as_dict(), config_paths(rest)).resolve())
     skip_none = any("skip_null" in flag for flag in flags)
@@ -358,7 +338,7 @@ def main(args: Sequence[str] | None = None) -> None:
     try:
         refuse_unknown_subcommand(argv[0])
         check_config_files(config_paths(argv))
-        _Parser.argv = argv
+        MLOptParser.argv = argv
         if argv[0] in TRAINER_RUNS and any(arg.split("=")[0] == "--print_config" for arg in argv):
             print(print_config(argv[1:], argv[0]), end="")
             raise SystemExit(0)

@@ -55,7 +55,7 @@ def checked_fit(arguments: Sequence[str]) -> tuple[dict[str, Any], Path]:
 
     """
     from lightning_mlopt.cli.bad_input import config_paths
-    from lightning_mlopt.cli.entry import check_arguments
+    from lightning_mlopt.cli.check import check_arguments
     from lightning_mlopt.run_dir import resolve_run_dir
 
     config: dict[str, Any] = check_arguments(list(arguments)).as_dict()

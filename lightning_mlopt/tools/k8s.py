@@ -149,7 +149,7 @@ def _check_options(options: argparse.Namespace) -> None:
 
 def _checked_config(fit_args: list[str], options: argparse.Namespace) -> dict[str, Any]:
     """The composed config, parsed and checked as ``fit`` would, and its trainer against the placement."""
-    from lightning_mlopt.cli.entry import check_arguments
+    from lightning_mlopt.cli.check import check_arguments
 
     config = check_arguments(fit_args).as_dict()
     trainer = config.get("trainer") or {}

@@ -252,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``python -m lightning_mlopt slurm``; returns the exit status (2 on bad input)."""
-    from lightning_mlopt.cli.entry import check_arguments
+    from lightning_mlopt.cli.check import check_arguments
 
     options, extra = _parser().parse_known_args(list(argv))
     fit_args = fit_arguments(options.config, extra)

@@ -17,7 +17,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_mlopt import callbacks
 from lightning_mlopt.callbacks import FaultTolerantCheckpoint, Resume, ThroughputProgressBar
-from lightning_mlopt.cli.entry import check_arguments
+from lightning_mlopt.cli.check import check_arguments
 from tests.conftest import CONFIGS
 
 # Every public callback, discovered: a new one is held to the contract without editing this file.

@@ -191,7 +191,9 @@ def check_trials(base_args: Sequence[str], spec: SweepSpec, trials: Sequence[Tri
 
     """
     from lightning_mlopt.cli.bad_input import without_where
-    from lightning_mlopt.cli.entry import check_arguments
+    from lightning_mlopt.cli.check import ArgumentChecker
+
+    check_arguments = ArgumentChecker()  # one parser for every command line below
 
     try:
         check_arguments(base_args)

@@ -53,7 +53,7 @@ def slurm_array(
     tasks; a trial saved after a signal is requeued as its own array task and resumes. The sbatch flags stay in
     the ``#SBATCH`` lines and out of the command each task runs.
     """
-    from lightning_mlopt.cli.entry import check_arguments
+    from lightning_mlopt.cli.check import check_arguments
     from lightning_mlopt.tools.slurm import requeue_exit_code, sbatch_script, slurm_job
 
     config = check_arguments(base_args).as_dict()
