@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Literal
-
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING, Literal
 
 from lightning_mlopt.exceptions import BadInputError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 Dimension = Literal["pipeline", "replicate", "shard", "context", "tensor"]
 DIMENSIONS: tuple[Dimension, ...] = ("pipeline", "replicate", "shard", "context", "tensor")  # outermost first
@@ -117,6 +118,8 @@ class MeshPlan:
 
     def build(self, device_type: str, keep: Sequence[Dimension] = ()) -> DeviceMesh:
         """The job's one ``DeviceMesh`` (collective: every rank calls it); see :meth:`shape` for its dimensions."""
+        from torch.distributed.device_mesh import init_device_mesh  # here: the plan's arithmetic needs no torch
+
         shape = self.shape(keep) or {"shard": 1}
         return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 

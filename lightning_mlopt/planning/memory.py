@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from lightning_mlopt.distributed.mesh_plan import MeshPlan
 
 Precision = Literal["mixed", "fp32"]
 OptimizerKind = Literal["adam", "sgd_momentum", "sgd"]
@@ -172,8 +175,9 @@ def plan_memory(
         raise ValueError(f"gpu_memory must be > 0, got {gpu_memory}")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-    if replicate < 1 or world_size % replicate:
-        raise ValueError(f"replicate_size ({replicate}) must divide the world size ({world_size})")
+    from lightning_mlopt.distributed.mesh_plan import MeshPlan  # here: this module's arithmetic imports no torch
+
+    hsdp = MeshPlan.fill(world_size, replicate=replicate, keys={"replicate": "replicate_size"})  # BadInputError
     p, g, k = bytes_per_parameter(precision, optimizer)
     # DeepSpeed's ZeRO optimizers keep an fp32 copy of their partition even when training in fp32 (measured:
     # benchmarks/results/strategies_*); FSDP, which `strategy: auto` runs for the ZeRO-3 row, does not.
@@ -184,7 +188,7 @@ def plan_memory(
         ("ddp", p * psi, g * psi, k * psi, 0.0),
         ("zero1", p * psi, g * psi, k_ds * psi / n, 0.0),
         ("zero2", p * psi, g * psi / n, k_ds * psi / n, 0.0),
-        *_hsdp_layouts(replicate, world_size, psi, (p, g, k)),
+        *_hsdp_layouts(hsdp, psi, (p, g, k)),
         ("zero3/fsdp", p * psi / n, g * psi / n, k * psi / n, 0.0),
         ("zero1+offload", p * psi, g * psi, 0.0, k_ds * psi / n),
         ("zero2+offload", p * psi, g * psi / n, 0.0, k_ds * psi / n),
@@ -212,14 +216,14 @@ def plan_memory(
 
 
 def _hsdp_layouts(
-    replicate: int, world_size: int, psi: float, per_parameter: tuple[int, int, int]
+    plan: MeshPlan, psi: float, per_parameter: tuple[int, int, int]
 ) -> list[tuple[str, float, float, float, float]]:
     """HSDP's layout (none for one replica, or one shard: that is FSDP, or DDP): the state over one replica's ranks."""
-    shard = world_size // replicate
-    if replicate == 1 or shard == 1:
+    if plan.replicate == 1 or plan.shard == 1:
         return []
     p, g, k = per_parameter
-    return [(f"hsdp{replicate}x{shard}", p * psi / shard, g * psi / shard, k * psi / shard, 0.0)]
+    shard = plan.shard
+    return [(f"hsdp{plan.replicate}x{shard}", p * psi / shard, g * psi / shard, k * psi / shard, 0.0)]
 
 
 def _tensor_parallel_row(

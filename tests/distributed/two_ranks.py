@@ -7,27 +7,23 @@ never ran an operator: a rank starts in milliseconds, not the seconds a spawned 
 from __future__ import annotations
 
 import json
-import pickle
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 
-def rank_main(rank: int, target: str, init_file: str, out: str, world: str) -> None:
-    """One rank: join the gloo group, run ``target`` (a pickled callable, hex), write its record as JSON."""
-    import pickle
-
+def _rank_main(rank: int, target: Callable[[int], dict[str, Any]], init_file: str, out: str, world: int) -> None:
     import torch.distributed as dist
 
-    function = pickle.loads(bytes.fromhex(target))  # the test's own module-level function (or a partial of one)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=int(world))
-    record = function(rank)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    record = target(rank)
     Path(f"{out}.{rank}").write_text(json.dumps(record))
     dist.destroy_process_group()
 
 
 def on_two_ranks(target: Callable[[int], dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
-    """``target(rank)`` on ranks 0 and 1 (a module-level function: each rank is a spawned process); their records.
+    """``target(rank)`` on ranks 0 and 1 (a module-level function, pickled to each forked rank); their records.
 
     Example::
 
@@ -39,24 +35,12 @@ def on_two_ranks(target: Callable[[int], dict[str, Any]], folder: Path) -> list[
 def on_ranks(target: Callable[[int], dict[str, Any]], folder: Path, world: int) -> list[dict[str, Any]]:
     """``target(rank)`` on ``world`` ranks, as :func:`on_two_ranks` does; their records, by rank."""
     from tests.conftest import cli_environment
-    from tests.support.preloaded import PreloadedJob
+    from tests.support.preloaded import run_preloaded
 
     out = folder / "record"
     folder.mkdir(parents=True, exist_ok=True)
-    function = pickle.dumps(target).hex()  # by reference, as multiprocessing's spawn sent it
-    job = PreloadedJob(
-        [function, str(folder / "init"), str(out), str(world)],
-        folder,
-        cli_environment(),
-        call=f"{__name__}:rank_main",
-        ranks=world,
-    )
-    try:
-        status = job.wait(timeout=300)
-    except BaseException:
-        job.kill()
-        raise
-    said = job.stdout_text() + job.stderr_text()
-    job.remove_outputs()
-    assert status == 0, f"a rank of {target} failed (status {status}):\n{said[-4000:]}"
+    rank_main = partial(_rank_main, target=target, init_file=str(folder / "init"), out=str(out), world=world)
+    result = run_preloaded([], folder, cli_environment(), call=rank_main, ranks=world)
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, f"a rank of {target} failed (status {result.returncode}):\n{said[-4000:]}"
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world)]

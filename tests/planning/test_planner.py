@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_mlopt.demos import GPTLanguageModel, ResNetClassifier
+from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.planning import parse_count, parse_size, plan_memory
 from lightning_mlopt.planning.memory import bytes_per_parameter
 from tests.conftest import CONFIGS, run_tool_here
@@ -118,7 +119,7 @@ def test_hsdp_rows_divide_the_state_by_one_replicas_ranks_and_come_between_zero2
     # One replica is FSDP; one shard per replica is DDP: no row of its own.
     for replicate in (1, 64):
         assert not [row for row in plan_memory(10**9, 64, 10**11, replicate=replicate).rows if "hsdp" in row.strategy]
-    with pytest.raises(ValueError, match=r"replicate_size \(3\) must divide the world size \(64\)"):
+    with pytest.raises(BadInputError, match=r"^replicate_size=3 must divide the world size \(64 = devices x nodes\)"):
         plan_memory(10**9, 64, 10**11, replicate=3)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import select
 import shutil
 import signal
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,18 +53,25 @@ def ranks_of(args: Sequence[str]) -> int:
 
 
 def run_preloaded(
-    args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float = 300
+    args: Sequence[str],
+    cwd: Path,
+    env: dict[str, str],
+    timeout: float = 300,
+    call: Callable[..., Any] | None = None,
+    ranks: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m lightning_mlopt ARGS`` on ``ranks_of(args)`` forked, pre-imported processes; the run's status.
 
-    The status is rank zero's, or, where rank zero exited 0, the first other rank's that did not.
+    The status is rank zero's, or, where rank zero exited 0, the first other rank's that did not. With ``call``
+    (a picklable callable) each of ``ranks`` processes runs ``call(rank)`` instead of the CLI (see
+    :class:`PreloadedJob`). A wait that ends any other way than with the job (a timeout, an interrupt) kills it.
 
     stdout and stderr are every rank's, as a launch's are (the ranks share the two files).
     """
-    job = PreloadedJob(args, cwd, env)
+    job = PreloadedJob(args, cwd, env, call=call, ranks=ranks)
     try:
         job.wait(timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException:
         job.kill()
         raise
     finally:
@@ -112,13 +120,19 @@ class PreloadedJob:
     """
 
     def __init__(
-        self, args: Sequence[str], cwd: Path, env: dict[str, str], call: str | None = None, ranks: int | None = None
+        self,
+        args: Sequence[str],
+        cwd: Path,
+        env: dict[str, str],
+        call: Callable[..., Any] | None = None,
+        ranks: int | None = None,
     ) -> None:
-        """``call``: ``"module:function"`` to run on each rank as ``function(rank, *args)`` instead of the CLI."""
+        """``call``: a picklable callable each rank runs as ``call(rank)`` instead of the CLI, on ``ranks`` ranks."""
         self.args = list(args)
         self._folder = Path(tempfile.mkdtemp(prefix="preloaded-"))
         self._out, self._err = self._folder / "stdout", self._folder / "stderr"
-        request = {"args": self.args, "cwd": str(cwd), "env": env, "ranks": ranks or ranks_of(args), "call": call}
+        pickled = None if call is None else pickle.dumps(call).hex()  # by reference, as multiprocessing sends it
+        request = {"args": self.args, "cwd": str(cwd), "env": env, "ranks": ranks or ranks_of(args), "call": pickled}
         request |= {"out": str(self._out), "err": str(self._err)}
         self._connection = socket.socket(socket.AF_UNIX)
         self._connection.connect(str(_server_socket()))
@@ -290,11 +304,7 @@ def _fork_rank(request: dict[str, Any], rank: int, world: int, port: int) -> int
                 WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"preloaded-{port}",
             )  # fmt: skip
-        code = (
-            _run_call(request["call"], rank, request["args"])
-            if request.get("call")
-            else _run_entry_point(request["args"])
-        )
+        code = _run_call(request["call"], rank) if request["call"] else _run_entry_point(request["args"])
     except BaseException:
         traceback.print_exc()
     finally:
@@ -321,13 +331,10 @@ def _run_entry_point(args: list[str]) -> int:
     return code
 
 
-def _run_call(call: str, rank: int, args: list[str]) -> int:
-    """``function(rank, *args)`` for ``call`` = ``"module:function"``, in this process: 0, or 1 if it raised."""
-    import importlib
-
-    module, _, name = call.partition(":")
+def _run_call(pickled: str, rank: int) -> int:
+    """``call(rank)`` for the pickled callable (hex), in this process: 0, or 1 if it raised."""
     try:
-        getattr(importlib.import_module(module), name)(rank, *args)
+        pickle.loads(bytes.fromhex(pickled))(rank)
     except BaseException:
         traceback.print_exc()
         return 1

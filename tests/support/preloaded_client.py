@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.support.preloaded import PreloadedJob
+from tests.support.preloaded import run_preloaded
 
 
 def python_shim(folder: Path) -> Path:
@@ -40,16 +40,10 @@ def python_shim(folder: Path) -> Path:
 
 def main(args: list[str]) -> int:
     """Run ``args`` as ``python -m lightning_mlopt`` would, preloaded; print its output; return its status."""
-    job = PreloadedJob(args, Path.cwd(), dict(os.environ))
-    try:
-        status = job.wait(timeout=600)
-    except BaseException:
-        job.kill()
-        raise
-    sys.stdout.write(job.stdout_text())
-    sys.stderr.write(job.stderr_text())
-    job.remove_outputs()
-    return status
+    result = run_preloaded(args, Path.cwd(), dict(os.environ), timeout=600)
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    return result.returncode
 
 
 if __name__ == "__main__":
