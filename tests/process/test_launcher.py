@@ -26,7 +26,9 @@ def _orphan_waits(result: Path, remember: bool) -> float:
                     time.sleep(0.005)
                 started = time.monotonic()
                 launcher.wait_for_parent_to_exit(LIMIT_S)
-                result.write_text(f"{time.monotonic() - started:.3f}")
+                staged = result.with_suffix(".partial")  # renamed whole: the reader never sees a half-written file
+                staged.write_text(f"{time.monotonic() - started:.3f}")
+                os.replace(staged, result)
             finally:
                 os._exit(0)
         os.read(ready_read, 1)
