@@ -203,7 +203,8 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
 # Steps of the session's shared strategy runs, and a clip value small enough to be active at every step (it
 # checks each strategy's global norm too).
 SHARED_RUN_STEPS = 20
-SHARED_RUN_CLIP = "--trainer.gradient_clip_val=0.05"
+SHARED_RUN_CLIP_VALUE = 0.05
+SHARED_RUN_CLIP = f"--trainer.gradient_clip_val={SHARED_RUN_CLIP_VALUE}"
 
 
 @pytest.fixture(scope="session")
@@ -213,9 +214,11 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     Maps each strategy to ``(records, params, run_dir)`` (``tests.support.strategy_runs.TrainedRun``). The strategy
     equivalence tests compare them; the checkpoint tool's tests read their checkpoints (read-only: a test that
     would write into a run directory trains its own run); the collective budget test reads the collectives each
-    rank counted in batches ``COUNTED_STEPS`` (``collectives-rank<N>.json`` beside the records). Sharing saves
-    five launches of the suite's budget.
+    rank counted in batches ``COUNTED_STEPS`` (``collectives-rank<N>.json`` beside the records); GradNormMonitor's
+    test reads the norms it logged at ``MONITORED_STEP`` (``tests/support/grad_norms.py``, in ``monitor/``).
+    Sharing saves ten launches of the suite's budget.
     """
+    from tests.support.grad_norms import MONITOR_FOLDER, monitor_args
     from tests.support.shared_session import built_once
     from tests.support.strategy_runs import train, trained_run
 
@@ -223,7 +226,9 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     def build(root: Path) -> None:
         for name in names:
-            train(root, name, name, SHARED_RUN_STEPS, extra=(SHARED_RUN_CLIP, *_count_collectives(root / name)))
+            monitor = monitor_args(root / name / MONITOR_FOLDER, step=MONITORED_STEP, every=None)
+            records = (*_count_collectives(root / name), *monitor)
+            train(root, name, name, SHARED_RUN_STEPS, extra=(SHARED_RUN_CLIP, *records))
 
     root = built_once(tmp_path_factory, "strategy_runs", build)  # once, not once per pytest-xdist worker
     return {name: trained_run(root, name) for name in names}
@@ -233,6 +238,11 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 # the first and last steps' one-off work, off a logging step. One batch: the profiler's Python tracer slows each
 # batch it records several times over (ZeRO-3's most: 5 s a batch on 2 cores).
 COUNTED_STEPS = (10, 11)
+# The step whose gradient norms the shared runs' GradNormMonitor test compares. The monitor logs at the Trainer's
+# period (gpt.yaml: 10), so its logging steps' extra all-reduce (update ratios) stays out of the counted batch; the
+# last step, so the parameters gathered around it for the reference come after that batch (under ZeRO-3 a gather
+# costs the next forward one more all-gather).
+MONITORED_STEP = SHARED_RUN_STEPS
 
 
 def _count_collectives(out: Path) -> tuple[str, ...]:

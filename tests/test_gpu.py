@@ -46,8 +46,8 @@ def test_grad_norm_monitor_under_deepspeed_fp16_on_gpus_reads_the_engines_scale(
     import json
 
     from tests.callbacks.test_grad_norm_monitor import DEEPSPEED_FP16_FROM_2_20 as fp16
-    from tests.callbacks.test_grad_norm_monitor import MONITOR as monitor
     from tests.callbacks.test_grad_norm_monitor import monitor_matches_engine
+    from tests.support.grad_norms import MONITOR as monitor
 
     out = tmp_path / "deepspeed"
     record = ["--trainer.callbacks+=tests.support.recorders.RecordDeepSpeedNorms", f"--trainer.callbacks.out_dir={out}"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -12,61 +11,21 @@ import torch
 from lightning_mlopt.callbacks import GradNormMonitor
 from lightning_mlopt.callbacks.grad_norm_monitor import module_group
 from lightning_mlopt.demos import GPTLanguageModel
-from tests.conftest import failure_report
-from tests.support.strategy_runs import train
-
-MONITOR = [
-    "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
-    "--trainer.callbacks.log_every_n_steps=1",
-    "--trainer.callbacks.param_norms=true",
-    "--trainer.callbacks.update_ratios=true",
-]
+from tests.conftest import MONITORED_STEP, SHARED_RUN_CLIP_VALUE, failure_report
+from tests.support.grad_norms import MONITOR, assert_norms_match_one_process
 
 
 def _record(out: Path) -> tuple[str, ...]:
     return ("--trainer.callbacks+=tests.support.recorders.RecordMonitor", f"--trainer.callbacks.out_dir={out}")
 
 
-def _reference(out: Path, start_params: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
-    """The unsharded model's gradient norm for the global batch of step 1, in one process."""
-    model = GPTLanguageModel()
-    model.load_state_dict(start_params)
-    batches = [torch.load(path) for path in sorted(out.glob("batch-rank*.pt"))]
-    # Equal per-rank batch sizes: the global mean loss is the mean of the per-rank mean losses.
-    loss = torch.stack([model._loss((inputs, targets)) for inputs, targets in batches]).mean()
-    loss.backward()
-    total = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
-    groups: dict[str, float] = {}
-    for name, param in model.named_parameters():
-        group = module_group(name.removeprefix("model."), 2)
-        groups[group] = groups.get(group, 0.0) + float(param.grad.double().pow(2).sum())
-    return total, {group: math.sqrt(value) for group, value in groups.items()}
-
-
+# Read from the session's shared runs, which log the monitor at every step (tests/support/grad_norms.py); the TP
+# layouts' case is in tests/strategies/test_tensor_parallel.py, on its module's runs.
 @pytest.mark.multiprocess
-# TP: the norm over DTensor pieces split across the tensor dimension and the replicated ones counted once (both
-# ranks read the same batch, so the reference's mean of the two batches' losses is that batch's loss).
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "tp_sp"])
-def test_global_norm_equals_the_unsharded_reference(tmp_path, strategy):
-    out = tmp_path / "monitor"
-    final = train(tmp_path, "run", strategy, steps=1, extra=(*MONITOR, *_record(out))).params
-    start = torch.load(tmp_path / "run" / "start_params.pt")["params"]
-    total, groups = _reference(out, start)
-    for rank in (0, 1):
-        logged = json.loads((out / f"monitor-rank{rank}.json").read_text())["metrics"][0]
-        assert logged["grad_norm/total"] == pytest.approx(total, rel=1e-5), f"rank {rank}"
-        for group, value in groups.items():
-            assert logged[f"grad_norm/{group}"] == pytest.approx(value, rel=1e-5), group
-        expected_params = math.sqrt(sum(float(p.double().pow(2).sum()) for p in start.values()))
-        assert logged["param_norm/total"] == pytest.approx(expected_params, rel=1e-5)
-        # gpt.yaml clips at 1.0: the post-clip norm is what the update used.
-        assert logged["grad_norm/total_clipped"] == pytest.approx(min(total, 1.0), rel=1e-5)
-    assert {"grad_norm/layers.0", "grad_norm/token_embedding", "grad_norm/lm_head"} <= set(logged)
-    # One step was taken: the update ratio is |theta_1 - theta_0| / |theta_1|, from the full parameters.
-    delta = math.sqrt(sum(float((final[n] - start[n]).double().pow(2).sum()) for n in start))
-    norm = math.sqrt(sum(float(final[n].double().pow(2).sum()) for n in start))
-    assert logged["update_ratio/total"] == pytest.approx(delta / norm, rel=1e-4)
-    assert logged["update_ratio/layers.0"] > 0
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_global_norm_equals_the_unsharded_reference(strategy, strategy_runs):
+    out = strategy_runs[strategy].run_dir.parents[1] / strategy
+    assert_norms_match_one_process(out, step=MONITORED_STEP, clip=SHARED_RUN_CLIP_VALUE, ranks=2)
 
 
 def _nan_run(tmp_path: Path, action: str, extra: tuple[str, ...] = ()):
@@ -178,6 +137,7 @@ def test_loss_spike_is_caught_and_logged_through_the_logger(tmp_path):
     assert len(metrics) == 1 + 12  # one row per step
 
 
+@pytest.mark.slow  # a 12-step fit: 2.4 s with the other worker training, over 6 s on a loaded run
 def test_spike_stop_raises_with_the_statistics(tmp_path):
     from lightning_mlopt.callbacks import NonFiniteGradientError
 

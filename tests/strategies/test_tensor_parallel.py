@@ -33,7 +33,8 @@ from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.planning.memory import plan_memory
 from lightning_mlopt.planning.probe import instantiate, measure_activations
 from lightning_mlopt.strategies.tp_plan import resolve
-from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_STEPS, run_tool_here
+from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_CLIP_VALUE, SHARED_RUN_STEPS, run_tool_here
+from tests.support.grad_norms import MONITOR_FOLDER, assert_norms_match_one_process, monitor_args
 from tests.support.llama_style import LlamaStyleLM, write_llama_config
 from tests.support.strategy_runs import TrainedRun, train
 
@@ -43,12 +44,16 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainedRun]:
     root = tmp_path_factory.mktemp("tp_runs")
-    extra = (SHARED_RUN_CLIP, "--trainer.callbacks+=lightning_mlopt.callbacks.PerformanceMonitor")
-    return {
-        "tp": train(root, "tp", "tp", STEPS, devices=2, extra=extra),
-        "tp_sp": train(root, "tp_sp", "tp_sp", STEPS, devices=2, extra=(SHARED_RUN_CLIP,)),
-        "one": train(root, "one", "ddp", STEPS, devices=1, extra=extra),
+    perf = "--trainer.callbacks+=lightning_mlopt.callbacks.PerformanceMonitor"
+    return {  # the TP runs log GradNormMonitor too (test_grad_norms_under_tp_equal_the_unsharded_reference)
+        "tp": train(root, "tp", "tp", STEPS, devices=2, extra=(SHARED_RUN_CLIP, perf, *_monitor(root / "tp"))),
+        "tp_sp": train(root, "tp_sp", "tp_sp", STEPS, devices=2, extra=(SHARED_RUN_CLIP, *_monitor(root / "tp_sp"))),
+        "one": train(root, "one", "ddp", STEPS, devices=1, extra=(SHARED_RUN_CLIP, perf)),
     }
+
+
+def _monitor(out: Path) -> tuple[str, ...]:
+    return monitor_args(out / MONITOR_FOLDER, step=1, every=1)
 
 
 def _assert_same_training(run: TrainedRun, reference: TrainedRun, rank_pairs: dict[int, int]) -> None:
@@ -78,6 +83,15 @@ def test_tp2_with_sequence_parallelism_trains_the_one_process_model(gpt_runs):
     # The norms see half the sequence each and their gradients come back as partial sums: made whole before
     # clipping (active here) and the optimizer read them.
     _assert_same_training(gpt_runs["tp_sp"], gpt_runs["one"], {0: 0, 1: 0})
+
+
+# The norm over DTensor pieces split across the tensor dimension and the replicated ones counted once (both ranks
+# read the same batch, so the reference's mean of the two batches' losses is that batch's loss).
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["tp", "tp_sp"])
+def test_grad_norms_under_tp_equal_the_unsharded_reference(gpt_runs, layout):
+    out = gpt_runs[layout].run_dir.parents[1] / layout
+    assert_norms_match_one_process(out, step=1, clip=SHARED_RUN_CLIP_VALUE, ranks=2)
 
 
 @pytest.mark.multiprocess

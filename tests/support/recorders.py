@@ -153,21 +153,35 @@ class RecordEverything(RecordTraining):
 
 
 class RecordMonitor(pl.Callback):
-    """Writes each step's GradNormMonitor metrics and the first batch of each rank into ``out_dir``.
+    """Writes each step's GradNormMonitor metrics and one step's batch of each rank into ``out_dir``.
 
     Args:
         out_dir: folder for ``monitor-rank<R>.json`` and ``batch-rank<R>.pt``.
+        reference_step: the optimizer step whose micro-batch is saved (1: the first).
+        save_params: rank zero also writes the full parameters before and after that step
+            (``params-before-step-<N>.pt``, ``params-after-step-<N>.pt``; a collective: every rank gathers).
     """
 
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: str, reference_step: int = 1, save_params: bool = False) -> None:
         self.out_dir = Path(out_dir)
+        self.reference_step = reference_step
+        self.save_params = save_params
         self.metrics: list[dict[str, float]] = []
+
+    def _save_params(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
+        from lightning_mlopt.distributed import full_parameters
+
+        params = full_parameters(pl_module)  # collective: every rank calls it
+        if trainer.global_rank == 0:
+            torch.save(params, self.out_dir / f"params-{when}-step-{self.reference_step}.pt")
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[override]
-        if trainer.global_step == 0:
+        if trainer.global_step == self.reference_step - 1:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             torch.save([t.cpu() for t in batch], self.out_dir / f"batch-rank{trainer.global_rank}.pt")
+            if self.save_params:
+                self._save_params(trainer, pl_module, "before")
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
@@ -183,7 +197,10 @@ class RecordMonitor(pl.Callback):
             "batches": trainer.fit_loop.epoch_loop.batch_progress.total.completed + 1,
             "exchanges": step_exchange(trainer).collectives,
         }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"monitor-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        if self.save_params and trainer.global_step == self.reference_step:
+            self._save_params(trainer, pl_module, "after")
 
 
 class RecordHyperparameters(pl.Callback):
