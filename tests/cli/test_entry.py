@@ -302,3 +302,19 @@ def test_a_relaunch_with_other_settings_keeps_the_earlier_config(tmp_path):
     new.write_text("max_steps: 16\n")
     assert keep_earlier_config(config, new) == earlier / "3-config.yaml"
     assert (earlier / "2-config.yaml").read_text() == "max_steps: 4\n"
+
+
+def test_a_launch_builds_the_parser_of_its_subcommand_alone_and_help_lists_them_all(capsys):
+    # Each subcommand's parser costs every rank ~0.2 s of start-up: fit, validate, test and predict were all built.
+    from lightning_mlopt.cli.entry import MLOptCLI
+
+    cli = MLOptCLI.__new__(MLOptCLI)  # the method alone: building the CLI would run the subcommand
+    cli._launched = "validate"
+    assert list(cli.subcommands()) == ["validate"]
+    cli._launched = None  # --help, or options before the subcommand
+    assert list(cli.subcommands()) == ["fit", "validate", "test", "predict"]
+    with pytest.raises(SystemExit) as ended:
+        main(["--help"])
+    assert ended.value.code == 0
+    shown = capsys.readouterr()
+    assert "{fit,validate,test,predict}" in shown.out + shown.err, shown
