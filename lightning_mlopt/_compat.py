@@ -30,7 +30,8 @@ The reaches:
   flight under a profiler), DCP's whole-folder reader (a checkpoint converted without a temporary file), the
   default store of
   ``torch.distributed`` (the hang watchdog's liveness check), the composable activation checkpoint, the FLOP
-  counter's dispatch and the dispatcher's op table (counting runs each op's own kernel, not its decomposition).
+  counter's dispatch and the dispatcher's op table (counting runs each op's own kernel, not its decomposition),
+  dynamo's compilation callbacks (``torch._dynamo.callback.callback_handler``: what torch.compile costs).
 - argparse: a parser's ``_actions`` and subcommand parsers (every known key, for "did you mean").
 - the interpreter: ``sys._current_frames`` (the hang dump's stacks), ``atexit._run_exitfuncs`` (exit
   handlers before leaving without C++ destructors).
@@ -460,6 +461,20 @@ def composable_checkpoint() -> Callable[..., Any]:
     import torch.distributed._composable as composable
 
     return _require(composable, "checkpoint", "activation checkpointing")
+
+
+def on_compilations(start: Callable[[str, str], None], end: Callable[[str, str], None]) -> None:
+    """Call ``start(trigger, compile_id)`` and ``end(...)`` around each compilation torch.compile runs here.
+
+    ``trigger`` is ``DYNAMO`` (a frame traced and compiled) or ``LAZY_BACKWARD`` (its backward, compiled on first
+    use); ``compile_id`` is ``"<frame>/<attempt>"``, an attempt above 0 being a recompilation.
+    Reach: ``torch._dynamo.callback.callback_handler`` (no public registration).
+    """
+    from torch._dynamo import callback
+
+    handler = _require(callback, "callback_handler", "torch.compile's compilation callbacks")
+    handler.register_start_callback(lambda args: start(args.callback_trigger.name, str(args.compile_id)))
+    handler.register_end_callback(lambda args: end(args.callback_trigger.name, str(args.compile_id)))
 
 
 def cpu_attention_ops() -> tuple[Any, Any]:

@@ -14,6 +14,8 @@ Protocol without subclassing it (the checks are ``isinstance`` against a ``runti
 - :class:`SaveVetter`: a callback with a say before every save the ranks agreed on; it may raise to keep a bad
   state out of the checkpoints (ReplicaConsistencyCheck).
 - :class:`DescribesOutputs`: a callback that says where its files go, for the CLI's start-up lines.
+- :class:`CompilesModel`: a callback that compiles regions of the model (CompileModel), called by our strategies
+  at the step where compiling belongs (:func:`compile_model`).
 - :class:`RunsPipeline`: a strategy that runs pipeline schedules (PipelineParallelStrategy): its bubble, measured
   and in theory, which PerformanceMonitor reports (:func:`pipeline_of`).
 - :func:`checkpoint_events`: one :class:`CheckpointEvents` per Trainer, published by the checkpointing
@@ -22,7 +24,7 @@ Protocol without subclassing it (the checks are ``isinstance`` against a ``runti
   ``step_exchange(trainer)`` is.
 
 The dispatchers :func:`vet_save`, :func:`tell_resumed` and :func:`hand_over_committed` call every holder of a
-hook; the checkpoint callback calls them.
+hook; the checkpoint callback calls them. :func:`compile_model` is called by the strategies.
 
 Example::
 
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointEvents",
     "CheckpointUploader",
+    "CompilesModel",
     "DescribesHang",
     "DescribesOutputs",
     "ResumeListener",
@@ -59,6 +62,7 @@ __all__ = [
     "SaveVetter",
     "callbacks_with",
     "checkpoint_events",
+    "compile_model",
     "describe_hang",
     "hand_over_committed",
     "loggers_with",
@@ -141,6 +145,26 @@ class DescribesOutputs(Protocol):
     @abstractmethod
     def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
         """Lines ``<what>  <where> (<detail>)``, one per kind of output; before setup, on every rank."""
+
+
+@runtime_checkable
+class CompilesModel(Protocol):
+    """A callback that compiles regions of the model, when the strategy says the model is ready for it.
+
+    Our strategies call :func:`compile_model` after tensor parallelism and activation checkpointing and before
+    FSDP shards or DDP wraps the model (torchtitan's order); a strategy that never calls it (Lightning's own,
+    DeepSpeed) leaves the callback to compile at the start of fit.
+    """
+
+    @abstractmethod
+    def compile_model(self, trainer: pl.Trainer, module: Any) -> None:
+        """Every rank, once per fit, with the LightningModule (an ``nn.Module``) about to be wrapped."""
+
+
+def compile_model(trainer: pl.Trainer, module: Any) -> None:
+    """Every :class:`CompilesModel` callback compiles its regions of ``module`` (called by the strategies)."""
+    for compiler in callbacks_with(trainer, CompilesModel):
+        compiler.compile_model(trainer, module)
 
 
 @runtime_checkable

@@ -47,7 +47,8 @@ GOODPUT_CHART_NAME = "goodput.png"
 SBATCH_NAME = "job.sbatch"
 RUN_LOCK_NAME = "run.lock"  # process/run_lock.py: never deleted or replaced, emptied when its holder ends
 # Keys that say where or how to run, not what to train: they must not move the run directory.
-# `performance` (PerformanceMonitor) and `goodput` (GoodputLedger) measure the run and change nothing it computes.
+# `performance` (PerformanceMonitor) and `goodput` (GoodputLedger) measure the run and change nothing it computes;
+# `compile` (CompileModel) changes how the model's code runs, not what it trains: a run resumes with it on or off.
 _VOLATILE_KEYS = frozenset(
     {
         "config",
@@ -58,6 +59,7 @@ _VOLATILE_KEYS = frozenset(
         "__path__",
         "performance",
         "goodput",
+        "compile",
         "run_dir_wait",
     }
 )

@@ -537,3 +537,25 @@ def test_lightning_row_step_is_the_label_of_lightnings_own_row():
     )
     trainer.fit(BoringModel())
     assert seen == [(0, 1), (1, 2), (2, 3)]  # the update is counted in global_step, not yet in the row label
+
+
+def test_compilations_are_told_with_their_trigger_and_id_and_a_recompilation_is_a_second_attempt():
+    # What CompileWatch counts: one DYNAMO compilation per traced frame, its attempt above 0 when it recompiled.
+    import torch
+
+    from lightning_mlopt.perf.compile_watch import compile_watch
+
+    watch = compile_watch()
+    before = watch.record()
+
+    @torch.compile(backend="eager", dynamic=False)
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    scaled(torch.ones(3))
+    scaled(torch.ones(3))  # cached: nothing compiled
+    scaled(torch.ones(5))  # a new static shape: the same frame again
+    after = watch.record()
+    assert after.compilations - before.compilations == 2
+    assert after.recompilations - before.recompilations == 1 and after.first_recompile is not None
+    assert after.seconds > before.seconds

@@ -1,6 +1,7 @@
 """Callbacks for any Lightning Trainer."""
 
 from lightning_mlopt.callbacks.collective_sequence_check import CollectiveSequenceCheck
+from lightning_mlopt.callbacks.compile_model import CompileModel
 from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
 from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_mlopt.callbacks.health_settings import Stragglers, Watchdog  # NCCLHealthCheck's
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointWriteError",
     "CollectiveSequenceCheck",
     "CollectivesDivergedError",
+    "CompileModel",
     "FaultTolerantCheckpoint",
     "GradNormMonitor",
     "HealthCheckError",

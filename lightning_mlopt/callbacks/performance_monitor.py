@@ -20,6 +20,7 @@ from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
 from lightning_mlopt.distributed.sharding import data_parallel_size
 from lightning_mlopt.hooks import DescribesOutputs, pipeline_of
 from lightning_mlopt.perf.breakdown import BUBBLE_WARNING, FIELDS, JobWindow, RankWindow, pack, unpack
+from lightning_mlopt.perf.compile_watch import compile_record
 from lightning_mlopt.perf.flops import TrainingFlopCounter
 from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
 from lightning_mlopt.perf.peaks import matmul_precision, measure_peak_flops, published_peak_flops
@@ -62,11 +63,11 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
     When a rank waits for data more than ``stall_threshold`` of the step over a window of at least
     ``stall_window`` batches (the logging windows, pooled until they are that long), a warning names the
     rank(s), the fraction and the dataloader settings to change, once per run for each set of stalled ranks
-    (a stall that comes back after each epoch's start is one finding; ``perf/frac_data_wait`` tracks it). On
-    CPU, more threads than cores, and steps far slower than the matmul probe predicts, get a warning each
-    (``perf/thread_watch.py``). The first batch (start-up, FLOP counting), validation, and the monitor's own work (its
-    exchange on logging steps, writing a trace) are left out of every figure. At the end of training rank zero writes
-    the whole run's figures to ``<run_dir>/perf/summary.json`` (read by ``profile``).
+    (a stall that comes back after each epoch's start is one finding; ``perf/frac_data_wait`` tracks it). On CPU, more
+    threads than cores, and steps far slower than the matmul probe predicts, get a warning each (``thread_watch``).
+    The first batch (start-up, FLOP counting), validation, and the monitor's own work (its exchange on logging steps,
+    writing a trace) are left out of every figure. At the end rank zero writes the run's figures (with CompileModel,
+    what compiling cost) to ``<run_dir>/perf/summary.json`` (read by ``profile``).
 
     ``profile_steps: [start, stop]`` records optimizer steps ``start`` to ``stop - 1`` with torch.profiler on
     every rank, writes ``<run_dir>/perf/trace-rank<R>.json.gz`` (at most 20 steps; gzip; no shapes or stacks)
@@ -368,14 +369,12 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         """The whole run's figures as JSON: per-rank windows, metrics, FLOPs and peaks (rank zero)."""
         assert self.run_window is not None
         summary = {
-            "world_size": trainer.world_size,
-            "device": self._device_name,
-            "precision": self._precision,
+            **{"world_size": trainer.world_size, "device": self._device_name, "precision": self._precision},
             "flops_per_sample": self._flops_per_sample,
             "published_peak_flops": self._published_peak,
-            "stall_threshold": self.stall_threshold,
-            "metrics": self.metrics_of(self.run_window),
+            **{"stall_threshold": self.stall_threshold, "metrics": self.metrics_of(self.run_window)},
             "ranks": [vars(window) for window in self.run_window.ranks],
+            "compile": None if (compiled := compile_record()) is None else compiled.as_dict(),  # with CompileModel
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2))

@@ -28,6 +28,7 @@ from lightning_mlopt import strategies
 from lightning_mlopt._compat import cli_subcommand_parser, parser_actions, subcommand_parsers
 from lightning_mlopt.callbacks import (
     CollectiveSequenceCheck,
+    CompileModel,
     FaultTolerantCheckpoint,
     PerformanceMonitor,
     ThroughputProgressBar,
@@ -140,6 +141,9 @@ class MLOptCLI(LightningCLI):
         parser.add_lightning_class_args(PerformanceMonitor, "performance")
         # And the goodput ledger (`goodput:`): every launch appends its steps and exit to <run_dir>/goodput.jsonl.
         parser.add_lightning_class_args(GoodputLedger, "goodput")
+        # torch.compile (`compile:`), off unless turned on (configs/features/compile.yaml, over any strategy overlay).
+        parser.add_lightning_class_args(CompileModel, "compile")
+        parser.set_defaults({"compile.enabled": False})
         # Cloud spot notices that count as a preemption signal, under the top-level `preemption:` key.
         parser.add_class_arguments(PreemptionNotices, "preemption")
         parser.add_argument(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import (
     FlopCounterMode,
@@ -103,15 +104,22 @@ class TrainingFlopCounter:
         self.total = 0
         # The total only: torch's per-module tracking hooks every module's inputs, which pipeline stages reject.
         self._mode = without_module_tracking(FlopCounterMode(display=False, custom_mapping=_formulas()))
+        # Compiled regions run eagerly while counted: dynamo meeting the counter's dispatch mode skips the
+        # region's code for good (it then never compiles), and the eager ops are the model's FLOPs.
+        self._eager = torch.compiler.set_stance("force_eager")
 
     def __enter__(self) -> TrainingFlopCounter:
+        self._eager.__enter__()
         self._mode.__enter__()
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        self._mode.__exit__(kind, error, traceback)
+        try:
+            self._mode.__exit__(kind, error, traceback)
+        finally:
+            self._eager.__exit__(kind, error, traceback)
         self.total = int(self._mode.get_total_flops())
 
 

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointLayout
 from lightning_mlopt.distributed.sharding import TensorSharding
+from lightning_mlopt.hooks import compile_model
 from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.spec import StrategySpec
 
@@ -109,6 +110,8 @@ class DDPStrategy(DeclaresContract, _LightningDDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        assert self.lightning_module is not None
+        compile_model(self.lightning_module.trainer, self.lightning_module)  # CompileModel's regions, before DDP
         super().configure_ddp()
         if self._comm_hook_fn is None:
             return

@@ -32,6 +32,7 @@ from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan, data_mesh, data_rank
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
+from lightning_mlopt.hooks import compile_model
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.dcp_write import OwnShards
@@ -240,9 +241,9 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             print(f"hybrid sharding (HSDP): {plan.replicate} replicas x {plan.shard} shards ({plan.describe()})")
 
     def _shard(self, module: nn.Module) -> None:
-        """Apply activation checkpointing, then ``fully_shard`` to units, then to the root children."""
+        """Activation checkpointing and compile, then ``fully_shard`` to units, then to the root children."""
         self.check_model(module)
-        self._checkpoint_activations(module)
+        self._checkpoint_and_compile(module)
         options = self._shard_options()
         wrapped: set[nn.Module] = set()
         if self.wrap_classes:
@@ -271,15 +272,19 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         if replicated:  # would train without gradient synchronisation: refuse rather than diverge silently
             raise RuntimeError(f"FSDPStrategy left parameters unsharded: {', '.join(replicated[:10])}")
 
-    def _checkpoint_activations(self, module: nn.Module) -> None:
-        """Recompute the activations of ``activation_checkpointing``'s classes in backward instead of storing them."""
+    def _checkpoint_and_compile(self, module: nn.Module) -> None:
+        """The steps before sharding, in torchtitan's order: activation checkpointing, then torch.compile.
+
+        Compiling is the run's ``CompileModel`` callback's (``compile:`` in YAML), if it has one.
+        """
         if self.checkpoint_classes:
             checkpoint = composable_checkpoint()
             # The composable form keeps parameter names unchanged (a wrapper would add a prefix that
             # breaks checkpoints saved without it).
             for sub in module.modules():
                 if isinstance(sub, tuple(self.checkpoint_classes)):
-                    checkpoint(sub)
+                    checkpoint(sub)  # recomputed in backward instead of stored
+        compile_model(self.lightning_module.trainer, module)
 
     def _shard_options(self) -> dict[str, Any]:
         param_dtype = _dtype(self.param_dtype)

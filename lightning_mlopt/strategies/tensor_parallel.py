@@ -215,9 +215,9 @@ class TensorParallelStrategy(FSDPStrategy):
         parallelize_module(module, self.device_mesh[TENSOR], plan.parallelize_plan())
         self._splits_logits = plan.splits_logits
         if self.data_parallel_size > 1:
-            super()._shard(module)  # activation checkpointing, then fully_shard on the data mesh
+            super()._shard(module)  # activation checkpointing and compile, then fully_shard on the data mesh
         else:
-            self._checkpoint_activations(module)
+            self._checkpoint_and_compile(module)
 
 
 SPEC = StrategySpec(

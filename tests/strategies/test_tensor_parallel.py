@@ -85,6 +85,15 @@ def test_tp2_with_sequence_parallelism_trains_the_one_process_model(gpt_runs):
     _assert_same_training(gpt_runs["tp_sp"], gpt_runs["one"], {0: 0, 1: 0})
 
 
+@pytest.mark.multiprocess
+def test_tp2_with_compiled_blocks_trains_the_one_process_model(tmp_path, gpt_runs):
+    # torch.compile (configs/features/compile.yaml) after the plan split the blocks: dynamo traces their DTensors.
+    compiled = ("--config", str(CONFIGS / "features" / "compile.yaml"), "--compile.backend=aot_eager")
+    run = train(tmp_path, "tp_compiled", "tp", STEPS, devices=2, extra=(SHARED_RUN_CLIP, *compiled))
+    _assert_same_training(run, gpt_runs["one"], {0: 0, 1: 0})
+    assert "torch.compile (aot_eager): 4 block region(s)" in (tmp_path / "tp_compiled" / "output.txt").read_text()
+
+
 # The norm over DTensor pieces split across the tensor dimension and the replicated ones counted once (both ranks
 # read the same batch, so the reference's mean of the two batches' losses is that batch's loss).
 @pytest.mark.multiprocess
