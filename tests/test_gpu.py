@@ -28,6 +28,18 @@ def test_strategy_trains_on_gpus_in_bf16(tmp_path, overlay):
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("overlay", ["ddp", "fsdp"])
+def test_compiled_blocks_train_on_gpus_with_inductors_kernels(tmp_path, overlay):
+    # The CPU tests' claim (tests/callbacks/test_compile_model.py) where inductor generates Triton kernels.
+    extra = ["--trainer.strategy.init_args.param_dtype=bfloat16"] if overlay == "fsdp" else []
+    compiled = ["--config", str(CONFIGS / "features" / "compile.yaml")]
+    result = _fit_on_gpus(tmp_path, overlay, "--trainer.precision=bf16-mixed", *extra, *compiled, *SMOKE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch.compile (inductor): 4 block region(s)" in result.stdout + result.stderr
+    assert "compiled no graph" not in result.stdout + result.stderr
+
+
+@pytest.mark.requires_cuda
 @pytest.mark.parametrize("overlay", ["tp", "tp_sp", "fsdp_tp"])
 def test_tensor_parallel_trains_on_gpus_in_bf16(tmp_path, overlay):
     # TP at the world size there is (1 on a one-GPU machine: a one-rank mesh; tp_sp adds sequence parallelism and

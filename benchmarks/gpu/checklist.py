@@ -76,6 +76,9 @@ STEP_TIME_ROWS: dict[str, tuple[str, str, float | None]] = {
     "cli_fsdp_hand": ("cli_fsdp", "plain_fsdp2", None),
     "ddp": ("ours_ddp", "lightning_ddp", 1.00),
     "fsdp": ("ours_fsdp", "lightning_fsdp2", 1.00),
+    # torch.compile's regional compilation (configs/features/compile.yaml) against the same CLI run eager; the
+    # compile itself is in the warm-up steps. torchtitan measured +16% (8B, 8 H100s); no goal until measured here.
+    "compile": ("cli_fsdp_compile", "cli_fsdp", None),
 }
 # Sharded first: it never ran on a GPU yet. The async arms (the goal) before the sync ones (context).
 CHECKPOINT_LAYOUTS = {"fsdp": "sharded (FSDP)", "ddp": "one file (DDP)"}
@@ -270,7 +273,11 @@ def _plain_loop_job(arm: str, size: dict[str, Any], steps: int, warmup: int) -> 
 
 
 # What a user runs: the README's command with the bundled config and an overlay; the model at --size.
-CLI_OVERLAYS = {"ddp": "configs/strategies/ddp.yaml", "fsdp": "configs/strategies/fsdp.yaml"}
+CLI_OVERLAYS = {
+    "ddp": ("configs/strategies/ddp.yaml",),
+    "fsdp": ("configs/strategies/fsdp.yaml",),
+    "fsdp_compile": ("configs/strategies/fsdp.yaml", "configs/features/compile.yaml"),
+}
 
 
 def _cli_command(overlay: str, size: dict[str, Any], steps: int, warmup: int, root: str) -> list[str]:
@@ -279,7 +286,8 @@ def _cli_command(overlay: str, size: dict[str, Any], steps: int, warmup: int, ro
     bf16 = size["precision"].startswith("bf16")
     return [
         sys.executable, "-m", "lightning_mlopt", "fit",
-        "--config", str(REPO / "configs" / "gpt.yaml"), "--config", str(REPO / CLI_OVERLAYS[overlay]),
+        "--config", str(REPO / "configs" / "gpt.yaml"),
+        *[argument for path in CLI_OVERLAYS[overlay] for argument in ("--config", str(REPO / path))],
         f"--trainer.accelerator={size['accelerator']}", "--trainer.devices=1",
         f"--trainer.precision={size['precision']}", f"--trainer.max_steps={steps}",
         *[f"--model.init_args.{key}={value}" for key, value in model.items()],
@@ -287,7 +295,7 @@ def _cli_command(overlay: str, size: dict[str, Any], steps: int, warmup: int, ro
         f"--data.init_args.batch_size={size['batch_size']}",
         # As the FSDP arms above: bf16 parameters, fp32 reduction (the overlay's keys).
         *(["--trainer.strategy.init_args.param_dtype=bfloat16", "--trainer.strategy.init_args.reduce_dtype=float32"]
-          if overlay == "fsdp" and bf16 else []),
+          if overlay.startswith("fsdp") and bf16 else []),
         # The save at the end of training comes after the clock stops: off, to spare device time.
         "--checkpoint.save_on.train_end=false",
         "--trainer.callbacks+=span.SyncedSpan", f"--trainer.callbacks.warmup={warmup}",
