@@ -14,8 +14,9 @@ Protocol without subclassing it (the checks are ``isinstance`` against a ``runti
 - :class:`SaveVetter`: a callback with a say before every save the ranks agreed on; it may raise to keep a bad
   state out of the checkpoints (ReplicaConsistencyCheck).
 - :class:`DescribesOutputs`: a callback that says where its files go, for the CLI's start-up lines.
-- :class:`CompilesModel`: a callback that compiles regions of the model (CompileModel), called by our strategies
-  at the step where compiling belongs (:func:`compile_model`).
+- :class:`ConvertsModel` and :class:`CompilesModel`: callbacks that convert the model's layers (Float8Training)
+  or compile its regions (CompileModel), called by our strategies at the steps where each belongs
+  (:func:`convert_model` first, :func:`compile_model` after tensor parallelism and activation checkpointing).
 - :class:`RunsPipeline`: a strategy that runs pipeline schedules (PipelineParallelStrategy): its bubble, measured
   and in theory, which PerformanceMonitor reports (:func:`pipeline_of`).
 - :func:`checkpoint_events`: one :class:`CheckpointEvents` per Trainer, published by the checkpointing
@@ -24,7 +25,8 @@ Protocol without subclassing it (the checks are ``isinstance`` against a ``runti
   ``step_exchange(trainer)`` is.
 
 The dispatchers :func:`vet_save`, :func:`tell_resumed` and :func:`hand_over_committed` call every holder of a
-hook; the checkpoint callback calls them. :func:`compile_model` is called by the strategies.
+hook; the checkpoint callback calls them. :func:`convert_model` and :func:`compile_model` are called by the
+strategies.
 
 Example::
 
@@ -55,6 +57,7 @@ __all__ = [
     "CheckpointEvents",
     "CheckpointUploader",
     "CompilesModel",
+    "ConvertsModel",
     "DescribesHang",
     "DescribesOutputs",
     "ResumeListener",
@@ -63,6 +66,7 @@ __all__ = [
     "callbacks_with",
     "checkpoint_events",
     "compile_model",
+    "convert_model",
     "describe_hang",
     "hand_over_committed",
     "loggers_with",
@@ -145,6 +149,26 @@ class DescribesOutputs(Protocol):
     @abstractmethod
     def describe_outputs(self, trainer: pl.Trainer) -> list[str]:
         """Lines ``<what>  <where> (<detail>)``, one per kind of output; before setup, on every rank."""
+
+
+@runtime_checkable
+class ConvertsModel(Protocol):
+    """A callback that swaps the model's layers for other implementations (float8 linears), before anything else.
+
+    Our strategies call :func:`convert_model` first of their steps (torchtitan's order: float8 conversion, tensor
+    parallelism, activation checkpointing, compile, FSDP); a strategy that never calls it leaves the callback to
+    convert at the start of fit, or to refuse that strategy.
+    """
+
+    @abstractmethod
+    def convert_model(self, trainer: pl.Trainer, module: Any) -> None:
+        """Every rank, once per fit, with the LightningModule (an ``nn.Module``) before any parallelism."""
+
+
+def convert_model(trainer: pl.Trainer, module: Any) -> None:
+    """Every :class:`ConvertsModel` callback converts its layers of ``module`` (called by the strategies)."""
+    for converter in callbacks_with(trainer, ConvertsModel):
+        converter.convert_model(trainer, module)
 
 
 @runtime_checkable

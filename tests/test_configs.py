@@ -33,9 +33,10 @@ def test_configs_exist():
     assert {p.name for p in BASE_CONFIGS} >= {"quickstart.yaml", "gpt.yaml", "cifar.yaml"}
     assert CONFIGS / "strategies" / "ddp.yaml" in OVERLAYS
     assert {p.stem for p in TRACKERS} == {"csv", "mlflow", "tensorboard", "wandb"}  # each has a test in tracking/
-    # No untested folder: features/compile.yaml trains in tests/callbacks/test_compile_model.py.
+    # No untested folder: features/compile.yaml and float8.yaml train in tests/callbacks/test_compile_model.py and
+    # test_float8_training.py.
     assert {p.parent.name for p in CONFIGS.glob("*/*.yaml")} == {"features", "strategies", "trackers"}
-    assert {p.name for p in CONFIGS.glob("features/*.yaml")} == {"compile.yaml"}
+    assert {p.name for p in CONFIGS.glob("features/*.yaml")} == {"compile.yaml", "float8.yaml"}
 
 
 @pytest.mark.parametrize("config", BASE_CONFIGS, ids=lambda p: p.name)

@@ -3,6 +3,7 @@
 from lightning_mlopt.callbacks.collective_sequence_check import CollectiveSequenceCheck
 from lightning_mlopt.callbacks.compile_model import CompileModel
 from lightning_mlopt.callbacks.fault_tolerant_checkpoint import FaultTolerantCheckpoint
+from lightning_mlopt.callbacks.float8_training import Float8Training
 from lightning_mlopt.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_mlopt.callbacks.health_settings import Stragglers, Watchdog  # NCCLHealthCheck's
 from lightning_mlopt.callbacks.nccl_health_check import NCCLHealthCheck
@@ -26,6 +27,7 @@ __all__ = [
     "CollectivesDivergedError",
     "CompileModel",
     "FaultTolerantCheckpoint",
+    "Float8Training",
     "GradNormMonitor",
     "HealthCheckError",
     "Keep",

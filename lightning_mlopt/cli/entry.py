@@ -30,6 +30,7 @@ from lightning_mlopt.callbacks import (
     CollectiveSequenceCheck,
     CompileModel,
     FaultTolerantCheckpoint,
+    Float8Training,
     PerformanceMonitor,
     ThroughputProgressBar,
     UnevenInputs,
@@ -143,7 +144,9 @@ class MLOptCLI(LightningCLI):
         parser.add_lightning_class_args(GoodputLedger, "goodput")
         # torch.compile (`compile:`), off unless turned on (configs/features/compile.yaml, over any strategy overlay).
         parser.add_lightning_class_args(CompileModel, "compile")
-        parser.set_defaults({"compile.enabled": False})
+        # float8 training (`float8:`, torchao), off unless configs/features/float8.yaml turns it on.
+        parser.add_lightning_class_args(Float8Training, "float8")
+        parser.set_defaults({"compile.enabled": False, "float8.enabled": False})
         # Cloud spot notices that count as a preemption signal, under the top-level `preemption:` key.
         parser.add_class_arguments(PreemptionNotices, "preemption")
         parser.add_argument(

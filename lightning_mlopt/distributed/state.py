@@ -7,7 +7,7 @@ so tests, benchmarks and the memory planner measure every strategy the same way.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -25,13 +25,26 @@ def _local(tensor: Tensor) -> Tensor:
     return partition if partition is not None else tensor
 
 
+def _held(tensor: Tensor) -> Iterator[Tensor]:
+    """The plain tensors that hold ``tensor``'s bytes on this rank.
+
+    A wrapper subclass (torchao's float8 weights under FSDP's float8 all-gather) has no storage of its own: its
+    inner tensors (``__tensor_flatten__``, the protocol of traceable subclasses) hold the bytes.
+    """
+    local = _local(tensor)
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is None or isinstance(local, DTensor):
+        yield local
+        return
+    names, _ = flatten()
+    for name in names:
+        yield from _held(getattr(local, name))
+
+
 def _nbytes(tensors: Iterable[Any]) -> int:
     seen: set[int] = set()
     total = 0
-    for tensor in tensors:
-        if not isinstance(tensor, Tensor):
-            continue
-        local = _local(tensor)
+    for local in (held for tensor in tensors if isinstance(tensor, Tensor) for held in _held(tensor)):
         # Count shared storage once (ZeRO's flat buffers are viewed by many parameters).
         key = local.untyped_storage().data_ptr() if local.numel() else id(local)
         if key in seen and key != 0:

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_mlopt.checkpoint.layout import ONE_FILE, CheckpointLayout
 from lightning_mlopt.distributed.sharding import TensorSharding
-from lightning_mlopt.hooks import compile_model
+from lightning_mlopt.hooks import compile_model, convert_model
 from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.spec import StrategySpec
 
@@ -111,7 +111,9 @@ class DDPStrategy(DeclaresContract, _LightningDDPStrategy):
     @override
     def configure_ddp(self) -> None:
         assert self.lightning_module is not None
-        compile_model(self.lightning_module.trainer, self.lightning_module)  # CompileModel's regions, before DDP
+        # Float8Training's layers, then CompileModel's regions: before DDP wraps the model (torchtitan's order).
+        convert_model(self.lightning_module.trainer, self.lightning_module)
+        compile_model(self.lightning_module.trainer, self.lightning_module)
         super().configure_ddp()
         if self._comm_hook_fn is None:
             return

@@ -32,7 +32,7 @@ from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan, data_mesh, data_rank
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
-from lightning_mlopt.hooks import compile_model
+from lightning_mlopt.hooks import compile_model, convert_model
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.dcp_write import OwnShards
@@ -241,9 +241,9 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             print(f"hybrid sharding (HSDP): {plan.replicate} replicas x {plan.shard} shards ({plan.describe()})")
 
     def _shard(self, module: nn.Module) -> None:
-        """Activation checkpointing and compile, then ``fully_shard`` to units, then to the root children."""
+        """Float8, activation checkpointing and compile, then ``fully_shard`` to units, then to the root children."""
         self.check_model(module)
-        self._checkpoint_and_compile(module)
+        self._prepare_model(module)
         options = self._shard_options()
         wrapped: set[nn.Module] = set()
         if self.wrap_classes:
@@ -272,11 +272,10 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         if replicated:  # would train without gradient synchronisation: refuse rather than diverge silently
             raise RuntimeError(f"FSDPStrategy left parameters unsharded: {', '.join(replicated[:10])}")
 
-    def _checkpoint_and_compile(self, module: nn.Module) -> None:
-        """The steps before sharding, in torchtitan's order: activation checkpointing, then torch.compile.
-
-        Compiling is the run's ``CompileModel`` callback's (``compile:`` in YAML), if it has one.
-        """
+    def _prepare_model(self, module: nn.Module) -> None:
+        """Before sharding, in torchtitan's order: float8 (``float8:``), activation checkpointing, ``compile:``."""
+        assert self.lightning_module is not None
+        convert_model(self.lightning_module.trainer, module)
         if self.checkpoint_classes:
             checkpoint = composable_checkpoint()
             # The composable form keeps parameter names unchanged (a wrapper would add a prefix that

@@ -217,7 +217,7 @@ class TensorParallelStrategy(FSDPStrategy):
         if self.data_parallel_size > 1:
             super()._shard(module)  # activation checkpointing and compile, then fully_shard on the data mesh
         else:
-            self._checkpoint_and_compile(module)
+            self._prepare_model(module)
 
 
 SPEC = StrategySpec(

@@ -16,7 +16,13 @@ import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_mlopt import callbacks
-from lightning_mlopt.callbacks import CompileModel, FaultTolerantCheckpoint, Resume, ThroughputProgressBar
+from lightning_mlopt.callbacks import (
+    CompileModel,
+    FaultTolerantCheckpoint,
+    Float8Training,
+    Resume,
+    ThroughputProgressBar,
+)
 from lightning_mlopt.cli.check import check_arguments
 from tests.conftest import CONFIGS
 
@@ -60,6 +66,8 @@ def test_two_fits_in_a_row_and_no_threads_left(tmp_path, callback_class):
     kwargs: dict[str, object] = {}
     if callback_class is FaultTolerantCheckpoint:
         kwargs = {"dirpath": str(tmp_path / "checkpoints"), "resume": Resume(final=True)}
+    if callback_class is Float8Training:  # BoringModel's one linear (32 x 2) is too narrow for float8 matmuls
+        kwargs = {"enabled": False}
     if callback_class is CompileModel:  # BoringModel has no block stack; dynamo's tracing without a compiler
         kwargs = {"regions": "model", "backend": "eager"}
     callback = callback_class(**kwargs)
