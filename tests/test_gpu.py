@@ -40,6 +40,18 @@ def test_compiled_blocks_train_on_gpus_with_inductors_kernels(tmp_path, overlay)
 
 
 @pytest.mark.requires_cuda
+def test_float8_linears_train_under_fsdp_on_gpus_with_float8_all_gather(tmp_path):
+    # Native float8 matmuls from compute capability 8.9 (H100, H200); emulated, and said so, before it.
+    features = ["--config", str(CONFIGS / "features" / "float8.yaml"), "--float8.fsdp_float8_all_gather=true"]
+    bf16 = ["--trainer.precision=bf16-mixed", "--trainer.strategy.init_args.param_dtype=bfloat16"]
+    result = _fit_on_gpus(tmp_path, "fsdp", *bf16, *features, *SMOKE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    emulated = torch.cuda.get_device_capability() < (8, 9)
+    assert ("emulated" in result.stdout + result.stderr) == emulated
+    assert "16 linear layer(s)" in result.stdout + result.stderr
+
+
+@pytest.mark.requires_cuda
 @pytest.mark.parametrize("overlay", ["tp", "tp_sp", "fsdp_tp"])
 def test_tensor_parallel_trains_on_gpus_in_bf16(tmp_path, overlay):
     # TP at the world size there is (1 on a one-GPU machine: a one-rank mesh; tp_sp adds sequence parallelism and

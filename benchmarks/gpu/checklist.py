@@ -79,6 +79,8 @@ STEP_TIME_ROWS: dict[str, tuple[str, str, float | None]] = {
     # torch.compile's regional compilation (configs/features/compile.yaml) against the same CLI run eager; the
     # compile itself is in the warm-up steps. torchtitan measured +16% (8B, 8 H100s); no goal until measured here.
     "compile": ("cli_fsdp_compile", "cli_fsdp", None),
+    # float8 linears (configs/features/float8.yaml, torchao) on top of compile, as torchtitan measured it (+28%).
+    "float8": ("cli_fsdp_compile_float8", "cli_fsdp_compile", None),
 }
 # Sharded first: it never ran on a GPU yet. The async arms (the goal) before the sync ones (context).
 CHECKPOINT_LAYOUTS = {"fsdp": "sharded (FSDP)", "ddp": "one file (DDP)"}
@@ -277,6 +279,11 @@ CLI_OVERLAYS = {
     "ddp": ("configs/strategies/ddp.yaml",),
     "fsdp": ("configs/strategies/fsdp.yaml",),
     "fsdp_compile": ("configs/strategies/fsdp.yaml", "configs/features/compile.yaml"),
+    "fsdp_compile_float8": (
+        "configs/strategies/fsdp.yaml",
+        "configs/features/compile.yaml",
+        "configs/features/float8.yaml",
+    ),
 }
 
 

@@ -9,8 +9,9 @@
 # Three phases, the new measurements first:
 #   1. step time, alone (45% of the budget): what a user runs (the CLI with its defaults, in a pseudo-terminal)
 #      against a plain PyTorch loop, our FSDP CLI against Lightning's ModelParallelStrategy, our ZeRO-2 against
-#      Lightning's (and with Lightning's bucket sizes), then the FSDP CLI with torch.compile against it eager (last:
-#      what the phase's time allows); 2 interleaved repeats, the table rewritten after each job
+#      Lightning's (and with Lightning's bucket sizes), then the FSDP CLI with torch.compile against it eager and
+#      float8 on top of compile (last: what the phase's time allows); 2 interleaved repeats, the table rewritten
+#      after each job
 #      so that what ran is kept if the phase runs out;
 #   2. the CUDA test tier and the memory planner against max_memory_allocated, side by side (untimed readings);
 #   3. the checkpoint stall (sharded first, a half-size model) and MFU, sharing what is left.
@@ -40,7 +41,7 @@ checklist() {  # checklist SECTION SECONDS [more arguments]: one section, stoppe
 }
 
 # Phase 1: step time, alone. 7 arms x 2 repeats of 40 steps, about 20 s a job.
-checklist step_time "$(( $(left) * 45 / 100 ))" --repeats 2 --strategies cli_ddp,cli_fsdp,zero2,zero2_buckets,compile
+checklist step_time "$(( $(left) * 45 / 100 ))" --repeats 2 --strategies cli_ddp,cli_fsdp,zero2,zero2_buckets,compile,float8
 
 # Phase 2: untimed, side by side (pytest-xdist is in the image: 35-41 s with -n 10 on an H200).
 phase2=$(( $(left) * 45 / 100 ))

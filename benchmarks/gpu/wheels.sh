@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 CARRY='deepspeed|hjson|pydantic|pydantic_core|annotated-types|typing-inspection|jsonargparse|docstring_parser'
 CARRY+='|typeshed_client|wandb|cwevals|platformdirs|opentelemetry-[a-z-]+|googleapis-common-protos|distro|sniffio'
+CARRY+='|torchao'  # the float8 arm (configs/features/float8.yaml)
 mapfile -t pins < <(grep -E "^(${CARRY})==" constraints.txt | grep -v '^deepspeed==')
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
