@@ -1,3 +1,4 @@
+# long: the hooks that feed every phase of every rank's step to perf/, where the arithmetic lives
 """PerformanceMonitor: where each rank's step time and memory go, throughput, input stalls and MFU."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from lightning_mlopt.callbacks.throughput_progress_bar import count_samples
 from lightning_mlopt.distributed.sharding import data_parallel_size
 from lightning_mlopt.hooks import DescribesOutputs, pipeline_of
 from lightning_mlopt.perf.breakdown import BUBBLE_WARNING, FIELDS, JobWindow, RankWindow, pack, unpack
-from lightning_mlopt.perf.compile_watch import compile_record
+from lightning_mlopt.perf.compile_watch import CompilingBatches, compile_record
 from lightning_mlopt.perf.flops import TrainingFlopCounter
 from lightning_mlopt.perf.memory import OOMSnapshot, peak_memory_bytes
 from lightning_mlopt.perf.peaks import matmul_precision, measure_peak_flops, published_peak_flops
@@ -65,9 +66,9 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
     rank(s), the fraction and the dataloader settings to change, once per run for each set of stalled ranks
     (a stall that comes back after each epoch's start is one finding; ``perf/frac_data_wait`` tracks it). On CPU, more
     threads than cores, and steps far slower than the matmul probe predicts, get a warning each (``thread_watch``).
-    The first batch (start-up, FLOP counting), validation, and the monitor's own work (its exchange on logging steps,
-    writing a trace) are left out of every figure. At the end rank zero writes the run's figures (with CompileModel,
-    what compiling cost) to ``<run_dir>/perf/summary.json`` (read by ``profile``).
+    The first batch (start-up, FLOP counting), a batch that compiled (torch.compile) with its window's batches before
+    it, validation, and the monitor's own work (its exchange on logging steps, writing a trace) are in no figure. At
+    the end rank zero writes the run's figures (and what compiling cost) to ``<run_dir>/perf/summary.json``.
 
     ``profile_steps: [start, stop]`` records optimizer steps ``start`` to ``stop - 1`` with torch.profiler on
     every rank, writes ``<run_dir>/perf/trace-rank<R>.json.gz`` (at most 20 steps; gzip; no shapes or stacks)
@@ -137,6 +138,7 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         self._sums: WindowSum | None = None
         self._window = RankWindow()
         self._batches = 0
+        self._compiling = CompilingBatches()  # a batch that compiled (torch.compile) is in no figure
         self._counter: TrainingFlopCounter | None = None
         # FLOPs this rank does per sample it computes on: counted, or flops_per_sample split over the ranks
         # that share a batch (tensor parallelism).
@@ -203,6 +205,7 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         super().on_train_batch_start(trainer, pl_module, *args)
+        self._compiling.started()
         if self._batches == 0 and self._flops_per_sample is None and self.count_flops:
             self._counter = TrainingFlopCounter().__enter__()
         if self._profiler is not None:
@@ -234,8 +237,10 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         assert self._sums is not None
         for values, step in self._sums.arrived():
             self._take_in(trainer, values, step)
-        if self._batches == 1:
-            self._clock.reset()  # the first batch (start-up, FLOP counting) is in no figure
+        if self._batches == 1 or self._compiling.compiled():
+            # The first batch (start-up, FLOP counting) and a window with a batch that compiled are in no figure.
+            self._clock.reset()
+            self._window = RankWindow()
             if (pipeline := pipeline_of(trainer.strategy)) is not None:
                 pipeline.bubble_clock.take()
             return
@@ -369,10 +374,13 @@ class PerformanceMonitor(PhaseMarkers, DescribesOutputs):
         """The whole run's figures as JSON: per-rank windows, metrics, FLOPs and peaks (rank zero)."""
         assert self.run_window is not None
         summary = {
-            **{"world_size": trainer.world_size, "device": self._device_name, "precision": self._precision},
+            "world_size": trainer.world_size,
+            "device": self._device_name,
+            "precision": self._precision,
             "flops_per_sample": self._flops_per_sample,
             "published_peak_flops": self._published_peak,
-            **{"stall_threshold": self.stall_threshold, "metrics": self.metrics_of(self.run_window)},
+            "stall_threshold": self.stall_threshold,
+            "metrics": self.metrics_of(self.run_window),
             "ranks": [vars(window) for window in self.run_window.ranks],
             "compile": None if (compiled := compile_record()) is None else compiled.as_dict(),  # with CompileModel
         }

@@ -84,6 +84,34 @@ def _is_recompilation(compile_id: str) -> bool:
         return False
 
 
+class CompilingBatches:
+    """Tells whether the batch that just ended compiled (PerformanceMonitor leaves such a batch out of its figures).
+
+    A compiled model's first steps, and any that recompiles, spend seconds compiling: in a step-time window they
+    would read as a slow step, and in the run's MFU as a slow run. Validation's compilations happen outside
+    training batches and do not count.
+
+    Example::
+
+        batches = CompilingBatches()
+        batches.started()        # on_train_batch_start
+        batches.compiled()       # on_train_batch_end: True when compilation ran in between
+    """
+
+    def __init__(self) -> None:
+        self._seconds_at_start = 0.0
+
+    def started(self) -> None:
+        """A training batch starts."""
+        record = compile_record()
+        self._seconds_at_start = record.seconds if record is not None else 0.0
+
+    def compiled(self) -> bool:
+        """Whether compilation ran since :meth:`started` (False when nothing installed the watch)."""
+        record = compile_record()
+        return record is not None and record.seconds > self._seconds_at_start
+
+
 _WATCH: CompileWatch | None = None
 _WATCH_LOCK = threading.Lock()
 
@@ -105,4 +133,4 @@ def compile_record() -> CompileRecord | None:
     return None if _WATCH is None else _WATCH.record()
 
 
-__all__ = ["CompileRecord", "CompileWatch", "compile_record", "compile_watch"]
+__all__ = ["CompileRecord", "CompileWatch", "CompilingBatches", "compile_record", "compile_watch"]
