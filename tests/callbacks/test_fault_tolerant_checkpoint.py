@@ -79,17 +79,24 @@ def _kill_job_during_background_write(command: list[str], cwd: Path, markers: Pa
 # and the torture script's ``kill`` fault runs 20 trials per strategy, ZeRO included (benchmarks/results/).
 # TP writes DCP shards too, but of DTensors split over the tensor dimension, with its own RNG and sampler:
 # resuming it bitwise is its own claim; so is PP's (its stages' flattened optimizer states, its schedule's RNG use).
-@pytest.mark.parametrize("strategy", ["fsdp", "tp", "pp"])
+# FSDP with float8 linears and compiled blocks: a run with both features resumes to the same bits (float8's scales
+# are computed each step, compiled graphs are rebuilt by the relaunch).
+@pytest.mark.parametrize("strategy", ["fsdp", "tp", "pp", "fsdp+float8+compile"])
 def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy):
     """Killed during an async sharded save's background write (DDP killed at a random instant: the torture
     script's ``kill`` fault, one trial of which runs in tests/test_torture.py)."""
+    strategy, _, features = strategy.partition("+")
+    extra = tuple(f"--config={CONFIGS / 'features' / f'{name}.yaml'}" for name in features.split("+") if name)
+    extra += ("--compile.backend=aot_eager",) if "compile" in features else ()
     reference_dir = tmp_path / "reference"
-    reference = _run_forked(_command(reference_dir, strategy), tmp_path)
+    reference = _run_forked(_command(reference_dir, strategy, extra=extra), tmp_path)
     assert reference.returncode == 0, reference.stderr[-4000:]
+    said = reference.stdout + reference.stderr
+    assert ("float8 (tensorwise" in said, "torch.compile (aot_eager)" in said) == (bool(features),) * 2, said[-3000:]
     expected = torch.load(reference_dir / "record" / "params.pt")
 
     run_dir = tmp_path / "interrupted"
-    command = _command(run_dir, strategy)
+    command = _command(run_dir, strategy, extra=extra)
     held = [
         "--trainer.callbacks+=tests.support.faults.InterfereWithBackgroundWrite",
         f"--trainer.callbacks.out_dir={run_dir / 'markers'}",
@@ -118,7 +125,7 @@ def test_kill_9_then_the_same_command_ends_bitwise_identical(tmp_path, strategy)
 
     # A run marked final does not train again: no step runs, no checkpoint is written. One layout is enough: the
     # launch ends before any Trainer or strategy exists (lightning_mlopt/cli/support.py: finished_run).
-    if strategy != "fsdp":
+    if strategy != "fsdp" or features:
         return
     record_written = (run_dir / "record" / "rank0.json").stat().st_mtime_ns
     again = _run_forked(command, tmp_path)
