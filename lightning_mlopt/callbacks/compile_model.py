@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.hooks import CompilesModel, RunsPipeline
 from lightning_mlopt.perf.compile_watch import CompileRecord, compile_watch
-from lightning_mlopt.strategies.fsdp_units import import_module_class, is_container, root_units
+from lightning_mlopt.strategies.fsdp_units import import_module_class, is_container, require_classes, root_units
 
 Regions = Literal["blocks", "model"]
 
@@ -122,15 +122,8 @@ class CompileModel(CompilesModel, pl.Callback):
             units = {id(unit) for unit in root_units(module)}
             return [(name, sub) for name, sub in named if id(sub) in units and any(True for _ in sub.parameters())]
         if self.block_classes:
-            chosen = [pair for pair in named if isinstance(pair[1], tuple(self.block_classes))]
-            missing = [cls for cls in self.block_classes if not any(isinstance(sub, cls) for _, sub in chosen)]
-            if missing:
-                present = sorted({f"{type(sub).__module__}.{type(sub).__qualname__}" for _, sub in named})
-                raise BadInputError(
-                    f"compile.block_classes: {missing[0].__module__}.{missing[0].__qualname__} is not in the model. "
-                    f"The model's module classes: {', '.join(present)}"
-                )
-            return _outermost(chosen)
+            require_classes(module, self.block_classes, "compile.block_classes")
+            return _outermost([pair for pair in named if isinstance(pair[1], tuple(self.block_classes))])
         blocks = repeated_blocks(module)
         if not blocks:
             raise BadInputError(

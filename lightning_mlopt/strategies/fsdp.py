@@ -31,12 +31,18 @@ from lightning_mlopt.checkpoint.serialization import dcp_stager, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan, data_mesh, data_rank
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
-from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
+from lightning_mlopt.exceptions import said_by_rank_zero
 from lightning_mlopt.hooks import compile_model, convert_model
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.dcp_write import OwnShards
-from lightning_mlopt.strategies.fsdp_units import import_module_class, is_sharded, root_units, select_by_size
+from lightning_mlopt.strategies.fsdp_units import (
+    import_module_class,
+    is_sharded,
+    require_classes,
+    root_units,
+    select_by_size,
+)
 from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_dcp_folder, load_full_file, saved_flattened
 from lightning_mlopt.strategies.spec import StrategySpec
 
@@ -307,18 +313,8 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         The CLI calls it before anything is written; setup calls it again for models built in ``configure_model``.
         """
         self.mesh_plan  # noqa: B018 -- the sizes against the world: BadInputError before anything starts
-        present = {type(sub) for sub in module.modules()}
-        for key, classes in (
-            ("wrap_classes", self.wrap_classes),
-            ("activation_checkpointing", self.checkpoint_classes),
-        ):
-            for cls in classes:
-                if not any(issubclass(p, cls) for p in present):
-                    names = sorted(f"{p.__module__}.{p.__qualname__}" for p in present)
-                    raise BadInputError(
-                        f"{key}: {cls.__module__}.{cls.__qualname__} is not in the model. "
-                        f"The model's module classes: {', '.join(names)}"
-                    )
+        require_classes(module, self.wrap_classes, "wrap_classes")
+        require_classes(module, self.checkpoint_classes, "activation_checkpointing")
 
     @staticmethod
     def consolidate_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:

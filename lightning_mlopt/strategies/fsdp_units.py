@@ -12,10 +12,12 @@ Example::
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from lightning_mlopt.exceptions import BadInputError
 
 
 def import_module_class(path: str, key: str) -> type[nn.Module]:
@@ -28,6 +30,21 @@ def import_module_class(path: str, key: str) -> type[nn.Module]:
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(f"{key}: {path!r} is not a torch.nn.Module class")
     return cls
+
+
+def require_classes(module: nn.Module, classes: Sequence[type[nn.Module]], key: str) -> None:
+    """Raise BadInputError naming the first of ``classes`` (YAML key ``key``) that no module of ``module`` is.
+
+    The message lists the model's module classes, from which the right import path can be copied.
+    """
+    present = {type(sub) for sub in module.modules()}
+    for cls in classes:
+        if not any(issubclass(kind, cls) for kind in present):
+            names = sorted(f"{kind.__module__}.{kind.__qualname__}" for kind in present)
+            raise BadInputError(
+                f"{key}: {cls.__module__}.{cls.__qualname__} is not in the model. "
+                f"The model's module classes: {', '.join(names)}"
+            )
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -70,4 +87,4 @@ def select_by_size(module: nn.Module, threshold: int, wrapped: set[nn.Module], i
     return count
 
 
-__all__ = ["import_module_class", "is_container", "is_sharded", "root_units", "select_by_size"]
+__all__ = ["import_module_class", "is_container", "is_sharded", "require_classes", "root_units", "select_by_size"]
