@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.hooks import CompilesModel, RunsPipeline
-from lightning_mlopt.perf.compile_watch import CompileRecord, compile_watch
+from lightning_mlopt.perf.compile_watch import CompileRecord, CompilingBatches, compile_watch
 from lightning_mlopt.strategies.fsdp_units import import_module_class, is_container, require_classes, root_units
 
 Regions = Literal["blocks", "model"]
@@ -87,7 +87,7 @@ class CompileModel(CompilesModel, pl.Callback):
         self.compiled: list[str] = []  # the regions' names, once compiled
         self.training_recompilations = 0  # in training steps after the first that compiled: each stalled
         self.first_training_recompile: int | None = None  # the step
-        self._before_batch = CompileRecord()
+        self._batch = CompilingBatches()  # what each training batch compiled
         self._reported = False
 
     @override
@@ -140,24 +140,23 @@ class CompileModel(CompilesModel, pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.compiled:
-            self._before_batch = compile_watch().record()
+            self._batch.started()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.compiled:
             return
-        record, before = compile_watch().record(), self._before_batch
-        compiled, recompiled = record.compilations - before.compilations, record.recompilations - before.recompilations
+        batch = self._batch.in_batch()
         if not self._reported:
             # The first training step that compiled (PerformanceMonitor's FLOP-counted first step runs eagerly;
             # validation's eval-mode graphs compile outside training steps).
-            if compiled:
+            if batch.compilations:
                 self._reported = True
-                rank_zero_info(self.describe(trainer.global_step, compiled, record.seconds - before.seconds, record))
+                rank_zero_info(self.describe(trainer.global_step, batch, compile_watch().record()))
             return
-        if recompiled and not self.training_recompilations:  # a later step recompiled: it stalled
+        if batch.recompilations and not self.training_recompilations:  # a later step recompiled: it stalled
             self.first_training_recompile = trainer.global_step
-        self.training_recompilations += recompiled
+        self.training_recompilations += batch.recompilations
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -174,8 +173,8 @@ class CompileModel(CompilesModel, pl.Callback):
                 "compile.dynamic: true)"
             )
 
-    def describe(self, step: int, graphs: int, seconds: float, record: CompileRecord) -> str:
-        """The line after the first training step that compiled: what, with what, and what that step paid.
+    def describe(self, step: int, batch: CompileRecord, record: CompileRecord) -> str:
+        """The line after the first training step that compiled: what, with what, and what that step (``batch``) paid.
 
         Example::
 
@@ -187,8 +186,8 @@ class CompileModel(CompilesModel, pl.Callback):
         kind = "block" if self.regions == "blocks" else "network"
         return (
             f"torch.compile ({', '.join([self.backend, *options])}): {len(self.compiled)} {kind} region(s) ({first}); "
-            f"step {step} compiled {graphs} graph(s) in {seconds:.1f} s ({record.seconds:.1f} s in all so far, "
-            f"{record.recompilations} recompilation(s))"
+            f"step {step} compiled {batch.compilations} graph(s) in {batch.seconds:.1f} s "
+            f"({record.seconds:.1f} s in all so far, {record.recompilations} recompilation(s))"
         )
 
 

@@ -85,7 +85,7 @@ def _is_recompilation(compile_id: str) -> bool:
 
 
 class CompilingBatches:
-    """Tells whether the batch that just ended compiled (PerformanceMonitor leaves such a batch out of its figures).
+    """What a training batch compiled: PerformanceMonitor leaves such a batch out of its figures, CompileModel reports.
 
     A compiled model's first steps, and any that recompiles, spend seconds compiling: in a step-time window they
     would read as a slow step, and in the run's MFU as a slow run. Validation's compilations happen outside
@@ -95,21 +95,28 @@ class CompilingBatches:
 
         batches = CompilingBatches()
         batches.started()        # on_train_batch_start
-        batches.compiled()       # on_train_batch_end: True when compilation ran in between
+        batches.in_batch()       # on_train_batch_end: a CompileRecord of what compiled in between
     """
 
     def __init__(self) -> None:
-        self._seconds_at_start = 0.0
+        self._at_start = CompileRecord()
 
     def started(self) -> None:
         """A training batch starts."""
-        record = compile_record()
-        self._seconds_at_start = record.seconds if record is not None else 0.0
+        self._at_start = compile_record() or CompileRecord()
+
+    def in_batch(self) -> CompileRecord:
+        """What compiled since :meth:`started` (nothing when nothing installed the watch); no ``first_recompile``."""
+        now, before = compile_record() or CompileRecord(), self._at_start
+        return CompileRecord(
+            compilations=now.compilations - before.compilations,
+            recompilations=now.recompilations - before.recompilations,
+            seconds=now.seconds - before.seconds,
+        )
 
     def compiled(self) -> bool:
-        """Whether compilation ran since :meth:`started` (False when nothing installed the watch)."""
-        record = compile_record()
-        return record is not None and record.seconds > self._seconds_at_start
+        """Whether compilation ran since :meth:`started`."""
+        return self.in_batch().seconds > 0
 
 
 _WATCH: CompileWatch | None = None

@@ -62,7 +62,8 @@ def test_a_recompilation_is_a_frames_second_attempt_and_the_line_says_what_was_p
     assert not _is_recompilation("0/0") and _is_recompilation("3/1") and _is_recompilation("!0/2/1")
     callback = CompileModel(mode="max-autotune")
     callback.compiled = ["model.layers.0", "model.layers.1"]
-    line = callback.describe(2, 2, 12.34, CompileRecord(compilations=3, recompilations=1, seconds=13.0))
+    batch = CompileRecord(compilations=2, seconds=12.34)
+    line = callback.describe(2, batch, CompileRecord(compilations=3, recompilations=1, seconds=13.0))
     assert line == (
         "torch.compile (inductor, mode max-autotune): 2 block region(s) (model.layers.0, ...); step 2 compiled 2 "
         "graph(s) in 12.3 s (13.0 s in all so far, 1 recompilation(s))"
