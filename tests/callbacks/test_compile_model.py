@@ -23,7 +23,7 @@ from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.perf.compile_watch import CompileRecord, _is_recompilation
 from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_STEPS
-from tests.support.strategy_runs import TrainedRun, train
+from tests.support.strategy_runs import assert_same_training, train
 from tests.support.user_models import HFCausalLM, NanoGPT
 
 COMPILE = ("--config", str(CONFIGS / "features" / "compile.yaml"))
@@ -70,21 +70,12 @@ def test_a_recompilation_is_a_frames_second_attempt_and_the_line_says_what_was_p
     )
 
 
-def _assert_same_training(run: TrainedRun, reference: TrainedRun, ranks: int) -> None:
-    for rank in range(ranks):
-        losses, expected = (torch.tensor(r.records[rank]["losses"]) for r in (run, reference))
-        torch.testing.assert_close(losses, expected, rtol=1e-4, atol=0)
-    assert run.params.keys() == reference.params.keys()  # the eager names: no `_orig_mod.`
-    for name, value in reference.params.items():
-        torch.testing.assert_close(run.params[name], value, rtol=0, atol=1e-4, msg=name)
-
-
 @pytest.mark.slow
 def test_one_process_with_inductor_trains_as_eager_and_its_run_resumes_with_compile_off(tmp_path):
     steps = 6
     eager = train(tmp_path, "eager", "ddp", steps, devices=1, extra=(SHARED_RUN_CLIP,))
     compiled = train(tmp_path, "compiled", "ddp", steps, devices=1, extra=(SHARED_RUN_CLIP, *COMPILE))
-    _assert_same_training(compiled, eager, ranks=1)
+    assert_same_training(compiled, eager, {0: 0})  # the eager names: no `_orig_mod.`
     printed = (tmp_path / "compiled" / "output.txt").read_text()
     # The first step runs eagerly (PerformanceMonitor counts its FLOPs); the second compiles.
     line = re.search(
@@ -112,7 +103,7 @@ def test_compiled_blocks_under_ddp_and_fsdp_with_activation_checkpointing_train_
     if strategy == "fsdp":  # torchtitan's order: checkpointing, then compile, then FSDP's units
         extra += ("--trainer.strategy.init_args.activation_checkpointing=[lightning_mlopt.demos.gpt.TransformerBlock]",)
     run = train(tmp_path, strategy, strategy, SHARED_RUN_STEPS, extra=extra)
-    _assert_same_training(run, strategy_runs[strategy], ranks=2)
+    assert_same_training(run, strategy_runs[strategy], {0: 0, 1: 1})
     printed = (tmp_path / strategy / "output.txt").read_text()
     assert re.search(r"torch.compile \(aot_eager\): 4 block region\(s\) .*; step 2 compiled [1-9]", printed), printed
 

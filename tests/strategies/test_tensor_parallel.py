@@ -36,7 +36,7 @@ from lightning_mlopt.strategies.tp_plan import resolve
 from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_CLIP_VALUE, SHARED_RUN_STEPS, run_tool_here
 from tests.support.grad_norms import MONITOR_FOLDER, assert_norms_match_one_process, monitor_args
 from tests.support.llama_style import LlamaStyleLM, write_llama_config
-from tests.support.strategy_runs import TrainedRun, train
+from tests.support.strategy_runs import TrainedRun, assert_same_training, train
 
 STEPS = 8
 
@@ -56,17 +56,6 @@ def _monitor(out: Path) -> tuple[str, ...]:
     return monitor_args(out / MONITOR_FOLDER, step=1, every=1)
 
 
-def _assert_same_training(run: TrainedRun, reference: TrainedRun, rank_pairs: dict[int, int]) -> None:
-    for rank, reference_rank in rank_pairs.items():
-        expected = torch.tensor(reference.records[reference_rank]["losses"])
-        torch.testing.assert_close(torch.tensor(run.records[rank]["losses"]), expected, rtol=1e-4, atol=0)
-    assert run.params.keys() == reference.params.keys()
-    for name, value in reference.params.items():
-        torch.testing.assert_close(run.params[name], value, rtol=0, atol=1e-4, msg=name)
-    losses = reference.records[0]["losses"]
-    assert losses[-1] < losses[0], "the reference trained: agreeing on doing nothing proves nothing"
-
-
 def _strategy_class_path(run: TrainedRun) -> str:
     return yaml.safe_load((run.run_dir / "config.yaml").read_text())["trainer"]["strategy"]["class_path"]
 
@@ -74,7 +63,7 @@ def _strategy_class_path(run: TrainedRun) -> str:
 @pytest.mark.multiprocess
 def test_tp2_trains_the_one_process_model(gpt_runs):
     # Both ranks of the tensor-parallel group computed the same loss from the same batch.
-    _assert_same_training(gpt_runs["tp"], gpt_runs["one"], {0: 0, 1: 0})
+    assert_same_training(gpt_runs["tp"], gpt_runs["one"], {0: 0, 1: 0})
     assert _strategy_class_path(gpt_runs["tp"]) == "lightning_mlopt.strategies.TensorParallelStrategy"
 
 
@@ -82,7 +71,7 @@ def test_tp2_trains_the_one_process_model(gpt_runs):
 def test_tp2_with_sequence_parallelism_trains_the_one_process_model(gpt_runs):
     # The norms see half the sequence each and their gradients come back as partial sums: made whole before
     # clipping (active here) and the optimizer read them.
-    _assert_same_training(gpt_runs["tp_sp"], gpt_runs["one"], {0: 0, 1: 0})
+    assert_same_training(gpt_runs["tp_sp"], gpt_runs["one"], {0: 0, 1: 0})
 
 
 @pytest.mark.multiprocess
@@ -90,7 +79,7 @@ def test_tp2_with_compiled_blocks_trains_the_one_process_model(tmp_path, gpt_run
     # torch.compile (configs/features/compile.yaml) after the plan split the blocks: dynamo traces their DTensors.
     compiled = ("--config", str(CONFIGS / "features" / "compile.yaml"), "--compile.backend=aot_eager")
     run = train(tmp_path, "tp_compiled", "tp", STEPS, devices=2, extra=(SHARED_RUN_CLIP, *compiled))
-    _assert_same_training(run, gpt_runs["one"], {0: 0, 1: 0})
+    assert_same_training(run, gpt_runs["one"], {0: 0, 1: 0})
     assert "torch.compile (aot_eager): 4 block region(s)" in (tmp_path / "tp_compiled" / "output.txt").read_text()
 
 
@@ -170,7 +159,7 @@ def test_fsdp_x_tp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
     said = (tmp_path / "fsdp_tp" / "output.txt").read_text()
     assert "all-reduce per mesh dimension ok: shard (2), tensor (2)" in said
     # Ranks 0 and 1 are data-parallel rank 0 (one tensor-parallel pair), ranks 2 and 3 data-parallel rank 1.
-    _assert_same_training(run, strategy_runs["ddp"], {0: 0, 1: 0, 2: 1, 3: 1})
+    assert_same_training(run, strategy_runs["ddp"], {0: 0, 1: 0, 2: 1, 3: 1})
     # 2D: every parameter is sharded over the data dimension, the planned ones over the tensor one too.
     one_rank = run.records[0]["state_bytes"]["parameters"]
     assert one_rank < 0.3 * strategy_runs["ddp"].records[0]["state_bytes"]["parameters"]
@@ -220,5 +209,5 @@ def test_the_hugging_face_overlay_trains_a_llama_shaped_model_like_one_process(t
     llama = ("--config", write_llama_config(tmp_path))
     tp = train(tmp_path, "tp_hf", "tp_hf", STEPS, devices=2, extra=llama)  # the overlay by its file
     one = train(tmp_path, "one", "ddp", STEPS, devices=1, extra=llama)
-    _assert_same_training(tp, one, {0: 0, 1: 0})
+    assert_same_training(tp, one, {0: 0, 1: 0})
     assert LlamaStyleLM.__name__ in (tp.run_dir / "config.yaml").read_text()

@@ -76,3 +76,18 @@ def trained_run(tmp_path: Path, name: str, devices: int = 2) -> TrainedRun:
     records = read_records(out)
     assert [r["rank"] for r in records] == list(range(devices))
     return TrainedRun(records, torch.load(out / "params.pt"), tmp_path / "runs" / name)
+
+
+def assert_same_training(run: TrainedRun, reference: TrainedRun, rank_pairs: dict[int, int]) -> None:
+    """Each rank's losses (1e-4) are those of its ``rank_pairs`` rank in ``reference``; the parameters too (1e-4).
+
+    The reference must have trained (its loss fell): agreeing on doing nothing proves nothing.
+    """
+    for rank, reference_rank in rank_pairs.items():
+        expected = torch.tensor(reference.records[reference_rank]["losses"])
+        torch.testing.assert_close(torch.tensor(run.records[rank]["losses"]), expected, rtol=1e-4, atol=0)
+    assert run.params.keys() == reference.params.keys()
+    for name, value in reference.params.items():
+        torch.testing.assert_close(run.params[name], value, rtol=0, atol=1e-4, msg=name)
+    losses = reference.records[0]["losses"]
+    assert losses[-1] < losses[0], "the reference trained: agreeing on doing nothing proves nothing"
