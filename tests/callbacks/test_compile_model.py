@@ -84,9 +84,10 @@ def test_one_process_with_inductor_trains_as_eager_and_its_run_resumes_with_comp
     assert line is not None and int(line[1]) >= 1, printed[-2000:]
     summary = json.loads((compiled.run_dir / "perf" / "summary.json").read_text())
     assert summary["compile"]["compilations"] >= 1 and summary["compile"]["recompilations"] == 0, summary
-    # The step that compiled (seconds of it) is in no figure: the run's step time is a compiled step's, not its mean.
-    eager_step = json.loads((eager.run_dir / "perf" / "summary.json").read_text())["metrics"]["perf/step_time_s"]
-    assert summary["metrics"]["perf/step_time_s"] < 3 * eager_step < summary["compile"]["seconds"], summary
+    # The step that compiled (seconds of it) is in no figure: one batch fewer than eager's (both leave out the first,
+    # FLOP-counted one). Counted, not timed: a loaded machine stretches an eager step past a warm cache's compile.
+    eager_batches = json.loads((eager.run_dir / "perf" / "summary.json").read_text())["ranks"][0]["batches"]
+    assert summary["ranks"][0]["batches"] == eager_batches - 1 == steps - 2, summary["ranks"]
     assert "recompiled" not in printed
     # The same run directory relaunched without compile: it resumes the compiled run's checkpoint (eager names).
     again = (SHARED_RUN_CLIP, "--checkpoint.resume.final=true")  # train on from its final checkpoint
