@@ -23,25 +23,29 @@ import torch
 from lightning_mlopt.callbacks.grad_norm_monitor import module_group
 from lightning_mlopt.demos import GPTLanguageModel
 
-MONITOR = (
-    "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
-    "--trainer.callbacks.log_every_n_steps=1",
-    "--trainer.callbacks.param_norms=true",
-    "--trainer.callbacks.update_ratios=true",
-)
-MONITOR_FOLDER = "monitor"  # beside the run's records
 
-
-def monitor_args(out: Path, step: int, every: int | None) -> tuple[str, ...]:
-    """CLI arguments: the monitor logging every ``every`` steps (None: the Trainer's period), recorded into ``out``.
-
-    ``step`` must be one the monitor logs (a multiple of its period): its norms are the ones compared.
-    """
+def monitor(every: int | None = 1) -> tuple[str, ...]:
+    """CLI arguments: GradNormMonitor logging every ``every`` steps (None: the Trainer's period), with parameter
+    norms and update ratios."""
     return (
         "--trainer.callbacks+=lightning_mlopt.callbacks.GradNormMonitor",
         *([f"--trainer.callbacks.log_every_n_steps={every}"] if every is not None else []),
         "--trainer.callbacks.param_norms=true",
         "--trainer.callbacks.update_ratios=true",
+    )
+
+
+MONITOR = monitor()  # at every step
+MONITOR_FOLDER = "monitor"  # beside the run's records
+
+
+def monitor_args(out: Path, step: int, every: int | None) -> tuple[str, ...]:
+    """CLI arguments: :func:`monitor`, recorded into ``out`` with the parameters around ``step``.
+
+    ``step`` must be one the monitor logs (a multiple of its period): its norms are the ones compared.
+    """
+    return (
+        *monitor(every),
         "--trainer.callbacks+=tests.support.recorders.RecordMonitor",
         f"--trainer.callbacks.out_dir={out}",
         f"--trainer.callbacks.reference_step={step}",
