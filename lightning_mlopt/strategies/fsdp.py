@@ -8,19 +8,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt._compat import (
-    composable_checkpoint,
     declare_configure_model,
     set_device_mesh,
     set_num_threads_for_processes,
@@ -36,17 +34,13 @@ from lightning_mlopt.hooks import compile_model, convert_model
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.dcp_write import OwnShards
+from lightning_mlopt.strategies.fsdp_options import DType, FSDPOptions
 from lightning_mlopt.strategies.fsdp_units import (
-    import_module_class,
     is_sharded,
-    require_classes,
     root_units,
-    select_by_size,
 )
 from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_dcp_folder, load_full_file, saved_flattened
 from lightning_mlopt.strategies.spec import StrategySpec
-
-DType = Literal["float32", "bfloat16", "float16"]
 
 
 class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy):
@@ -100,7 +94,6 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
     sharding = TensorSharding()  # parameters and gradients are DTensors whose placements say who holds what
     # DCP's async checkpointer: "thread" (chosen: see benchmarks/results/checkpoint_sharded_*) or "process".
     async_checkpointer: Literal["thread", "process"] = "thread"
-    holds_a_stage = False  # each rank holds part of the model's modules (pipeline parallelism): loads take its part
 
     def __init__(
         self,
@@ -118,8 +111,6 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         replicate_group_size: int | None = None,
     ) -> None:
         replicate_size = _renamed_replicate_size(replicate_size, replicate_group_size)
-        if min_params_to_wrap is not None and min_params_to_wrap < 1:
-            raise ValueError(f"min_params_to_wrap must be >= 1, got {min_params_to_wrap}")
         if replicate_size is not None and replicate_size != "nodes" and replicate_size < 1:
             raise ValueError(f"replicate_size must be >= 1 or 'nodes', got {replicate_size}")
         if timeout_minutes <= 0:
@@ -129,16 +120,16 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             process_group_backend=process_group_backend,
             timeout=timedelta(minutes=timeout_minutes),
         )
-        self.wrap_classes = [import_module_class(path, "wrap_classes") for path in wrap_classes]
-        self.min_params_to_wrap = min_params_to_wrap
-        self.reshard_after_forward = reshard_after_forward
+        self.fsdp_options = FSDPOptions.from_keys(
+            wrap_classes=wrap_classes,
+            min_params_to_wrap=min_params_to_wrap,
+            reshard_after_forward=reshard_after_forward,
+            activation_checkpointing=activation_checkpointing,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload,
+        )
         self.replicate_size = replicate_size
-        self.checkpoint_classes = [
-            import_module_class(path, "activation_checkpointing") for path in activation_checkpointing
-        ]
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        self.cpu_offload = cpu_offload
         self._stager: Any = None  # DCP's staging of async saves, kept for the run (see dcp_stager)
 
     def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> PendingWrite:
@@ -188,14 +179,23 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
 
     @property
     def mesh_plan(self) -> MeshPlan:
-        """The job's ranks as ``replicate x shard`` (HSDP with ``replicate_size``); checked against the world.
+        """The job's ranks as :meth:`plan_dimensions` sizes them (``replicate x shard`` here), checked.
 
         Raises:
-            BadInputError: ``replicate_size`` does not divide the world size.
+            BadInputError: the sizes' product does not divide the world size (the message names their keys).
 
         """
+        dimensions = self.plan_dimensions()
+        sizes = {name: size for name, (size, _) in dimensions.items()}
+        return MeshPlan.fill(self.world_size, **sizes, keys={name: key for name, (_, key) in dimensions.items()})
+
+    def plan_dimensions(self) -> dict[Dimension, tuple[int, str]]:
+        """The dimensions this strategy sizes (the shard dimension takes the rest): each one's size and YAML key.
+
+        A strategy that adds a dimension extends this (``{**super().plan_dimensions(), "tensor": ...}``).
+        """
         replicate = self.num_nodes if self.replicate_size == "nodes" else self.replicate_size or 1
-        return MeshPlan.fill(self.world_size, replicate=replicate, keys={"replicate": "replicate_size"})
+        return {"replicate": (replicate, "replicate_size")}
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -251,13 +251,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         self.check_model(module)
         self._prepare_model(module)
         options = self._shard_options()
-        wrapped: set[nn.Module] = set()
-        if self.wrap_classes:
-            for sub in module.modules():
-                if isinstance(sub, tuple(self.wrap_classes)):
-                    wrapped.add(sub)
-        if self.min_params_to_wrap is not None:
-            select_by_size(module, self.min_params_to_wrap, wrapped, is_root=True)
+        wrapped = self.fsdp_options.units(module)
         # Post-order, so inner units are sharded before the modules that contain them.
         for sub in reversed(list(module.modules())):
             if sub in wrapped and sub is not module:
@@ -282,27 +276,11 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         """Before sharding, in torchtitan's order: float8 (``float8:``), activation checkpointing, ``compile:``."""
         assert self.lightning_module is not None
         convert_model(self.lightning_module.trainer, module)
-        if self.checkpoint_classes:
-            checkpoint = composable_checkpoint()
-            # The composable form keeps parameter names unchanged (a wrapper would add a prefix that
-            # breaks checkpoints saved without it).
-            for sub in module.modules():
-                if isinstance(sub, tuple(self.checkpoint_classes)):
-                    checkpoint(sub)  # recomputed in backward instead of stored
+        self.fsdp_options.recompute_activations(module)
         compile_model(self.lightning_module.trainer, module)
 
     def _shard_options(self) -> dict[str, Any]:
-        param_dtype = _dtype(self.param_dtype)
-        reduce_dtype = _dtype(self.reduce_dtype) or param_dtype
-        offload: OffloadPolicy = (
-            CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
-        )
-        return {
-            "mesh": self.shard_mesh,
-            "reshard_after_forward": self.reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-            "offload_policy": offload,
-        }
+        return self.fsdp_options.fully_shard_kwargs(self.shard_mesh, self.root_device.type)
 
     def check_model(self, module: nn.Module) -> None:
         """Raise BadInputError for sizes the world refuses, or for a wrap or checkpointing class the model lacks.
@@ -313,8 +291,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         The CLI calls it before anything is written; setup calls it again for models built in ``configure_model``.
         """
         self.mesh_plan  # noqa: B018 -- the sizes against the world: BadInputError before anything starts
-        require_classes(module, self.wrap_classes, "wrap_classes")
-        require_classes(module, self.checkpoint_classes, "activation_checkpointing")
+        self.fsdp_options.check(module)
 
     @staticmethod
     def consolidate_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
@@ -326,14 +303,18 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         """A DCP folder through Lightning, else here: a full file sharded, a pipeline stage's part, flattened states."""
         path = Path(self.broadcast(checkpoint_path))
         # Lightning's reader wants the whole model as DTensors and nested optimizer states (not PP's flattened).
-        if not path.is_file() and not self.holds_a_stage and not saved_flattened(path):
+        if not path.is_file() and not saved_flattened(path):
             return super().load_checkpoint(path, weights_only)
+        return self._load_here(path, weights_only, part_of_model=False)
+
+    def _load_here(self, path: Path, weights_only: bool | None, part_of_model: bool) -> dict[str, Any]:
+        """``path`` (a DCP folder or one file) read by our readers; ``part_of_model``: the model holds some modules."""
         assert self.model is not None and self.lightning_module is not None
         with said_by_rank_zero(self.global_rank):
             strict, trust = self.lightning_module.strict_loading, weights_only is False
             if not path.is_file():
                 return load_dcp_folder(self.model, self.optimizers, path, strict, trust)
-            return load_full_file(self.model, self.optimizers, path, strict, trust, stage_only=self.holds_a_stage)
+            return load_full_file(self.model, self.optimizers, path, strict, trust, stage_only=part_of_model)
 
     @override
     def setup_precision_plugin(self) -> None:
@@ -346,7 +327,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not self.cpu_offload:  # offloaded shards stay on the CPU by design
+        if not self.fsdp_options.cpu_offload:  # offloaded shards stay on the CPU by design
             self.model.to(self.root_device)
 
 
@@ -368,10 +349,6 @@ def _renamed_replicate_size(
         )
     rank_zero_warn("FSDPStrategy: replicate_group_size is now replicate_size (same meaning); rename the key")
     return replicate_group_size
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else getattr(torch, name)
 
 
 __all__ = ["FSDPStrategy"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from functools import partial
+from pathlib import Path
 from typing import Any, Final, Literal
 
 from lightning.pytorch import Trainer
@@ -34,15 +34,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mlopt.checkpoint.optimizer_keys import flattened_state
-from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan, data_rank
-from lightning_mlopt.distributed.sharding import PartialGradients, PipelineSharding, synchronized_buffers
+from lightning_mlopt.distributed.mesh_plan import Dimension, data_rank
+from lightning_mlopt.distributed.sharding import PartialGradients, PipelineSharding
 from lightning_mlopt.distributed.state import register_pipeline_stage
 from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.hooks import RunsPipeline
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
 from lightning_mlopt.strategies.pp_buffers import keep_out_of_checkpoints, non_persistent_buffers
-from lightning_mlopt.strategies.pp_module_split import trace_module_stages
 from lightning_mlopt.strategies.pp_runner import PipelineRunner, loop_name
 from lightning_mlopt.strategies.pp_schedule import (
     BubbleClock,
@@ -58,13 +57,10 @@ from lightning_mlopt.strategies.pp_split import (
     example_microbatch_inputs,
     install_stages,
     split_batch,
-    stage_group,
     stage_indices,
-    trace_stages,
 )
-from lightning_mlopt.strategies.pp_tensor import parallelize_stages, stage_plan
+from lightning_mlopt.strategies.pp_tensor import WholeStages, stage_split
 from lightning_mlopt.strategies.spec import StrategySpec
-from lightning_mlopt.strategies.tensor_parallel import TENSOR
 
 PIPELINE: Final = "pipeline"  # the mesh dimension outermost of all (pipelines span nodes)
 
@@ -114,8 +110,6 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy)  # 2 x 2: pipeline x data
 
     """
-
-    holds_a_stage = True  # loads take this rank's stages' part of a checkpoint (FSDPStrategy.load_checkpoint)
 
     def __init__(
         self,
@@ -186,14 +180,15 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
 
     mesh_dimensions_kept: tuple[Dimension, ...] = (PIPELINE, "shard")
 
-    @property
     @override
-    def mesh_plan(self) -> MeshPlan:
-        """``pipeline x shard [x tensor]``; BadInputError where the sizes' product does not divide the world."""
-        keys = {"pipeline": "pipeline_parallel_size", "tensor": "tensor_parallel_size"}
-        return MeshPlan.fill(
-            self.world_size, pipeline=self.pipeline_parallel_size, tensor=self.tensor_parallel_size, keys=keys
-        )
+    def plan_dimensions(self) -> dict[Dimension, tuple[int, str]]:
+        """``pipeline x shard [x tensor]``: FSDP's, with the pipeline outermost and the tensor dimension innermost."""
+        pipeline = (self.pipeline_parallel_size, "pipeline_parallel_size")
+        return {
+            **super().plan_dimensions(),
+            "pipeline": pipeline,
+            "tensor": (self.tensor_parallel_size, "tensor_parallel_size"),
+        }
 
     @property
     def data_parallel_size(self) -> int:
@@ -208,11 +203,13 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     @override
     def check_model(self, module: nn.Module) -> None:
         """The split against the model, the sizes against the world, the schedule's rules (before launch)."""
-        tensor = self.mesh_plan.tensor  # the sizes against the world first
+        self._stage_split_of(module)  # the sizes against the world first, then the tensor-parallel plan
         self.schedule.check_microbatches(self.microbatches, self.pipeline_parallel_size, self.stages)
         check_split(module, self.split_points, self.stages)
-        if tensor > 1:
-            stage_plan(module, self.tp_plan, tensor)
+
+    def _stage_split_of(self, module: nn.Module) -> WholeStages:
+        """What tensor parallelism does to the stages (nothing at size 1); the sizes and the plan checked."""
+        return stage_split(module, self.tp_plan, self.mesh_plan.tensor)
 
     @override
     def check_batch_size(self, batch_size: int | None) -> None:
@@ -246,9 +243,8 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     def _shard(self, module: nn.Module) -> None:
         """Trace and cut the model, keep this rank's stages, FSDP them over the data dimension, build the schedule."""
         self.check_model(module)
-        if self.tensor_parallel_size > 1:  # ReplicaConsistencyCheck's, told apart by module before the cut
-            compared = {buffer.name for buffer in synchronized_buffers(module)}
-            self.sharding.local_statistics |= {name for name, _ in module.named_buffers() if name not in compared}
+        split = self._stage_split_of(module)
+        self.sharding.local_statistics |= split.local_statistics(module)  # ReplicaConsistencyCheck's, before the cut
         transient = non_persistent_buffers(module)  # the tracer loses the flag: put back after the cut
         trainer = self.lightning_module.trainer
         with said_by_rank_zero(self.global_rank):
@@ -258,17 +254,13 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
             fitting = trainer.state.fn == TrainerFn.FITTING
             inputs = example_microbatch_inputs(loader, self.microbatches, self.data_parallel_size, fitting)
             self._batch_size = loader.batch_size
-            trace: Any = trace_stages
-            if self.tensor_parallel_size > 1:  # the plan's hooks need its modules' calls: torch.fx's tracer keeps them
-                plan = stage_plan(module, self.tp_plan, self.tensor_parallel_size)
-                trace = partial(trace_module_stages, kept_calls=plan.styles)
-            pipe = trace(module, inputs, self.split_points, training=True)
+            pipe = split.trace(module, inputs, self.split_points, training=True)
             # Evaluation needs the model traced in eval mode (dropout off, running statistics): the same
             # parameter objects, other graphs. Under FSDP the stages' parameters become FSDP's own, which a
             # second set of stage modules cannot share; there evaluation runs the training graphs.
             mode_dependent = depends_on_mode(module, inputs)
             separate_eval = mode_dependent and self.data_parallel_size == 1
-            eval_pipe = trace(module, inputs, self.split_points, training=False) if separate_eval else None
+            eval_pipe = split.trace(module, inputs, self.split_points, training=False) if separate_eval else None
             if mode_dependent and not separate_eval and self.global_rank == 0:
                 # Said here (stacklevel 1): one level up is FSDPStrategy.setup's call of _shard, not the pipeline.
                 warnings.warn(
@@ -279,16 +271,14 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
         indices = stage_indices(pipeline_rank, self.pipeline_parallel_size, self.stages_per_rank)
         group = self.pipeline_group
-        if self.tensor_parallel_size > 1:  # in place, on the module objects the stages (and eval stages) call
-            held = [pipe.get_stage_module(index) for index in indices]
-            self._split_modules = parallelize_stages(held, self.device_mesh[TENSOR], plan)
+        # In place, on the module objects the stages (and eval stages) call.
+        self._split_modules = split.split([pipe.get_stage_module(index) for index in indices], self.device_mesh)
         self._stages = [pipe.build_stage(index, self.root_device, group) for index in indices]
         if self.data_parallel_size > 1:
             for stage in self._stages:  # one FSDP unit per stage: the schedule reduces its gradients once a step
                 fully_shard(stage.submod, **self._shard_options())
         self.sharding.model_parameter_names = tuple(name for name, _ in module.named_parameters())
-        if self.tensor_parallel_size > 1:  # ReplicaConsistencyCheck's: a stage's tensor ranks hold copies
-            self.sharding.stage_group = stage_group(self.device_mesh, pipeline_rank)
+        self.sharding.stage_group = split.stage_group(self.device_mesh, pipeline_rank)  # copies of a stage
         install_stages(module, [stage.submod for stage in self._stages])
         keep_out_of_checkpoints(module, transient)
         register_pipeline_stage(module, group)
@@ -296,7 +286,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         if eval_pipe is not None:
             eval_stages = [eval_pipe.build_stage(index, self.root_device, group) for index in indices]
         assert isinstance(module, DeclaresPipelineLoss)  # check_split said so
-        peers = [self.device_mesh[TENSOR].get_group()] if self.tensor_parallel_size > 1 else []  # one batch too
+        peers = split.batch_peers(self.device_mesh)  # ranks that read one batch together, beyond the pipeline's
         loss_of, device = module.pipeline_loss, self.root_device
         self._runner = PipelineRunner(
             self.schedule, self.microbatches, self._stages, eval_stages, loss_of, group, device, peers
@@ -352,6 +342,11 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         """The stages' optimizer state, flattened (one entry a parameter: the stages' merge in DCP)."""
         assert self.model is not None
         return flattened_state(self.model, getattr(optimizer, "optimizer", optimizer))  # a LightningOptimizer wraps it
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """The part of a checkpoint (a DCP folder or one full file, by whole-model names) this rank's stages hold."""
+        return self._load_here(Path(self.broadcast(checkpoint_path)), weights_only, part_of_model=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Final, Literal, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -14,10 +14,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan
+from lightning_mlopt.distributed.mesh_plan import Dimension
 from lightning_mlopt.distributed.sharding import PartialGradients, SubMeshSharding
 from lightning_mlopt.strategies import fsdp
-from lightning_mlopt.strategies.fsdp import DType, FSDPStrategy
+from lightning_mlopt.strategies.fsdp import FSDPStrategy
 from lightning_mlopt.strategies.spec import StrategySpec
 from lightning_mlopt.strategies.tp_loss import split_logits_loss
 from lightning_mlopt.strategies.tp_plan import ResolvedPlan, plan_of
@@ -59,10 +59,9 @@ class TensorParallelStrategy(FSDPStrategy):
             node's devices (then the data-parallel dimension is the node count).
         tp_plan: module-name glob -> style, e.g. ``{"model.layers.*.mlp.0": "colwise"}``. None: the model's own
             ``tp_plan`` attribute (:class:`DeclaresTPPlan`).
-        wrap_classes, min_params_to_wrap, reshard_after_forward, activation_checkpointing, param_dtype,
-            reduce_dtype, cpu_offload, save_distributed_checkpoint, timeout_minutes, process_group_backend:
-            as for :class:`~lightning_mlopt.strategies.FSDPStrategy` (the FSDP ones act when the data-parallel
-            dimension is > 1; activation checkpointing always).
+        **fsdp_options: every key of :class:`~lightning_mlopt.strategies.FSDPStrategy`, whole (the FSDP ones
+            act when the data-parallel dimension is > 1; activation checkpointing always). ``replicate_size``
+            makes it HSDP x TP: ``replicate x shard x tensor``.
 
     Raises:
         ValueError: ``tensor_parallel_size`` < 1.
@@ -80,34 +79,11 @@ class TensorParallelStrategy(FSDPStrategy):
     sharding = SubMeshSharding()  # a parameter left out of the plan is held by every tensor-parallel rank
 
     def __init__(
-        self,
-        tensor_parallel_size: int | None = None,
-        tp_plan: Mapping[str, str] | None = None,
-        wrap_classes: Sequence[str] = (),
-        min_params_to_wrap: int | None = None,
-        reshard_after_forward: bool = True,
-        activation_checkpointing: Sequence[str] = (),
-        param_dtype: DType | None = None,
-        reduce_dtype: DType | None = None,
-        cpu_offload: bool = False,
-        save_distributed_checkpoint: bool = True,
-        timeout_minutes: float = 30.0,
-        process_group_backend: Literal["gloo", "nccl"] | None = None,
+        self, tensor_parallel_size: int | None = None, tp_plan: Mapping[str, str] | None = None, **fsdp_options: Any
     ) -> None:
         if tensor_parallel_size is not None and tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        super().__init__(
-            wrap_classes=wrap_classes,
-            min_params_to_wrap=min_params_to_wrap,
-            reshard_after_forward=reshard_after_forward,
-            activation_checkpointing=activation_checkpointing,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            cpu_offload=cpu_offload,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            timeout_minutes=timeout_minutes,
-            process_group_backend=process_group_backend,
-        )
+        super().__init__(**fsdp_options)
         self._requested_tensor_parallel_size = tensor_parallel_size
         self._partial_gradients = PartialGradients()  # see post_backward
         self._splits_logits = False  # the plan leaves the logits split into the loss (set when sharding)
@@ -121,16 +97,10 @@ class TensorParallelStrategy(FSDPStrategy):
 
     mesh_dimensions_kept: tuple[Dimension, ...] = ("shard", TENSOR)
 
-    @property
     @override
-    def mesh_plan(self) -> MeshPlan:
-        """``shard x tensor``: FSDP over the data-parallel groups, each layer split over ``tensor_parallel_size``.
-
-        Raises:
-            BadInputError: ``tensor_parallel_size`` does not divide the world size.
-
-        """
-        return MeshPlan.fill(self.world_size, tensor=self.tensor_parallel_size, keys={"tensor": "tensor_parallel_size"})
+    def plan_dimensions(self) -> dict[Dimension, tuple[int, str]]:
+        """``[replicate x] shard x tensor``: FSDP's (HSDP's) data dimensions, each layer split over the innermost."""
+        return {**super().plan_dimensions(), TENSOR: (self.tensor_parallel_size, "tensor_parallel_size")}
 
     @property
     def data_parallel_size(self) -> int:

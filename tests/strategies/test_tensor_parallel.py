@@ -5,7 +5,7 @@
   and replicated parameters is the one-process norm), and each rank holds its split of the planned matrices.
 - FSDP x TP, 2 x 2 on 4 processes (``fsdp_tp.yaml``), trains as DDP on 2 processes does (the session's
   shared run: the same global batch of 2 x 16, the same data order); NCCLHealthCheck's pre-flight checks
-  both mesh dimensions.
+  both mesh dimensions. With ``replicate_size: 2`` (HSDP x TP, FSDP's keys taken whole) it does too.
 - ``tp_sp.yaml`` (with sequence parallelism: norms on half the sequence each) trains as one process does.
 - ``tp_hf.yaml``, written for Hugging Face's module names, trains a Llama-shaped model (grouped-query
   attention, SwiGLU, RMSNorm) at TP=2 as one process does.
@@ -151,18 +151,28 @@ def test_performance_monitor_counts_a_tp_groups_batch_once_and_each_ranks_own_fl
     assert tp["flops_per_sample"] == one["flops_per_sample"] / 2  # what each rank does per sample
 
 
+HEALTH = "--trainer.callbacks+=lightning_mlopt.callbacks.NCCLHealthCheck"
+HSDP = "--trainer.strategy.init_args.replicate_size=2"  # FSDP's keys reach TP whole: HSDP x TP
+
+
 @pytest.mark.multiprocess
-def test_fsdp_x_tp_2x2_trains_the_ddp_model(tmp_path, strategy_runs):
-    health = "--trainer.callbacks+=lightning_mlopt.callbacks.NCCLHealthCheck"
-    run = train(tmp_path, "fsdp_tp", "fsdp_tp", SHARED_RUN_STEPS, devices=4, extra=(SHARED_RUN_CLIP, health))
-    # The pre-flight checked each mesh dimension's groups, not only the world.
-    said = (tmp_path / "fsdp_tp" / "output.txt").read_text()
-    assert "all-reduce per mesh dimension ok: shard (2), tensor (2)" in said
+@pytest.mark.parametrize(
+    ("name", "knob", "said", "parameter_share"),
+    [
+        # The pre-flight checks each mesh dimension's groups, not only the world; every parameter is sharded
+        # over the data dimension, the planned ones over the tensor one too.
+        ("fsdp_tp", HEALTH, "all-reduce per mesh dimension ok: shard (2), tensor (2)", (0.0, 0.3)),
+        # replicate 2 x shard 1 x tensor 2: each replica holds whole copies of its tensor split (half a model).
+        ("hsdp_tp", HSDP, "hybrid sharding (HSDP): 2 replicas x 1 shards (replicate 2 x tensor 2)", (0.45, 0.7)),
+    ],
+)
+def test_fsdp_and_hsdp_x_tp_2x2_train_the_ddp_model(tmp_path, strategy_runs, name, knob, said, parameter_share):
+    run = train(tmp_path, name, "fsdp_tp", SHARED_RUN_STEPS, devices=4, extra=(SHARED_RUN_CLIP, knob))
+    assert said in (tmp_path / name / "output.txt").read_text()
     # Ranks 0 and 1 are data-parallel rank 0 (one tensor-parallel pair), ranks 2 and 3 data-parallel rank 1.
     assert_same_training(run, strategy_runs["ddp"], {0: 0, 1: 0, 2: 1, 3: 1})
-    # 2D: every parameter is sharded over the data dimension, the planned ones over the tensor one too.
-    one_rank = run.records[0]["state_bytes"]["parameters"]
-    assert one_rank < 0.3 * strategy_runs["ddp"].records[0]["state_bytes"]["parameters"]
+    held = run.records[0]["state_bytes"]["parameters"] / strategy_runs["ddp"].records[0]["state_bytes"]["parameters"]
+    assert parameter_share[0] < held < parameter_share[1]
 
 
 def _resume(tmp_path: Path, name: str, first: TrainedRun, strategy: str, devices: int, steps: int) -> TrainedRun:
