@@ -34,6 +34,7 @@ from lightning_mlopt.process.notices import PreemptionNotices
 from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, TensorParallelStrategy
 from lightning_mlopt.tracking import Delivery, MLflowTracker, ThroughputProgressBar, WandbTracker
 
+LOADER = "batch_size num_workers pin_memory prefetch_factor persistent_workers"  # the loader keys, flat
 PINNED = {
     DDPStrategy: "comm_hook powersgd_rank powersgd_start_iter bucket_cap_mb gradient_as_bucket_view static_graph "
     "find_unused_parameters timeout_minutes process_group_backend",
@@ -68,10 +69,10 @@ PINNED = {
     GoodputLedger: "path log_goodput",
     ResNetClassifier: "depth width in_channels num_classes lr weight_decay",
     GPTLanguageModel: "vocab_size block_size n_layer n_head d_model dropout lr weight_decay warmup_steps",
-    LoaderDataModule: "batch_size num_workers pin_memory prefetch_factor persistent_workers",
-    CIFAR10DataModule: "root synthetic_size augment batch_size num_workers pin_memory prefetch_factor persistent_workers",
-    DigitsDataModule: "val_fraction batch_size num_workers pin_memory prefetch_factor persistent_workers",
-    TokenDataModule: "vocab_size block_size num_sequences branching batch_size num_workers pin_memory prefetch_factor persistent_workers",
+    LoaderDataModule: LOADER,
+    CIFAR10DataModule: f"root synthetic_size augment {LOADER}",
+    DigitsDataModule: f"val_fraction {LOADER}",
+    TokenDataModule: f"vocab_size block_size num_sequences branching {LOADER}",
 }
 
 

@@ -53,7 +53,7 @@ def load_config(overrides: list[str]) -> dict[str, Any]:
 
 def _deepspeed_config(strategy: str, micro_batch: int, clip: float) -> dict[str, Any]:
     """The preset's DeepSpeed block (the overlay's), with what Lightning's Trainer settings put in it."""
-    from lightning_mlopt.strategies.deepspeed import _COMMON, PRESETS, merge_config
+    from lightning_mlopt.strategies.deepspeed.deepspeed_strategy import _COMMON, PRESETS, merge_config
 
     config = merge_config(_COMMON, PRESETS[strategy])
     config.update(

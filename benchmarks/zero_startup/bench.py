@@ -103,7 +103,7 @@ def main() -> None:
         runs = _measure(work, args.repeats)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    from lightning_mlopt.strategies.deepspeed_startup import name_deepspeed_accelerator
+    from lightning_mlopt.strategies.deepspeed.deepspeed_startup import name_deepspeed_accelerator
 
     name_deepspeed_accelerator()  # the result file's versions line imports DeepSpeed in this process
     publish("zero_startup", "cpu", _report(runs, args.repeats))

@@ -161,7 +161,7 @@ def _unreadable_layout(config: Namespace, step_folder: Path) -> Any:
     from lightning_mlopt.exceptions import BadInputError
     from lightning_mlopt.planning.auto import world_size_of
     from lightning_mlopt.strategies import LAYOUTS, layout_named
-    from lightning_mlopt.strategies.zero_checkpoint import loads_as_it_is_under_zero
+    from lightning_mlopt.strategies.deepspeed.zero_checkpoint import loads_as_it_is_under_zero
 
     try:
         manifest = Manifest.from_json((step_folder / MANIFEST_NAME).read_bytes())
@@ -207,7 +207,7 @@ def strategy_resumes(trainer: dict[str, Any], manifest: Manifest) -> bool:
 def _configured_zero_stage(trainer: dict[str, Any]) -> int | None:
     """The ZeRO stage of the configured DeepSpeed strategy (ours, by name or class_path); None if unknown."""
     from lightning_mlopt.strategies import STRATEGIES
-    from lightning_mlopt.strategies.deepspeed import zero_stage_of
+    from lightning_mlopt.strategies.deepspeed.deepspeed_strategy import zero_stage_of
     from lightning_mlopt.strategies.spec import REGISTRY_PREFIX
 
     strategy = trainer.get("strategy")

@@ -1,7 +1,7 @@
 """The package's one norm algorithm: sums of squares of sharded pieces, as if unsharded; and clipping by it.
 
 Each rank computes the fp32 sum of squares of the pieces it holds (one fused ``_foreach_norm``), each divided
-by its replication (see :mod:`lightning_mlopt.strategies.sharding`), and one all-reduce over the world sums
+by its replication (see :mod:`lightning_mlopt.distributed.sharding`), and one all-reduce over the world sums
 them: every parameter counted once, under any strategy. Where every rank holds the whole, identical gradient
 (single device, DDP), the local sums are already the global ones: no weights, no collective.
 GradNormMonitor, :func:`global_grad_norm` and our FSDP strategy's clipping all go through

@@ -8,7 +8,7 @@ ZeRO partitions are disjoint; so one all-reduce over the world serves every stra
 
 This module holds the interface and :class:`TensorSharding` (plain tensors and DTensors: single device,
 DDP, FSDP, HSDP, ModelParallel); DeepSpeed's answers live with our strategies
-(``strategies/sharding.py``).
+(``strategies/deepspeed/zero_sharding.py``).
 
 Example::
 

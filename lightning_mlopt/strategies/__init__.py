@@ -1,5 +1,9 @@
 """Our strategies, and the one table that gives them their YAML names.
 
+Grouped by concern: DDP and FSDP (with HSDP) here, ``tensor/`` (tensor parallelism and its plan), ``pipeline/``
+(pipeline parallelism: the cut, the schedules, the stages' tensor split) and ``deepspeed/`` (ZeRO and its
+checkpoints). Import the classes from this package: the modules behind them may move.
+
 In the CLI, ``trainer.strategy: <name>`` takes a name from :data:`STRATEGIES` (ours) or any name in
 Lightning's own registry. Importing this package also registers each of ours in Lightning's
 ``StrategyRegistry`` as ``mlopt_<name>``, so ``Trainer(strategy="mlopt_ddp")`` works in a plain script;
@@ -14,13 +18,16 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_mlopt.checkpoint.layout import CheckpointLayout
-from lightning_mlopt.strategies import ddp, deepspeed, fsdp, pipeline_parallel, tensor_parallel
+from lightning_mlopt.strategies import ddp, fsdp
 from lightning_mlopt.strategies.ddp import DDPStrategy
-from lightning_mlopt.strategies.deepspeed import DeepSpeedStrategy
+from lightning_mlopt.strategies.deepspeed import deepspeed_strategy
+from lightning_mlopt.strategies.deepspeed.deepspeed_strategy import DeepSpeedStrategy
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
-from lightning_mlopt.strategies.pipeline_parallel import PipelineParallelStrategy
+from lightning_mlopt.strategies.pipeline import pipeline_parallel
+from lightning_mlopt.strategies.pipeline.pipeline_parallel import PipelineParallelStrategy
 from lightning_mlopt.strategies.spec import StrategySpec, layouts_table, names_table, registered_name
-from lightning_mlopt.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_mlopt.strategies.tensor import tensor_parallel
+from lightning_mlopt.strategies.tensor.tensor_parallel import TensorParallelStrategy
 
 __all__ = [
     "LAYOUTS",
@@ -38,7 +45,13 @@ __all__ = [
 ]
 
 # The one table: every strategy family of ours, each described in its own module's SPEC.
-SPECS: tuple[StrategySpec, ...] = (ddp.SPEC, fsdp.SPEC, deepspeed.SPEC, tensor_parallel.SPEC, pipeline_parallel.SPEC)
+SPECS: tuple[StrategySpec, ...] = (
+    ddp.SPEC,
+    fsdp.SPEC,
+    deepspeed_strategy.SPEC,
+    tensor_parallel.SPEC,
+    pipeline_parallel.SPEC,
+)
 # name -> (class, constructor arguments, one-line description)
 STRATEGIES: dict[str, tuple[type[Strategy], dict[str, Any], str]] = names_table(SPECS)
 # layout name -> the layout (its reader, how to recognise its files, what it resumes from)

@@ -167,7 +167,7 @@ class ForeignStrategy(DeclaresContract):
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         if isinstance(self.strategy, DeepSpeedStrategy):
-            from lightning_mlopt.strategies.sharding import ZeroSharding
+            from lightning_mlopt.strategies.deepspeed.zero_sharding import ZeroSharding
 
             return ZeroSharding(self.strategy)
         return _PLAIN_TENSORS

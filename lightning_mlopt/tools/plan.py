@@ -17,7 +17,7 @@ from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.planning.memory import PipelineShare, format_table, parse_count, parse_size, plan_memory
 from lightning_mlopt.planning.probe import MetaProbeError, instantiate, measure_activations, optimizer_kind
 from lightning_mlopt.strategies import resolve_strategy
-from lightning_mlopt.strategies.tp_plan import ResolvedPlan
+from lightning_mlopt.strategies.tensor.tp_plan import ResolvedPlan
 from lightning_mlopt.tools._preamble import ToolArgumentParser, bad_input
 
 
@@ -154,7 +154,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
 def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[ResolvedPlan | None, list[str]]:
     """The resolved plan when the config's strategy is tensor-parallel, and its placements, a line a module."""
     from lightning_mlopt.strategies import STRATEGIES, TensorParallelStrategy
-    from lightning_mlopt.strategies.tp_plan import plan_of
+    from lightning_mlopt.strategies.tensor.tp_plan import plan_of
 
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith(TensorParallelStrategy.__name__):
@@ -175,8 +175,8 @@ def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tu
 def _pipeline(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[PipelineShare | None, list[str]]:
     """What each pipeline rank holds when the config's strategy is pipeline-parallel, and a line per stage."""
     from lightning_mlopt.strategies import STRATEGIES, PipelineParallelStrategy
-    from lightning_mlopt.strategies.pp_split import check_split, stage_indices, stage_of_modules
-    from lightning_mlopt.strategies.pp_tensor import stage_plan
+    from lightning_mlopt.strategies.pipeline.pp_split import check_split, stage_indices, stage_of_modules
+    from lightning_mlopt.strategies.pipeline.pp_tensor import stage_plan
 
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith(PipelineParallelStrategy.__name__):

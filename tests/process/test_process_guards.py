@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lightning_mlopt.process.signals import PreemptionSignals
-from lightning_mlopt.strategies.build_locks import clear_stale_build_locks, find_build_locks
+from lightning_mlopt.strategies.deepspeed.build_locks import clear_stale_build_locks, find_build_locks
 from tests.conftest import CONFIGS, REPO_PYTHONPATH, run_cli
 
 

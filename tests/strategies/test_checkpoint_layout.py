@@ -82,9 +82,7 @@ def test_every_strategy_in_the_table_declares_the_contract_and_its_specs_layout(
         assert spec.strategy_class.strategy_name == f"mlopt_{spec.family}"
         for overlay in spec.overlays:
             text = (CONFIGS / "strategies" / overlay).read_text()
-            assert f"class_path: {spec.strategy_class.__module__.rsplit('.', 1)[0]}.{spec.strategy_class.__name__}" in (
-                text
-            ), overlay
+            assert f"class_path: lightning_mlopt.strategies.{spec.strategy_class.__name__}" in text, overlay
 
 
 def test_layouts_are_recognised_by_their_files(tmp_path):

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.strategies.pp_module_split import trace_module_stages
-from lightning_mlopt.strategies.pp_runner import check_same_batch
-from lightning_mlopt.strategies.pp_schedule import SCHEDULES, BubbleClock, schedule_named
-from lightning_mlopt.strategies.pp_split import (
+from lightning_mlopt.strategies.pipeline.pp_module_split import trace_module_stages
+from lightning_mlopt.strategies.pipeline.pp_runner import check_same_batch
+from lightning_mlopt.strategies.pipeline.pp_schedule import SCHEDULES, BubbleClock, schedule_named
+from lightning_mlopt.strategies.pipeline.pp_split import (
     check_split,
     depends_on_mode,
     install_stages,

@@ -13,7 +13,7 @@ from lightning_mlopt.distributed.packed import Packed
 from lightning_mlopt.distributed.sharding import PipelineSharding, Sharding, TensorSharding
 from lightning_mlopt.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from lightning_mlopt.strategies.contract import contract_of
-from lightning_mlopt.strategies.sharding import ZeroSharding
+from lightning_mlopt.strategies.deepspeed.zero_sharding import ZeroSharding
 
 
 def sharding_of(strategy):  # type: ignore[no-untyped-def]
@@ -99,7 +99,7 @@ def test_pipeline_stages_compare_nothing_alone_and_leave_out_local_statistics_by
 def test_the_scale_zeros_gradients_still_carry_is_the_fp16_engines_loss_scale_and_none_elsewhere():
     from types import SimpleNamespace
 
-    from lightning_mlopt.strategies.sharding import ZeroSharding
+    from lightning_mlopt.strategies.deepspeed.zero_sharding import ZeroSharding
 
     def engine(fp16: bool, scale: float | None) -> SimpleNamespace:
         return SimpleNamespace(fp16_enabled=lambda: fp16, optimizer=SimpleNamespace(loss_scale=scale))

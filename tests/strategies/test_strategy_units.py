@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.strategies import STRATEGIES, DeepSpeedStrategy, FSDPStrategy, resolve_strategy
-from lightning_mlopt.strategies.deepspeed import PRESETS, merge_config
+from lightning_mlopt.strategies.deepspeed.deepspeed_strategy import PRESETS, merge_config
 from lightning_mlopt.strategies.fsdp_units import select_by_size
 
 BLOCK = "lightning_mlopt.demos.gpt.TransformerBlock"

@@ -32,7 +32,7 @@ from lightning_mlopt.checkpoint import STATE_NAME, CheckpointStore
 from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.planning.memory import plan_memory
 from lightning_mlopt.planning.probe import instantiate, measure_activations
-from lightning_mlopt.strategies.tp_plan import resolve
+from lightning_mlopt.strategies.tensor.tp_plan import resolve
 from tests.conftest import CONFIGS, SHARED_RUN_CLIP, SHARED_RUN_CLIP_VALUE, SHARED_RUN_STEPS, run_tool_here
 from tests.support.grad_norms import MONITOR_FOLDER, assert_norms_match_one_process, monitor_args
 from tests.support.llama_style import LlamaStyleLM, write_llama_config

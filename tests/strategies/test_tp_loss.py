@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn import functional
 
 from lightning_mlopt.strategies import TensorParallelStrategy
-from lightning_mlopt.strategies.tp_loss import split_logits_loss
-from lightning_mlopt.strategies.tp_plan import STYLES, resolve
+from lightning_mlopt.strategies.tensor.tp_loss import split_logits_loss
+from lightning_mlopt.strategies.tensor.tp_plan import STYLES, resolve
 
 
 @pytest.fixture

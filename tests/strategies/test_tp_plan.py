@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_mlopt.demos import GPTLanguageModel
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.strategies.tp_plan import STYLES, resolve
+from lightning_mlopt.strategies.tensor.tp_plan import STYLES, resolve
 from tests.support.llama_style import LlamaStyleLM
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "strategies"

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_mlopt.cli import main
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.strategies.tp_plan import resolve
+from lightning_mlopt.strategies.tensor.tp_plan import resolve
 
 transformers = pytest.importorskip("transformers")
 

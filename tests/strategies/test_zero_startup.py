@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from lightning_mlopt.strategies.deepspeed_startup import name_deepspeed_accelerator, uses_shm_op
+from lightning_mlopt.strategies.deepspeed.deepspeed_startup import name_deepspeed_accelerator, uses_shm_op
 from tests.conftest import CONFIGS, SMOKE, failure_report, run_cli
 
 BUILT = "built successfully"  # DeepSpeed's print after loading (or compiling) a JIT op, in each rank

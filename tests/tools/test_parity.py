@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_mlopt.strategies.tp_plan import resolve
+from lightning_mlopt.strategies.tensor.tp_plan import resolve
 from tests.conftest import CONFIGS, run_cli, run_tool_here
 from tests.support.llama_style import FixedHeadsGPT
 from tests.support.preloaded import fork_tools_child_fits

@@ -1,6 +1,6 @@
 """Pipeline stages that keep the model's module calls (torch.fx), for pipeline x tensor parallelism.
 
-The default split (:func:`~lightning_mlopt.strategies.pp_split.trace_stages`, through ``torch.export``) inlines
+The default split (:func:`~lightning_mlopt.strategies.pipeline.pp_split.trace_stages`, through ``torch.export``) inlines
 every module call into aten operations on fixed shapes. Tensor parallelism needs the opposite: torch's styles
 act through hooks on the model's ``nn.Linear`` and ``nn.Embedding`` modules, and the ``view`` after a split
 projection must read the local width at run time. torch.fx's symbolic tracer keeps torch.nn's modules as calls
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.strategies.pp_split import refuse_shared_parameters, trial_forwards
+from lightning_mlopt.strategies.pipeline.pp_split import refuse_shared_parameters, trial_forwards
 
 
 class ModuleStages:

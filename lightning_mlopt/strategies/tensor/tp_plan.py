@@ -39,8 +39,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.strategies.tp_heads import check_head_counts
-from lightning_mlopt.strategies.tp_names import nearest_names
+from lightning_mlopt.strategies.tensor.tp_heads import check_head_counts
+from lightning_mlopt.strategies.tensor.tp_names import nearest_names
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ class Style:
         description: one line for the docs and the error messages.
         consumes_split: the module takes a column-wise module's split output (the row-wise styles).
         splits_logits: the module's output stays split along its last dimension into the loss, which the
-            strategy then computes inside torch's ``loss_parallel`` (see :mod:`~lightning_mlopt.strategies.tp_loss`).
+            strategy then computes inside torch's ``loss_parallel``
+            (see :mod:`~lightning_mlopt.strategies.tensor.tp_loss`).
 
     """
 
@@ -189,7 +190,7 @@ class ResolvedPlan:
         from torch.distributed.tensor.parallel import parallelize_module
 
         from lightning_mlopt.planning.probe import fake_world
-        from lightning_mlopt.strategies.tp_loss import split_logits_loss
+        from lightning_mlopt.strategies.tensor.tp_loss import split_logits_loss
 
         with fake_world(self.size) as mesh:
             parallelize_module(module, mesh, self.parallelize_plan())

@@ -41,15 +41,15 @@ from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.hooks import RunsPipeline
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
-from lightning_mlopt.strategies.pp_buffers import keep_out_of_checkpoints, non_persistent_buffers
-from lightning_mlopt.strategies.pp_runner import PipelineRunner, loop_name
-from lightning_mlopt.strategies.pp_schedule import (
+from lightning_mlopt.strategies.pipeline.pp_buffers import keep_out_of_checkpoints, non_persistent_buffers
+from lightning_mlopt.strategies.pipeline.pp_runner import PipelineRunner, loop_name
+from lightning_mlopt.strategies.pipeline.pp_schedule import (
     BubbleClock,
     ScheduleKind,
     bubble_advice,
     schedule_named,
 )
-from lightning_mlopt.strategies.pp_split import (
+from lightning_mlopt.strategies.pipeline.pp_split import (
     DeclaresPipelineLoss,
     check_split,
     depends_on_mode,
@@ -59,7 +59,7 @@ from lightning_mlopt.strategies.pp_split import (
     split_batch,
     stage_indices,
 )
-from lightning_mlopt.strategies.pp_tensor import WholeStages, stage_split
+from lightning_mlopt.strategies.pipeline.pp_tensor import WholeStages, stage_split
 from lightning_mlopt.strategies.spec import StrategySpec
 
 PIPELINE: Final = "pipeline"  # the mesh dimension outermost of all (pipelines span nodes)
@@ -72,10 +72,11 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     ``stages_per_rank`` for the interleaved schedules), and ``world / pipeline_parallel_size`` pipeline replicas
     each train on their own slice of the data, their stages sharded by FSDP over the data dimension when it is
     > 1. The model is cut at ``split_points`` by torch's tracer (``torch.export``), unmodified; it declares one
-    method, ``pipeline_loss(output, target)`` (:class:`~lightning_mlopt.strategies.pp_split.DeclaresPipelineLoss`).
+    method, ``pipeline_loss(output, target)``
+    (:class:`~lightning_mlopt.strategies.pipeline.pp_split.DeclaresPipelineLoss`).
     With ``tensor_parallel_size`` > 1 the mesh is ``(pipeline, shard, tensor)`` (3D): torch.fx's tracer cuts the
     model instead, keeping its module calls, and each stage's planned layers are split over that many
-    consecutive ranks (:mod:`~lightning_mlopt.strategies.pp_tensor`).
+    consecutive ranks (:mod:`~lightning_mlopt.strategies.pipeline.pp_tensor`).
     Batches are ``(inputs, target)`` pairs; every rank of a pipeline loads the same batch (the first stage uses
     the inputs, the last the target).
 
@@ -86,7 +87,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         microbatches: micro-batches per batch; must divide the batch size. At least 4 per pipeline rank keeps
             the bubble under 20% (a warning says so below that).
         schedule: ``gpipe``, ``1f1b`` (default: the least activation memory), ``interleaved_1f1b`` or
-            ``looped_bfs`` (several stages per rank); see :mod:`lightning_mlopt.strategies.pp_schedule`.
+            ``looped_bfs`` (several stages per rank); see :mod:`lightning_mlopt.strategies.pipeline.pp_schedule`.
         stages_per_rank: stages each rank holds; None: the schedule's default (1, or 2 for the interleaved ones).
         loss_name: the name the training loss is logged under; ``train`` in it becomes ``val`` and ``test`` for
             the other loops (``loss`` becomes ``val/loss``). Each pipeline logs its own replica's loss.

@@ -2,7 +2,7 @@
 
 Each stage is split by the same plan :class:`~lightning_mlopt.strategies.TensorParallelStrategy` takes, over the
 mesh's ``tensor`` dimension (consecutive ranks, the innermost, where the all-reduces are cheap). The stages are
-cut by :func:`~lightning_mlopt.strategies.pp_module_split.trace_module_stages`, so they call the model's own
+cut by :func:`~lightning_mlopt.strategies.pipeline.pp_module_split.trace_module_stages`, so they call the model's own
 modules under their whole-model names, and the plan's styles split those in place.
 
 What tensor parallelism adds to a pipeline's set-up is one object, :func:`stage_split`'s: :class:`WholeStages`
@@ -27,9 +27,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_mlopt.distributed.sharding import synchronized_buffers
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.strategies.pp_module_split import trace_module_stages
-from lightning_mlopt.strategies.pp_split import stage_group, trace_stages
-from lightning_mlopt.strategies.tp_plan import STYLES, ResolvedPlan, plan_of
+from lightning_mlopt.strategies.pipeline.pp_module_split import trace_module_stages
+from lightning_mlopt.strategies.pipeline.pp_split import stage_group, trace_stages
+from lightning_mlopt.strategies.tensor.tp_plan import STYLES, ResolvedPlan, plan_of
 
 
 class WholeStages:
@@ -42,7 +42,7 @@ class WholeStages:
         return frozenset()
 
     def trace(self, module: nn.Module, inputs: tuple[Any, ...], split_points: Sequence[str], training: bool) -> Any:
-        """The model cut into stages by ``torch.export`` (:func:`~lightning_mlopt.strategies.pp_split.trace_stages`)."""
+        """The model cut into stages by ``torch.export`` (:func:`~.pp_split.trace_stages`)."""
         return trace_stages(module, inputs, split_points, training=training)
 
     def split(self, stage_modules: Sequence[nn.Module], mesh: DeviceMesh) -> int:
@@ -102,7 +102,7 @@ def stage_plan(module: nn.Module, plan: Mapping[str, str] | None, size: int) -> 
     """The plan (or the model's own ``tp_plan``) resolved and checked for pipeline stages.
 
     Raises:
-        BadInputError: no plan, a plan that does not fit (:func:`~lightning_mlopt.strategies.tp_plan.resolve`),
+        BadInputError: no plan, a plan that does not fit (:func:`~lightning_mlopt.strategies.tensor.tp_plan.resolve`),
             or a style that leaves the logits split into the loss: the last stage hands ``pipeline_loss`` a
             plain tensor.
 

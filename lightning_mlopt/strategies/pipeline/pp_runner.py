@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mlopt.exceptions import BadInputError
-from lightning_mlopt.strategies.pp_schedule import BubbleClock, ScheduleKind
-from lightning_mlopt.strategies.pp_split import split_batch
+from lightning_mlopt.strategies.pipeline.pp_schedule import BubbleClock, ScheduleKind
+from lightning_mlopt.strategies.pipeline.pp_split import split_batch
 
 
 class PipelineRunner:

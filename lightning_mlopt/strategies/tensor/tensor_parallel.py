@@ -19,8 +19,8 @@ from lightning_mlopt.distributed.sharding import PartialGradients, SubMeshShardi
 from lightning_mlopt.strategies import fsdp
 from lightning_mlopt.strategies.fsdp import FSDPStrategy
 from lightning_mlopt.strategies.spec import StrategySpec
-from lightning_mlopt.strategies.tp_loss import split_logits_loss
-from lightning_mlopt.strategies.tp_plan import ResolvedPlan, plan_of
+from lightning_mlopt.strategies.tensor.tp_loss import split_logits_loss
+from lightning_mlopt.strategies.tensor.tp_plan import ResolvedPlan, plan_of
 
 TENSOR: Final = "tensor"  # the mesh's dimensions: (shard, tensor), data-parallel outermost
 
@@ -47,7 +47,7 @@ class TensorParallelStrategy(FSDPStrategy):
     ``world / tensor_parallel_size`` data-parallel groups each get their own slice of the data, their parameters
     sharded by FSDP with the FSDP keys below (``wrap_classes``, ``reshard_after_forward``, mixed precision,
     activation checkpointing). The user's module is not changed; the plan names its modules (see
-    :mod:`lightning_mlopt.strategies.tp_plan` for the styles) and is checked before any process group starts.
+    :mod:`lightning_mlopt.strategies.tensor.tp_plan` for the styles) and is checked before any process group starts.
     Checkpoints are DCP folders, like FSDP's, and load at another layout.
 
     A model is tensor-parallel-correct when it works from the width it is given: heads counted from the local
@@ -112,7 +112,7 @@ class TensorParallelStrategy(FSDPStrategy):
 
         Raises:
             BadInputError: no plan, a world size the tensor-parallel size does not divide, or a plan that does
-                not fit the model (see :func:`~lightning_mlopt.strategies.tp_plan.resolve`).
+                not fit the model (see :func:`~lightning_mlopt.strategies.tensor.tp_plan.resolve`).
 
         """
         return plan_of(module, self.tp_plan, self.mesh_plan.tensor)  # the sizes checked first

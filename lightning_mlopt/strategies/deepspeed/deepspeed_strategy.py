@@ -31,11 +31,11 @@ from lightning_mlopt._compat import (
 )
 from lightning_mlopt.checkpoint.layout import ONE_FILE, ZERO_PARTITIONS, CheckpointLayout
 from lightning_mlopt.checkpoint.manifest import FileEntry
-from lightning_mlopt.strategies.build_locks import clear_stale_build_locks
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
 from lightning_mlopt.strategies.contract import DeclaresContract
-from lightning_mlopt.strategies.deepspeed_startup import name_deepspeed_accelerator, uses_shm_op
-from lightning_mlopt.strategies.sharding import ZeroSharding
+from lightning_mlopt.strategies.deepspeed.build_locks import clear_stale_build_locks
+from lightning_mlopt.strategies.deepspeed.deepspeed_startup import name_deepspeed_accelerator, uses_shm_op
+from lightning_mlopt.strategies.deepspeed.zero_sharding import ZeroSharding
 from lightning_mlopt.strategies.spec import StrategySpec
 
 Preset = Literal["zero1", "zero2", "zero3", "zero3_offload"]
@@ -118,7 +118,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
 
     @property
     def sharding(self) -> ZeroSharding:
-        """What each rank holds: ZeRO partitions (see strategies/sharding.py)."""
+        """What each rank holds: ZeRO partitions (see strategies/deepspeed/zero_sharding.py)."""
         return ZeroSharding(self)
 
     def __init__(
@@ -206,7 +206,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
 
     def loads_own_checkpoint(self, state: Path, saved_world_size: int) -> bool:
         """Whether DeepSpeed loads this ZeRO checkpoint as it is (same world size and stage family); else converted."""
-        from lightning_mlopt.strategies.zero_checkpoint import loads_as_it_is_under_zero
+        from lightning_mlopt.strategies.deepspeed.zero_checkpoint import loads_as_it_is_under_zero
 
         return loads_as_it_is_under_zero(state, saved_world_size, self.world_size, self.zero_stage)
 
@@ -227,7 +227,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
     def _save_through_background_engine(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> Future[dict[str, FileEntry]]:
-        from lightning_mlopt.strategies.background_checkpoint_engine import BackgroundCheckpointEngine
+        from lightning_mlopt.strategies.deepspeed.background_checkpoint_engine import BackgroundCheckpointEngine
 
         background = BackgroundCheckpointEngine()
         original, self.deepspeed_engine.checkpoint_engine = self.deepspeed_engine.checkpoint_engine, background
@@ -243,7 +243,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
 
         Its pickles must have passed the allowlist (``check_trusted``) first: DeepSpeed's files hold its own types.
         """
-        from lightning_mlopt.strategies.zero_checkpoint import read_zero_checkpoint
+        from lightning_mlopt.strategies.deepspeed.zero_checkpoint import read_zero_checkpoint
 
         name_deepspeed_accelerator()  # unpickling DeepSpeed's files imports it
         return read_zero_checkpoint(state)
@@ -251,7 +251,7 @@ class DeepSpeedStrategy(CheckpointGroupMixin, DeclaresContract, _LightningDeepSp
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if Path(self.broadcast(str(checkpoint_path))).is_file():  # one file (DDP's, a conversion's): any world size
-            from lightning_mlopt.strategies.zero_checkpoint import load_full_file
+            from lightning_mlopt.strategies.deepspeed.zero_checkpoint import load_full_file
 
             return load_full_file(self, Path(checkpoint_path), trust_pickles=weights_only is False)
         if self._evaluating() and self.zero_stage_3 and Path(checkpoint_path).is_dir():

@@ -181,7 +181,7 @@ def refuse_shared_parameters(stages: Any) -> None:
 
     ``check_split`` refuses a parameter two stages' modules hold; this catches the one a later stage reads
     directly, e.g. an LM head written ``F.linear(x, self.embedding.weight)``. A frozen one may be shared.
-    ``stages``: a ``Pipe`` or :class:`~lightning_mlopt.strategies.pp_module_split.ModuleStages` (stage modules
+    ``stages``: a ``Pipe`` or :class:`~lightning_mlopt.strategies.pipeline.pp_module_split.ModuleStages` (stage modules
     keep whole-model names).
 
     Raises:

@@ -1,0 +1,1 @@
+"""Tensor parallelism (and FSDP or HSDP x TP): the strategy, its plan's styles, head counts and the split loss."""
