@@ -119,7 +119,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
                 )
         pipeline, stage_lines = _pipeline(trainer, model, world_size)
         resolved, placements = _tensor_parallel(trainer, model, world_size)
-        placements = stage_lines + placements
+        placements = stage_lines + placements + _features(config, model)
         if resolved is not None:
             tensor_parallel = (resolved.size, resolved.split_elements(model))
             if data is not None:
@@ -149,6 +149,44 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
         replicate=args.replicate_size or replicate,
     )
     return plan, placements, notes
+
+
+def _features(config: dict[str, Any], model: Any) -> list[str]:
+    """A line for each of ``compile:`` and ``float8:`` turned on: what it takes of the model, what it does to rows.
+
+    Chosen as the callbacks choose at fit (the same methods, on the meta-device model), so a block the compile
+    would not find, or float8 with nothing to convert, is bad input here as there.
+    """
+    from lightning_mlopt.callbacks import CompileModel, Float8Training
+
+    lines = []
+    compile_args = dict(config.get("compile") or {})
+    if compile_args.pop("enabled", False):
+        compile_model = CompileModel(**compile_args)
+        names = [name for name, _ in compile_model.regions_of(model)]
+        lines.append(
+            f"compile ({compile_model.regions}, {compile_model.backend}): {len(names)} region(s) ({names[0]}, ...); "
+            "the rows are eager's (compiled kernels usually keep fewer activations)"
+        )
+    float8_args = dict(config.get("float8") or {})
+    if float8_args.pop("enabled", False):
+        float8 = Float8Training(**float8_args)
+        chosen, kept = float8.choose(model)
+        modules = dict(model.named_modules())
+        converted = sum(modules[name].weight.numel() for name in chosen)
+        total = sum(p.numel() for p in model.parameters())
+        kept_text = "; ".join(f"{name} ({why})" for name, why in kept.items()) or "none"
+        gather = (
+            "; FSDP gathers their weights in float8 (1 byte an element, half of bf16)"
+            if float8.fsdp_float8_all_gather
+            else ""
+        )
+        lines.append(
+            f"float8 ({float8.recipe}): {len(chosen)} linear layer(s) in float8 matmuls ({converted:,} of {total:,} "
+            f"parameters); kept in high precision: {kept_text}. The rows are unchanged: parameters, gradients and "
+            f"optimizer state keep their dtypes{gather}"
+        )
+    return lines
 
 
 def _tensor_parallel(trainer: dict[str, Any], model: Any, world_size: int) -> tuple[ResolvedPlan | None, list[str]]:

@@ -251,3 +251,22 @@ def test_3d_rows_split_each_stages_planned_parameters_and_shard_the_rest(tmp_pat
     assert float(row[1]) == pytest.approx(held * 4 / 1e6, abs=0.01)  # fp32 parameters, in MB
     bad = run_tool_here("plan", [*pp, "--config", str(tp2), "--world_size", "6"], tmp_path, monkeypatch)
     assert bad.returncode == 2 and "x tensor (2) must divide the world size (6)" in bad.stderr
+
+
+def test_compile_and_float8_lines_name_what_the_fit_would_take(tmp_path, monkeypatch):
+    features = [str(CONFIGS / "features" / name) for name in ("compile.yaml", "float8.yaml")]
+    configs = [CONFIGS / "gpt.yaml", CONFIGS / "strategies" / "fsdp.yaml", *features]
+    args = [arg for path in configs for arg in ("--config", str(path))]
+    result = run_tool_here("plan", [*args, "--world_size", "2"], tmp_path, monkeypatch)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    # The GPT demo's four blocks; its 16 block linears (4 x (128x384 + 128x128 + 128x512 + 512x128) weights), the
+    # vocabulary head kept.
+    assert lines[0].startswith("compile (blocks, inductor): 4 region(s) (model.layers.0, ...)")
+    assert lines[1].startswith("float8 (tensorwise): 16 linear layer(s) in float8 matmuls (786,432 of 867,072 ")
+    assert "kept in high precision: model.lm_head (the output head)" in lines[1]
+    # Nothing to convert is bad input, as fit says.
+    (tmp_path / "skip.yaml").write_text("float8:\n  skip: ['*']\n")
+    skip_all = ["--config", str(tmp_path / "skip.yaml")]
+    bad = run_tool_here("plan", [*args, *skip_all, "--world_size", "2"], tmp_path, monkeypatch)
+    assert bad.returncode == 2 and "float8: no linear layer to convert" in bad.stderr

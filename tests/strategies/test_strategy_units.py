@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_mlopt.demos import GPTLanguageModel
-from lightning_mlopt.strategies import STRATEGIES, DeepSpeedStrategy, FSDPStrategy, resolve_strategy
+from lightning_mlopt.strategies import (
+    STRATEGIES,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    TensorParallelStrategy,
+    resolve_strategy,
+)
 from lightning_mlopt.strategies.deepspeed.deepspeed_strategy import PRESETS, merge_config
+from lightning_mlopt.strategies.fsdp_options import FSDPOptions
 from lightning_mlopt.strategies.fsdp_units import select_by_size
 
 BLOCK = "lightning_mlopt.demos.gpt.TransformerBlock"
@@ -49,6 +57,27 @@ def test_fsdp_size_policy_wraps_the_largest_subtrees_first():
     left = select_by_size(model, threshold=1000, wrapped=wrapped, is_root=True)
     assert wrapped == {model[0]}  # 10,100 parameters; the inner Sequential holds only 220
     assert left == 220
+
+
+def test_fsdp_options_are_one_object_that_tensor_parallelism_takes_whole():
+    keys = {
+        "wrap_classes": [BLOCK],
+        "activation_checkpointing": [BLOCK],
+        "param_dtype": "bfloat16",
+        "cpu_offload": True,
+    }
+    fsdp, tp = FSDPStrategy(**keys), TensorParallelStrategy(tensor_parallel_size=2, replicate_size=2, **keys)
+    assert fsdp.fsdp_options == tp.fsdp_options
+    assert tp.replicate_size == 2
+    options = FSDPOptions.from_keys(**keys)
+    model = GPTLanguageModel(n_layer=2)
+    assert options.units(model) == set(model.model.layers)
+    # By size, the largest subtrees first: each MLP (131k parameters), then the stack with the rest of its blocks.
+    sized = FSDPOptions(min_params_to_wrap=100_000).units(model)
+    assert sized == {model.model.layers, model.model.layers[0].mlp, model.model.layers[1].mlp}
+    kwargs = options.fully_shard_kwargs(mesh=None, device_type="cpu")  # type: ignore[arg-type]
+    assert kwargs["mp_policy"].param_dtype is torch.bfloat16 and kwargs["mp_policy"].reduce_dtype is torch.bfloat16
+    assert type(kwargs["offload_policy"]).__name__ == "CPUOffloadPolicy" and not kwargs["offload_policy"].pin_memory
 
 
 def test_deepspeed_presets_and_merge():

@@ -4,7 +4,8 @@ data: the tool runs in the test process, its two fits forked from the preloaded 
 A correct 2-process DDP run matches (the reference trains on the global batch of 2 x 16 in one process); a
 tensor-parallel plan that passes every static check on a model that is not tensor-parallel-correct (a
 ``[q; k; v]`` fused projection with a fixed head count in ``view``) is caught, naming the first tensor that
-diverges, with exit status 1. Bad input ends with 2 before anything runs.
+diverges, with exit status 1. A compiled configuration is compared with the eager model, float8 left out of
+both. Bad input ends with 2 before anything runs.
 """
 
 from __future__ import annotations
@@ -33,6 +34,32 @@ def test_a_correct_ddp_run_matches_one_process_on_its_global_batch(tmp_path, mon
     saved = yaml.safe_load((run_dir / "parity" / "reference" / "config.yaml").read_text())
     assert saved["data"]["init_args"]["batch_size"] == 2 * 16, "the reference trains on the global batch"
     assert str(saved["trainer"]["devices"]) == "1"
+
+
+@pytest.mark.slow
+def test_a_compiled_run_is_compared_with_the_eager_model_and_float8_is_left_out_of_both(tmp_path, monkeypatch):
+    fork_tools_child_fits(monkeypatch)
+    features = [str(CONFIGS / "features" / name) for name in ("compile.yaml", "float8.yaml")]
+    one = ["--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.devices=1", "--compile.backend=aot_eager"]
+    arguments = [
+        "--config",
+        str(CONFIGS / "gpt.yaml"),
+        *[f"--config={path}" for path in features],
+        *one,
+        "--steps",
+        "2",
+    ]
+    result = run_tool_here("parity", arguments, tmp_path, monkeypatch)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    said = result.stdout.strip().splitlines()
+    assert "parity: float8 off in both runs (its activation scales come from each rank's batch)" in said
+    assert said[-1].startswith("parity: 2 steps match the one-process run")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    saved = [
+        yaml.safe_load((run_dir / "parity" / run / "config.yaml").read_text()) for run in ("configured", "reference")
+    ]
+    assert [config["compile"]["enabled"] for config in saved] == [True, False]
+    assert [config["float8"]["enabled"] for config in saved] == [False, False]
 
 
 @pytest.mark.multiprocess
