@@ -175,11 +175,11 @@ def deepspeed_without_shm_op() -> Iterator[None]:
     """
     backend = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` the attribute is torch itself
     original = _require(backend, "build_shm_op", "starting DeepSpeed's CPU backend without its shared-memory op")
-    backend.build_shm_op = _no_shm_op
+    setattr(backend, "build_shm_op", _no_shm_op)  # noqa: B010 -- set on a module imported by name
     try:
         yield
     finally:
-        backend.build_shm_op = original
+        setattr(backend, "build_shm_op", original)  # noqa: B010
 
 
 def _no_shm_op() -> None:

@@ -20,8 +20,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, Literal, cast
 
 from torch.utils.data import BatchSampler, Sampler
 
@@ -135,7 +135,7 @@ def samples_to_skip(position: dict[str, Any], loaders: list[Any], replicas: int)
         return None, "the position is placed exactly for one training DataLoader over a map-style dataset"
     if type(usable[0].batch_sampler) is not BatchSampler:
         return None, "the DataLoader has a batch sampler of its own, which cannot be entered mid-batch"
-    if samples >= len(usable[0].dataset):  # a partial last batch counts as a whole one: >=
+    if samples >= len(cast(Sized, usable[0].dataset)):  # a partial last batch counts as a whole one: >=
         return 0, ""
     if samples % replicas:
         return None, f"{samples} samples consumed do not split evenly over {replicas} ranks"

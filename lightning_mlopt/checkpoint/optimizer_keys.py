@@ -68,7 +68,7 @@ def keyed_by_name(state: Mapping[str, Any], live: list[list[str]]) -> dict[str, 
             f"the checkpoint's optimizer has parameter groups of sizes {sizes}; this run's has "
             f"{[len(names) for names in live]}: configure_optimizers must build the same groups to resume"
         )
-    name_of = {}
+    name_of: dict[Any, str] = {}
     groups = []
     for saved, names in zip(saved_groups, live, strict=True):
         name_of.update(zip(saved["params"], names, strict=True))
@@ -134,7 +134,7 @@ def flattened_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
-    state = get_optimizer_state_dict(module, optimizer, options=options)
+    state: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer, options=options))
     for index, names in enumerate(group_names(optimizer, module)):  # which group each parameter was in
         state.update({f"param_groups.{name}.{GROUP_INDEX}": index for name in names})
     return state
@@ -164,10 +164,11 @@ def unflattened(state: Mapping[str, Any]) -> dict[str, Any]:
         if index is not None:
             group = indexed.setdefault(int(index), {**group_settings, "params": []})
         else:
-            group = next((g for g in by_settings if _settings(g) == group_settings), None) or {}
-            if not group:
-                group = {**group_settings, "params": []}
-                by_settings.append(group)
+            found = next((g for g in by_settings if _settings(g) == group_settings), None)
+            if found is None:
+                found = {**group_settings, "params": []}
+                by_settings.append(found)
+            group = found
         group["params"].append(name)
     ordered = [indexed[index] for index in sorted(indexed)] + by_settings
     return {"state": per_parameter, "param_groups": ordered}

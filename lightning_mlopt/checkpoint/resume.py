@@ -358,7 +358,8 @@ def _continue_at_another_size(trainer: Any, loaders: list[Any], saved: dict[str,
         return 0
     loader = resumable_loaders(loaders)[0]
     # Saved at the epoch's end (nothing left to skip): the epoch is as done at this size as it was at the other.
-    batches = per_rank // loader.batch_size if per_rank else int(trainer.num_training_batches)
+    # samples_to_skip placed a position, so it knew the loader's batch size.
+    batches = per_rank // int(loader.batch_size or 1) if per_rank else int(trainer.num_training_batches)
     set_batches_done(trainer, batches)
     if per_rank:
         skip_first_samples(loader, per_rank)

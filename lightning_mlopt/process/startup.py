@@ -52,7 +52,7 @@ class StartupGuard:
         self._parent: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._last_words: list[Callable[[str], None]] = []
+        self._last_words: list[Callable[[str], object]] = []
 
     def arm(self, timeout_s: float | None) -> None:
         """Start (or restart) the start-up clock: ``timeout_s`` from now; None or 0 turns it off."""
@@ -74,7 +74,7 @@ class StartupGuard:
         self._parent = os.getppid()
         self._ensure_thread()
 
-    def add_last_words(self, write: Callable[[str], None]) -> None:
+    def add_last_words(self, write: Callable[[str], object]) -> None:
         """Call ``write(reason)`` before this rank ends because its launcher is gone.
 
         The hang watchdog registers its stack dump here: when every rank's watchdog fires at once and the
@@ -83,7 +83,7 @@ class StartupGuard:
         """
         self._last_words.append(write)
 
-    def remove_last_words(self, write: Callable[[str], None]) -> None:
+    def remove_last_words(self, write: Callable[[str], object]) -> None:
         """Undo :meth:`add_last_words` (the watchdog stopped)."""
         if write in self._last_words:
             self._last_words.remove(write)

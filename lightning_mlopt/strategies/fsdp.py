@@ -8,7 +8,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -196,6 +196,13 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         """
         replicate = self.num_nodes if self.replicate_size == "nodes" else self.replicate_size or 1
         return {"replicate": (replicate, "replicate_size")}
+
+    @property
+    def _trained_module(self) -> LightningModule:
+        """The LightningModule (Lightning's ``lightning_module``, which is None only before the model is connected)."""
+        module = self.lightning_module
+        assert module is not None, "no LightningModule yet: the strategy is not set up"
+        return module
 
     @property
     def shard_mesh(self) -> DeviceMesh:

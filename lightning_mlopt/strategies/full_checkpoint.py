@@ -136,7 +136,7 @@ def load_dcp_folder(
     options = StateDictOptions(flatten_optimizer_state_dict=saved_flattened(path))
     for index, optimizer in enumerate(optimizers):
         key = f"{_OPTIMIZER_PREFIX}{index}"
-        target = get_optimizer_state_dict(module, optimizer, options=options)
+        target: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer, options=options))
         live_params = [list(group["params"]) for group in target.get("param_groups", [])]
         state = {key: target}
         load(state, checkpoint_id=path)

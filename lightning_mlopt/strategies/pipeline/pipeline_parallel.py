@@ -112,6 +112,8 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
 
     """
 
+    sharding: PipelineSharding  # set per instance: it knows the pipeline's size
+
     def __init__(
         self,
         pipeline_parallel_size: int = 2,
@@ -143,7 +145,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
             process_group_backend=process_group_backend,
         )
         self.pipeline_parallel_size = pipeline_parallel_size
-        self.sharding = PipelineSharding(pipeline_parallel_size)  # type: ignore[misc]
+        self.sharding = PipelineSharding(pipeline_parallel_size)
         self.split_points = list(split_points)
         self.microbatches = microbatches
         self.schedule: ScheduleKind = kind
@@ -235,7 +237,8 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
             )
         super().setup(trainer)
         rank_stages = ", ".join(str(stage.stage_index) for stage in self._stages)
-        line = f"pipeline stage(s) {rank_stages} of {self.stages}: {sum(p.numel() for p in self.model.parameters()):,}"
+        held = sum(p.numel() for p in self._trained_module.parameters())
+        line = f"pipeline stage(s) {rank_stages} of {self.stages}: {held:,}"
         split = f", {self._split_modules} modules split {self.tensor_parallel_size} ways" if self._split_modules else ""
         if data_rank(self.device_mesh) == 0:  # one line per pipeline rank, the first replica's
             print(f"[rank {self.global_rank}] {line} parameters{split}")
@@ -247,7 +250,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         split = self._stage_split_of(module)
         self.sharding.local_statistics |= split.local_statistics(module)  # ReplicaConsistencyCheck's, before the cut
         transient = non_persistent_buffers(module)  # the tracer loses the flag: put back after the cut
-        trainer = self.lightning_module.trainer
+        trainer = self._trained_module.trainer
         with said_by_rank_zero(self.global_rank):
             loader = example_loader(trainer)
             if loader.batch_size is not None:
@@ -299,7 +302,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """Run the schedule on the batch (forward and backward of every micro-batch); return its loss."""
-        module = self.lightning_module
+        module = self._trained_module
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches
         batch = args[0] if args else kwargs["batch"]
@@ -322,7 +325,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
         """Put back the gradients the schedule computed, between the backward hooks; no autograd here."""
         if self._set_aside is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        module = self.lightning_module
+        module = self._trained_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         for param, grad in self._set_aside:
@@ -336,7 +339,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
     def post_backward(self, closure_loss: Tensor) -> None:
         """FSDP's, then sequence-parallel norms' partial gradients made whole, as under tensor parallelism."""
         super().post_backward(closure_loss)
-        self._partial_gradients.settle(self.lightning_module)
+        self._partial_gradients.settle(self._trained_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -376,7 +379,7 @@ class PipelineParallelStrategy(FSDPStrategy, RunsPipeline):
             return None
         assert self._runner is not None
         loss = self._runner.run(batch, train=False, loss_scale=1.0 / self.microbatches)
-        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
+        self._trained_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
     @override

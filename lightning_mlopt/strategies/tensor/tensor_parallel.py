@@ -127,7 +127,7 @@ class TensorParallelStrategy(FSDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         """FSDP's, then the gradients backward left as partial sums (sequence parallelism's norms) made whole."""
         super().post_backward(closure_loss)
-        self._partial_gradients.settle(self.lightning_module)
+        self._partial_gradients.settle(self._trained_module)
 
     @contextmanager
     def _loss_context(self) -> Iterator[None]:
