@@ -463,6 +463,27 @@ def composable_checkpoint() -> Callable[..., Any]:
     return _require(composable, "checkpoint", "activation checkpointing")
 
 
+def all_to_all_autograd(chunks: Any, group: Any) -> Any:
+    """Send ``chunks[i]`` to rank ``i`` of ``group``; ``result[j]`` is what rank ``j`` sent. Differentiable.
+
+    Reach: ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (the public
+    ``torch.distributed.nn.functional.all_to_all_single`` is deprecated and refuses torch.compile).
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    exchange = _require(funcol, "all_to_all_single_autograd", "context parallelism's all-to-all")
+    received = exchange(chunks, None, None, group)
+    return received.wait() if hasattr(received, "wait") else received
+
+
+def flattened_mesh(mesh: Any, names: tuple[str, ...], name: str) -> Any:
+    """The dimensions ``names`` of ``mesh`` as one dimension ``name`` (their ranks in row-major order).
+
+    Reach: ``DeviceMesh._flatten`` (torchtitan's ``dp_shard_cp``; no public form yet).
+    """
+    return _require(mesh[names], "_flatten", "folding the context dimension into FSDP's")(name)
+
+
 def on_compilations(start: Callable[[str, str], None], end: Callable[[str, str], None]) -> None:
     """Call ``start(trigger, compile_id)`` and ``end(...)`` around each compilation torch.compile runs here.
 

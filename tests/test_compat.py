@@ -293,6 +293,15 @@ def test_process_group_and_zero_reaches_exist():
         _compat.init_deepspeed_distributed(object())
 
 
+def test_context_parallel_reaches_exist():
+    # Both run for real in tests/strategies/test_context_parallel.py (2 processes); here, that they still exist.
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert callable(funcol.all_to_all_single_autograd)
+    assert callable(DeviceMesh._flatten)
+
+
 def test_set_device_mesh_reaches_strategy_and_module():
     from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning.pytorch.strategies import ModelParallelStrategy

@@ -24,7 +24,7 @@ TRAINED_BY_PP_TESTS = {"pp"}
 # ... tests/checkpoint/test_conversion.py zero3_offload.yaml (a ZeRO-2 checkpoint resumed under it, 2 processes),
 # tests/cli/test_entry.py auto.yaml (the strategy it chose, against that strategy's own run), and
 # tests/strategies/test_fsdp_variants.py hsdp.yaml (2 x 2 on 4 processes, against one process).
-TRAINED_BY_OTHER_TESTS = {"zero3_offload", "auto", "hsdp"}
+TRAINED_BY_OTHER_TESTS = {"zero3_offload", "auto", "hsdp", "cp"}  # cp: test_context_parallel.py
 TRACKERS = sorted(CONFIGS.glob("trackers/*.yaml"))
 
 

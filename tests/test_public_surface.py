@@ -40,10 +40,10 @@ PINNED = {
     "find_unused_parameters timeout_minutes process_group_backend",
     FSDPStrategy: "wrap_classes min_params_to_wrap reshard_after_forward replicate_size activation_checkpointing "
     "param_dtype reduce_dtype cpu_offload save_distributed_checkpoint timeout_minutes process_group_backend "
-    "replicate_group_size",
+    "replicate_group_size context_parallel_size position_key",
     TensorParallelStrategy: "tensor_parallel_size tp_plan wrap_classes min_params_to_wrap reshard_after_forward "
     "replicate_size activation_checkpointing param_dtype reduce_dtype cpu_offload save_distributed_checkpoint "
-    "timeout_minutes process_group_backend replicate_group_size",
+    "timeout_minutes process_group_backend replicate_group_size context_parallel_size position_key",
     DeepSpeedStrategy: "preset config offload_optimizer offload_parameters timeout_minutes process_group_backend",
     FaultTolerantCheckpoint: "dirpath every_n_steps every_n_minutes async_save save_on keep tiers preemption resume",
     SaveOn: "epoch_end train_end exception",
@@ -72,7 +72,7 @@ PINNED = {
     LoaderDataModule: LOADER,
     CIFAR10DataModule: f"root synthetic_size augment {LOADER}",
     DigitsDataModule: f"val_fraction {LOADER}",
-    TokenDataModule: f"vocab_size block_size num_sequences branching {LOADER}",
+    TokenDataModule: f"vocab_size block_size num_sequences branching positions {LOADER}",
 }
 
 

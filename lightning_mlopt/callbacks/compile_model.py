@@ -94,6 +94,11 @@ class CompileModel(CompilesModel, pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.compiled, self._reported = [], False  # once per fit: a second fit may bring another module
         self.training_recompilations, self.first_training_recompile = 0, None
+        if self.enabled and getattr(trainer.strategy, "context_parallel_size", 1) > 1:
+            raise BadInputError(
+                "compile: context parallelism routes attention through a function mode that compiled regions do "
+                "not see yet; remove configs/features/compile.yaml (compile.enabled: false) or context_parallel_size"
+            )
         if self.enabled and isinstance(trainer.strategy, RunsPipeline):
             raise BadInputError(
                 "compile: pipeline parallelism runs traced stage graphs that torch.compile does not reach yet; "

@@ -282,10 +282,11 @@ class MeasuredModelSummary(ModelSummary):
 
 
 def check_fits_strategy(strategy: Any, model: LightningModule, datamodule: Any) -> None:
-    """The strategy's checks of the model and of the data's batch size, before anything is launched or written.
+    """The strategy's checks of the model and of the data's batch size and sequence length, before anything runs.
 
     Examples: FSDP's ``wrap_classes`` naming a class the model lacks, PP's ``microbatches`` not dividing the
-    batch size. A model that builds its layers in ``configure_model`` is checked by the strategy at setup instead.
+    batch size, ``context_parallel_size`` not dividing the data's ``block_size``. A model that builds its layers
+    in ``configure_model`` is checked by the strategy at setup instead.
 
     Raises:
         BadInputError: a check failed; the message names the strategy's setting.
@@ -298,6 +299,8 @@ def check_fits_strategy(strategy: Any, model: LightningModule, datamodule: Any) 
     batch_size = getattr(datamodule if datamodule is not None else model, "batch_size", None)
     try:
         contract.check_batch_size(batch_size if isinstance(batch_size, int) else None)
+        length = getattr(datamodule, "block_size", None)  # the demos' name for the sequence length
+        contract.check_sequence_length(length if isinstance(length, int) else None)
         if type(model).configure_model is LightningModule.configure_model:
             contract.check_model(model)
     except ValueError as error:

@@ -91,8 +91,10 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     @override
-    def forward(self, tokens: Tensor) -> Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        # Positions from the batch when it has them: under context parallelism a rank holds a slice of the sequence.
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for layer in self.layers:
             x = layer(x)
@@ -171,9 +173,10 @@ class GPTLanguageModel(pl.LightningModule):
         """
         return nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        inputs, targets = batch
-        return self.pipeline_loss(self(inputs), targets)
+    def _loss(self, batch: tuple[Tensor, ...]) -> Tensor:
+        inputs, targets, *positions = batch  # (tokens, targets[, positions]): data.init_args.positions
+        # The network directly, positions given: forward keeps one input for the pipeline's tracers.
+        return self.pipeline_loss(self.model(inputs, *positions), targets)
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

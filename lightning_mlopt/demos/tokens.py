@@ -30,11 +30,15 @@ def markov_sequences(num_sequences: int, length: int, vocab_size: int, branching
 class TokenDataModule(LoaderDataModule):
     """Next-token prediction on synthetic Markov-chain streams; items are ``(tokens[:-1], tokens[1:])``.
 
+    With ``positions``, items are ``(tokens[:-1], tokens[1:], positions)``: context parallelism splits each
+    sequence across ranks, and the model takes its positions from the batch (``configs/strategies/cp.yaml``).
+
     Args:
         vocab_size: token ids are in ``[0, vocab_size)``; match the model's.
         block_size: tokens per training sequence; at most the model's ``block_size``.
         num_sequences: training sequences (validation gets a tenth, at least one batch).
         branching: successors per token in the chain; the loss floor is ``log(branching)``.
+        positions: add each token's position (``0 .. block_size - 1``) as a third tensor of the batch.
         **loader: DataLoader knobs, see :class:`LoaderDataModule`.
 
     Example::
@@ -49,6 +53,7 @@ class TokenDataModule(LoaderDataModule):
         block_size: int = 64,
         num_sequences: int = 2048,
         branching: int = 4,
+        positions: bool = False,
         **loader: Any,
     ) -> None:
         super().__init__(**loader)
@@ -64,10 +69,14 @@ class TokenDataModule(LoaderDataModule):
         self.block_size = block_size
         self.num_sequences = num_sequences
         self.branching = branching
+        self.positions = positions
 
     def _split(self, num_sequences: int, seed: int) -> InMemoryTensors:
         tokens = markov_sequences(num_sequences, self.block_size + 1, self.vocab_size, self.branching, seed)
-        return InMemoryTensors(tokens[:, :-1], tokens[:, 1:])
+        if not self.positions:
+            return InMemoryTensors(tokens[:, :-1], tokens[:, 1:])
+        positions = torch.arange(self.block_size).expand(num_sequences, -1)
+        return InMemoryTensors(tokens[:, :-1], tokens[:, 1:], positions)
 
     @override
     def setup(self, stage: str) -> None:

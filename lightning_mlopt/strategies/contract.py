@@ -9,8 +9,8 @@ them a :class:`StrategyContract`:
 - ``checkpoint_layout`` and ``consolidate_checkpoint``: the layout it writes and how to read one back whole
   (the layout is described in the family's spec, ``strategies/spec.py``);
 - ``background_saves``, ``save_checkpoint_async`` and ``checkpoint_process_group``: async saves;
-- ``check_model`` and ``check_batch_size``: checks of the model and of the data's batch size against the
-  strategy's settings, before anything runs;
+- ``check_model``, ``check_batch_size`` and ``check_sequence_length``: checks of the model and of the data's
+  batch size and sequence length against the strategy's settings, before anything runs;
 - ``process_mesh``: the named device mesh its ranks form, if any (NCCLHealthCheck checks each dimension);
 - ``collectives_at_step_start``: whether its first collective of a step comes at the step's start (a host
   sum must not be in flight on its group then).
@@ -78,6 +78,10 @@ class StrategyContract(CheckpointingStrategy, Protocol):
         """Raise ``ValueError`` when the data's batch size (per rank; None: unknown) does not fit the settings."""
         ...
 
+    def check_sequence_length(self, length: int | None) -> None:
+        """Raise ``ValueError`` when the data's sequence length (None: unknown) does not fit the settings."""
+        ...
+
     def consolidate_checkpoint(self, state: Path, trust_pickles: bool = False) -> dict[str, Any]:
         """One full Lightning state dict on CPU from a checkpoint this strategy wrote."""
         ...
@@ -113,6 +117,9 @@ class DeclaresContract:
 
     def check_batch_size(self, batch_size: int | None) -> None:
         """Every batch size fits (no settings that divide it)."""
+
+    def check_sequence_length(self, length: int | None) -> None:
+        """Every sequence length fits (no settings that divide it)."""
 
     def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> PendingWrite:
         """Not offered (``background_saves`` is False): the saver saves synchronously instead."""

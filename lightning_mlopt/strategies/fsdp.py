@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -20,6 +19,7 @@ from typing_extensions import override
 
 from lightning_mlopt._compat import (
     declare_configure_model,
+    flattened_mesh,
     set_device_mesh,
     set_num_threads_for_processes,
     setup_distributed,
@@ -29,12 +29,13 @@ from lightning_mlopt.checkpoint.serialization import dcp_stager, save_file
 from lightning_mlopt.distributed.grad_norm import clip_grad_norm_
 from lightning_mlopt.distributed.mesh_plan import Dimension, MeshPlan, data_mesh, data_rank
 from lightning_mlopt.distributed.sharding import Sharding, TensorSharding
-from lightning_mlopt.exceptions import said_by_rank_zero
+from lightning_mlopt.exceptions import BadInputError, said_by_rank_zero
 from lightning_mlopt.hooks import compile_model, convert_model
 from lightning_mlopt.strategies.checkpoint_group import CheckpointGroupMixin
+from lightning_mlopt.strategies.context.context_steps import CONTEXT, ContextParallelSteps, refuse_with_context
 from lightning_mlopt.strategies.contract import DeclaresContract
 from lightning_mlopt.strategies.dcp_write import OwnShards
-from lightning_mlopt.strategies.fsdp_options import DType, FSDPOptions
+from lightning_mlopt.strategies.fsdp_options import DType, FSDPOptions, renamed_replicate_size
 from lightning_mlopt.strategies.fsdp_units import (
     is_sharded,
     root_units,
@@ -43,7 +44,7 @@ from lightning_mlopt.strategies.full_checkpoint import consolidate_dcp, load_dcp
 from lightning_mlopt.strategies.spec import StrategySpec
 
 
-class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy):
+class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ContextParallelSteps, ModelParallelStrategy):
     """Fully sharded data parallel (FSDP2) for any LightningModule, configured from YAML.
 
     Lightning's FSDP strategies refuse to run off CUDA, and its FSDP2 path asks the model to call
@@ -76,6 +77,10 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         timeout_minutes: process-group timeout.
         process_group_backend: ``gloo`` or ``nccl``; None picks NCCL on CUDA, gloo on CPU.
         replicate_group_size: the earlier name of ``replicate_size``, still read, with a warning.
+        context_parallel_size: context parallelism (all-to-all): each sequence split over this many ranks, its
+            attention over the whole sequence (``configs/strategies/cp.yaml``); FSDP shards over them too.
+        position_key: where a batch holds its positions under context parallelism: a dict key, or a tuple index
+            (the GPT demo's ``(tokens, targets, positions)``: 2).
 
     Raises:
         ValueError: a knob is out of range, or a wrap class is not in the model (the message lists the
@@ -109,10 +114,14 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         timeout_minutes: float = 30.0,
         process_group_backend: Literal["gloo", "nccl"] | None = None,
         replicate_group_size: int | None = None,
+        context_parallel_size: int = 1,
+        position_key: int | str = "position_ids",
     ) -> None:
-        replicate_size = _renamed_replicate_size(replicate_size, replicate_group_size)
+        replicate_size = renamed_replicate_size(replicate_size, replicate_group_size)
         if replicate_size is not None and replicate_size != "nodes" and replicate_size < 1:
             raise ValueError(f"replicate_size must be >= 1 or 'nodes', got {replicate_size}")
+        if context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}")
         if timeout_minutes <= 0:
             raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
         super().__init__(
@@ -130,6 +139,9 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
             cpu_offload=cpu_offload,
         )
         self.replicate_size = replicate_size
+        self.context_parallel_size = context_parallel_size
+        self.position_key = position_key
+        self._fsdp_mesh: DeviceMesh | None = None  # the shard mesh, context folded in (built once)
         self._stager: Any = None  # DCP's staging of async saves, kept for the run (see dcp_stager)
 
     def save_checkpoint_async(self, checkpoint: dict[str, Any], filepath: str | Path) -> PendingWrite:
@@ -195,7 +207,10 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
         A strategy that adds a dimension extends this (``{**super().plan_dimensions(), "tensor": ...}``).
         """
         replicate = self.num_nodes if self.replicate_size == "nodes" else self.replicate_size or 1
-        return {"replicate": (replicate, "replicate_size")}
+        return {
+            "replicate": (replicate, "replicate_size"),
+            "context": (self.context_parallel_size, "context_parallel_size"),
+        }
 
     @property
     def _trained_module(self) -> LightningModule:
@@ -206,8 +221,15 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
 
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """The data-parallel dimensions parameters are sharded over: ``(shard,)``, or HSDP's ``(replicate, shard)``."""
-        return data_mesh(self.device_mesh)
+        """Where parameters are sharded: ``(shard,)``, HSDP's ``(replicate, shard)``, or shard x context as one.
+
+        Context ranks share a batch, not the model: FSDP shards over them too and averages their gradients.
+        """
+        if CONTEXT not in (self.device_mesh.mesh_dim_names or ()):
+            return data_mesh(self.device_mesh)
+        if self._fsdp_mesh is None:
+            self._fsdp_mesh = flattened_mesh(self.device_mesh, ("shard", CONTEXT), "shard_context")
+        return self._fsdp_mesh
 
     @property
     @override
@@ -297,8 +319,18 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ModelParallelStrategy
 
         The CLI calls it before anything is written; setup calls it again for models built in ``configure_model``.
         """
-        self.mesh_plan  # noqa: B018 -- the sizes against the world: BadInputError before anything starts
+        plan = self.mesh_plan  # the sizes against the world: BadInputError before anything starts
         self.fsdp_options.check(module)
+        if plan.context > 1:
+            refuse_with_context(plan, self.fsdp_options)
+
+    def check_sequence_length(self, length: int | None) -> None:
+        """BadInputError where ``context_parallel_size`` does not divide the data's sequence length (before launch)."""
+        if length is not None and length % self.context_parallel_size:
+            raise BadInputError(
+                f"context_parallel_size={self.context_parallel_size} must divide the sequence length "
+                f"(data block_size {length}); choose a divisor of it"
+            )
 
     @staticmethod
     def consolidate_checkpoint(state: Path, trust_pickles: bool = False) -> dict[str, Any]:
@@ -343,21 +375,6 @@ def _clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float, sharding: Sh
     clip_grad_norm_(parameters, float(clip_val), sharding)
 
 
-def _renamed_replicate_size(
-    replicate_size: int | Literal["nodes"] | None, replicate_group_size: int | None
-) -> int | Literal["nodes"] | None:
-    """``replicate_size``, or the value given under its earlier name (with a warning saying the new one)."""
-    if replicate_group_size is None:
-        return replicate_size
-    if replicate_size is not None and replicate_size != replicate_group_size:
-        raise ValueError(
-            f"replicate_group_size ({replicate_group_size}) is the earlier name of replicate_size ({replicate_size}): "
-            "give only replicate_size"
-        )
-    rank_zero_warn("FSDPStrategy: replicate_group_size is now replicate_size (same meaning); rename the key")
-    return replicate_group_size
-
-
 __all__ = ["FSDPStrategy"]
 
 
@@ -374,5 +391,5 @@ SPEC = StrategySpec(
         resumes_from=(ONE_FILE,),  # DCP reads a full state dict and shards it
         written_by=("FSDPStrategy", "ModelParallelStrategy"),
     ),
-    overlays=("fsdp.yaml", "hsdp.yaml"),
+    overlays=("fsdp.yaml", "hsdp.yaml", "cp.yaml"),
 )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -120,8 +121,23 @@ class FSDPOptions:
         }
 
 
+def renamed_replicate_size(
+    replicate_size: int | Literal["nodes"] | None, replicate_group_size: int | None
+) -> int | Literal["nodes"] | None:
+    """``replicate_size``, or the value given under its earlier name (with a warning saying the new one)."""
+    if replicate_group_size is None:
+        return replicate_size
+    if replicate_size is not None and replicate_size != replicate_group_size:
+        raise ValueError(
+            f"replicate_group_size ({replicate_group_size}) is the earlier name of replicate_size ({replicate_size}): "
+            "give only replicate_size"
+        )
+    rank_zero_warn("FSDPStrategy: replicate_group_size is now replicate_size (same meaning); rename the key")
+    return replicate_group_size
+
+
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-__all__ = ["DType", "FSDPOptions"]
+__all__ = ["DType", "FSDPOptions", "renamed_replicate_size"]

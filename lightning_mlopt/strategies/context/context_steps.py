@@ -1,0 +1,106 @@
+"""What context parallelism adds to a strategy's steps: the batch cut per rank, attention through the all-to-all.
+
+:class:`ContextParallelSteps` is mixed into FSDPStrategy (``context_parallel_size``); at size 1 every method passes
+straight through. The gradient needs nothing more: FSDP shards over the shard and context ranks together and
+averages their gradients, and each rank's loss is the mean over its slice, so with equal slices (no padding) the
+average is the mean over the whole sequence, the one-process loss.
+
+Example::
+
+    strategy = FSDPStrategy(context_parallel_size=2, position_key=2)   # (tokens, targets, positions) batches
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+
+from lightning_mlopt.distributed.mesh_plan import MeshPlan
+from lightning_mlopt.exceptions import BadInputError
+from lightning_mlopt.strategies.context.sdpa_mode import AllToAllAttention
+from lightning_mlopt.strategies.context.sequence_split import split_sequences
+from lightning_mlopt.strategies.fsdp_options import FSDPOptions
+
+CONTEXT = "context"  # the mesh dimension
+
+
+class ContextParallelSteps:
+    """Cut each batch's sequences to this rank's slice; run each step's attention through the all-to-all.
+
+    The host strategy sets ``context_parallel_size`` and ``position_key`` and has a ``device_mesh`` with a
+    ``context`` dimension when the size is over 1.
+    """
+
+    context_parallel_size: int
+    position_key: str | int
+    device_mesh: Any
+
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's move to the device, then this rank's slice of every sequence tensor."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+        if self.context_parallel_size == 1:
+            return batch
+        rank = self.device_mesh[CONTEXT].get_local_rank()
+        return split_sequences(batch, rank, self.context_parallel_size, self.position_key)
+
+    @contextmanager
+    def _whole_sequence_attention(self) -> Iterator[AllToAllAttention | None]:
+        if self.context_parallel_size == 1:
+            yield None
+            return
+        with AllToAllAttention(self.device_mesh[CONTEXT].get_group()) as attention:
+            yield attention
+
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The step with attention over the whole sequence; refused when no attention went through the exchange."""
+        with self._whole_sequence_attention() as attention:
+            output = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        if attention is not None and attention.calls == 0:
+            # Every rank runs the same model: all refuse together, none waits in a collective.
+            raise BadInputError(
+                "context parallelism: the model made no torch.nn.functional.scaled_dot_product_attention call, so "
+                "its attention saw this rank's slice of the sequence alone; attend through that function, or "
+                "train without context_parallel_size"
+            )
+        return output
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The step with attention over the whole sequence."""
+        with self._whole_sequence_attention():
+            return super().validation_step(*args, **kwargs)  # type: ignore[misc]
+
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The step with attention over the whole sequence."""
+        with self._whole_sequence_attention():
+            return super().test_step(*args, **kwargs)  # type: ignore[misc]
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, or refused under context parallelism (outputs would come out split)."""
+        if self.context_parallel_size > 1:
+            raise BadInputError("predict under context parallelism is not offered yet: predict with fsdp or ddp")
+        return super().predict_step(*args, **kwargs)  # type: ignore[misc]
+
+
+def refuse_with_context(plan: MeshPlan, options: FSDPOptions) -> None:
+    """BadInputError for what context parallelism does not combine with yet (checked before launch).
+
+    Tensor parallelism and HSDP want the context dimension folded into their meshes, and activation
+    checkpointing would recompute attention in backward outside the all-to-all: each is refused rather than run.
+    """
+    refused = (
+        "tensor_parallel_size" * (plan.tensor > 1)
+        or "replicate_size (HSDP)" * (plan.replicate > 1)
+        or "activation_checkpointing" * bool(options.activation_checkpointing)
+        or "pipeline_parallel_size" * (plan.pipeline > 1)
+    )
+    if refused:
+        raise BadInputError(
+            f"context_parallel_size={plan.context} with {refused}: not offered yet (FSDP x context parallelism is); "
+            f"remove one of them"
+        )
+
+
+__all__ = ["CONTEXT", "ContextParallelSteps", "refuse_with_context"]
