@@ -322,7 +322,7 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ContextParallelSteps,
         plan = self.mesh_plan  # the sizes against the world: BadInputError before anything starts
         self.fsdp_options.check(module)
         if plan.context > 1:
-            refuse_with_context(plan, self.fsdp_options)
+            refuse_with_context(plan, self.fsdp_options, module)
 
     def check_sequence_length(self, length: int | None) -> None:
         """BadInputError where ``context_parallel_size`` does not divide the data's sequence length (before launch)."""

@@ -4,7 +4,9 @@
   over the whole through the all-to-all) trains the GPT demo as one process does on the same batches: the mean of
   the two ranks' losses is the one-process loss, and the final parameters are equal (fp32, 1e-4, clipping
   active: the norm over the parameters FSDP shards across the context ranks). Preempted and relaunched, it ends
-  bitwise where the uninterrupted run did.
+  bitwise where the uninterrupted run did. Context 2 x shard 2 on 4 processes trains as one process does.
+- A Hugging Face Llama (grouped-query attention, rotary positions from ``position_ids`` in a dict batch) at
+  context 2 trains as one process does; a sliding-window Qwen2 is refused.
 - Refused, never run wrong: a batch without positions, a sequence the size does not divide, heads it does not
   divide, an ``attn_mask`` built for a slice, a model whose attention never went through the exchange, and the
   combinations not offered yet (TP, HSDP, activation checkpointing), before launch.
@@ -13,11 +15,13 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from torch.nn import functional
 
 from lightning_mlopt.distributed.mesh_plan import MeshPlan
@@ -29,9 +33,11 @@ from lightning_mlopt.strategies.context.sequence_split import split_sequences
 from lightning_mlopt.strategies.fsdp_options import FSDPOptions
 from tests.conftest import SHARED_RUN_CLIP
 from tests.support.strategy_runs import train
+from tests.support.user_models import llama, write_user_config
 
 STEPS = 4
 BLOCK = "lightning_mlopt.demos.gpt.TransformerBlock"
+LLAMA_LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 
 
 @pytest.mark.multiprocess
@@ -56,6 +62,17 @@ def test_cp2_trains_the_one_process_model_and_a_preempted_run_resumes_bitwise(tm
     assert [len(record["losses"]) for record in relaunched.records] == [STEPS - 3] * 2
     for name, value in cp.params.items():
         torch.testing.assert_close(relaunched.params[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_context_2_x_shard_2_on_4_processes_trains_the_one_process_model(tmp_path):
+    # Ranks 0-1 and 2-3 are the context pairs of data ranks 0 and 1: two batches of 16 a step, each split in two.
+    cp = train(tmp_path, "cp", "cp", STEPS, devices=4, extra=(SHARED_RUN_CLIP,))
+    one = train(tmp_path, "one", "ddp", STEPS, devices=1, extra=(SHARED_RUN_CLIP, "--data.init_args.batch_size=32"))
+    per_rank = torch.tensor([record["losses"] for record in cp.records])
+    torch.testing.assert_close(per_rank.mean(dim=0), torch.tensor(one.records[0]["losses"]), rtol=1e-4, atol=0)
+    for name, value in one.params.items():
+        torch.testing.assert_close(cp.params[name], value, rtol=0, atol=1e-4, msg=name)
 
 
 def test_each_rank_keeps_its_slice_of_every_sequence_tensor_and_positions_are_required():
@@ -132,3 +149,41 @@ def test_a_sequence_length_the_size_does_not_divide_is_refused_before_launch():
     data = TokenDataModule(block_size=63, positions=True)
     with pytest.raises(BadInputError, match=r"context_parallel_size=2 must divide the sequence length \(data block"):
         check_fits_strategy(strategy, GPTLanguageModel(n_layer=1), data)
+
+
+def _llama_on_dict_batches(folder: Path) -> tuple[str, ...]:
+    """A config training the Hugging Face Llama on dicts of input_ids, labels and position_ids."""
+    config = yaml.safe_load(Path(write_user_config(folder, llama(), "llama.yaml")).read_text())
+    config["data"]["class_path"] = "tests.support.user_models.DictTokens"
+    config["data"]["init_args"]["positions"] = True
+    (folder / "llama.yaml").write_text(yaml.safe_dump(config))
+    return ("--config", str(folder / "llama.yaml"))
+
+
+@pytest.mark.multiprocess
+def test_cp2_trains_a_hugging_face_llama_on_dict_batches_as_one_process_does(tmp_path):
+    # Grouped-query attention (4 heads, 2 key/value heads: one each after the exchange), rotary positions from
+    # position_ids, Hugging Face's own sdpa attention: its causal mask left to is_causal, which the exchange serves.
+    config = _llama_on_dict_batches(tmp_path)
+    context = (
+        "--trainer.strategy.init_args.context_parallel_size=2",
+        "--trainer.strategy.init_args.position_key=position_ids",
+    )
+    layers = f"--trainer.strategy.init_args.wrap_classes=[{LLAMA_LAYER}]"
+    cp = train(tmp_path, "cp", "fsdp", STEPS, devices=2, extra=(*config, *context, layers, SHARED_RUN_CLIP))
+    one = train(tmp_path, "one", "ddp", STEPS, devices=1, extra=(*config, SHARED_RUN_CLIP))
+    per_rank = torch.tensor([record["losses"] for record in cp.records])
+    expected = torch.tensor(one.records[0]["losses"])
+    torch.testing.assert_close(per_rank.mean(dim=0), expected, rtol=1e-4, atol=0)
+    assert expected[-1] < expected[0]
+    for name, value in one.params.items():
+        torch.testing.assert_close(cp.params[name], value, rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_a_sliding_window_model_is_refused_rather_than_trained_with_full_attention():
+    from tests.support.user_models import HFCausalLM
+
+    with pytest.raises(BadInputError, match=r"declares sliding-window attention \(sliding_window=32\)"):
+        refuse_with_context(MeshPlan.fill(2, context=2), FSDPOptions(), HFCausalLM(family="qwen2"))
+    refuse_with_context(MeshPlan.fill(2, context=2), FSDPOptions(), HFCausalLM(family="llama"))  # full attention

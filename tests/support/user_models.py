@@ -15,7 +15,8 @@ Nobody here wrote these shapes, which is the point: each breaks something our de
   a direct child of the LightningModule, tied input/output embeddings left untied, and a non-persistent causal
   mask buffer.
 
-Both train on the GPT demo's token data (``(inputs, targets)`` batches, or dicts of ``input_ids``/``labels``).
+Both train on the GPT demo's token data (``(inputs, targets)`` batches, or dicts of ``input_ids``/``labels``; with
+positions from the batch, the Hugging Face model takes them as ``position_ids``: :class:`DictTokens`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 import yaml
 from torch import Tensor, nn
 
+from lightning_mlopt.demos import TokenDataModule
+from lightning_mlopt.demos._loader import InMemoryTensors
 from tests.conftest import CONFIGS
 
 Family = Literal["llama", "gpt2", "qwen2"]
@@ -67,14 +70,17 @@ class _TokenSteps(pl.LightningModule):
         return nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        inputs, targets = _unpack(batch)
-        loss = self.pipeline_loss(self(inputs), targets)
+        loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        inputs, targets = _unpack(batch)
-        self.log("val/loss", self.pipeline_loss(self(inputs), targets), sync_dist=True)
+        self.log("val/loss", self._loss(batch), sync_dist=True)
+
+    def _loss(self, batch: Any) -> Tensor:
+        inputs, targets, positions = _unpack(batch)
+        logits = self(inputs) if positions is None else self(inputs, positions)  # positions: context parallelism
+        return self.pipeline_loss(logits, targets)
 
 
 class HFCausalLM(_TokenSteps):
@@ -101,8 +107,8 @@ class HFCausalLM(_TokenSteps):
         config = hf_config(family, vocab_size, hidden, layers, heads, kv_heads)
         self.model = transformers.AutoModelForCausalLM.from_config(config)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.model(input_ids=tokens, use_cache=False).logits
+    def forward(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        return self.model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
@@ -156,11 +162,24 @@ class NanoGPT(_TokenSteps):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _unpack(batch: Any) -> tuple[Tensor, Tensor]:
+def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(inputs, targets, positions or None)`` of a tuple batch, or of a dict (``input_ids``, ``labels``, ...)."""
     if isinstance(batch, dict):
-        return batch["input_ids"], batch["labels"]
-    inputs, targets = batch
-    return inputs, targets
+        return batch["input_ids"], batch["labels"], batch.get("position_ids")
+    inputs, targets, *positions = batch
+    return inputs, targets, positions[0] if positions else None
+
+
+class DictTokens(TokenDataModule):
+    """The GPT demo's token data as Hugging Face users batch it: dicts of input_ids, labels, position_ids."""
+
+    def _split(self, num_sequences: int, seed: int) -> InMemoryTensors:
+        return _InMemoryDicts(*super()._split(num_sequences, seed).tensors)
+
+
+class _InMemoryDicts(InMemoryTensors):
+    def __getitems__(self, indices: list[int]) -> dict[str, Tensor]:  # type: ignore[override]
+        return dict(zip(("input_ids", "labels", "position_ids"), super().__getitems__(indices), strict=False))
 
 
 def write_user_config(folder: Path, model: dict[str, Any], name: str = "user.yaml", **trainer: Any) -> str:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
 
 from lightning_mlopt.distributed.mesh_plan import MeshPlan
 from lightning_mlopt.exceptions import BadInputError
@@ -84,12 +85,21 @@ class ContextParallelSteps:
         return super().predict_step(*args, **kwargs)  # type: ignore[misc]
 
 
-def refuse_with_context(plan: MeshPlan, options: FSDPOptions) -> None:
-    """BadInputError for what context parallelism does not combine with yet (checked before launch).
+def refuse_with_context(plan: MeshPlan, options: FSDPOptions, module: nn.Module | None = None) -> None:
+    """BadInputError for what context parallelism does not combine with yet, or cannot serve exactly (before launch).
 
     Tensor parallelism and HSDP want the context dimension folded into their meshes, and activation
     checkpointing would recompute attention in backward outside the all-to-all: each is refused rather than run.
+    A model whose configuration declares attention other than full causal (a sliding window, chunks) is refused:
+    its slice's mask would be lost in the exchange, and Hugging Face builds none when a slice is shorter than
+    the window.
     """
+    why = attention_refusal(module) if module is not None else None
+    if why:
+        raise BadInputError(
+            f"context parallelism: the model declares {why}, which the all-to-all cannot honour (it attends with "
+            "full causal attention over the sequence); train it without context_parallel_size"
+        )
     refused = (
         "tensor_parallel_size" * (plan.tensor > 1)
         or "replicate_size (HSDP)" * (plan.replicate > 1)
@@ -103,4 +113,25 @@ def refuse_with_context(plan: MeshPlan, options: FSDPOptions) -> None:
         )
 
 
-__all__ = ["CONTEXT", "ContextParallelSteps", "refuse_with_context"]
+def attention_refusal(module: nn.Module) -> str | None:
+    """What in ``module``'s configurations (Hugging Face's ``config``) the exchange cannot serve; None if nothing.
+
+    Example::
+
+        attention_refusal(qwen2_with_sliding_window)  # "sliding-window attention (sliding_window=32)"
+    """
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is None:
+            continue
+        kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return f"sliding-window attention (sliding_window={config.sliding_window})"
+        if kinds:
+            return f"layers of attention kind {', '.join(sorted(kinds))}"
+        if getattr(config, "attention_chunk_size", None):
+            return f"chunked attention (attention_chunk_size={config.attention_chunk_size})"
+    return None
+
+
+__all__ = ["CONTEXT", "ContextParallelSteps", "attention_refusal", "refuse_with_context"]
