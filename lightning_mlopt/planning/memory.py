@@ -141,6 +141,7 @@ def plan_memory(
     tensor_parallel_activation_bytes: float | None = None,
     pipeline: PipelineShare | None = None,
     replicate: int = 1,
+    context: int = 1,
 ) -> MemoryPlan:
     """Rows for DDP, ZeRO-1, ZeRO-2, HSDP, ZeRO-3/FSDP and their CPU-offload variants; the first that fits wins.
 
@@ -155,7 +156,9 @@ def plan_memory(
     ``tensor_parallel_activation_bytes`` (one rank's under the plan, see
     :func:`~lightning_mlopt.planning.probe.measure_activations`), else ``activation_bytes``. With ``pipeline``,
     a row for pipeline parallelism (``ppP``, ``ppPxfsdpD``, and with tensor parallelism ``ppPxtpT`` or
-    ``ppPxfsdpDxtpT``) from the busiest pipeline rank's share.
+    ``ppPxfsdpDxtpT``) from the busiest pipeline rank's share. With ``context`` = C > 1, a row for context
+    parallelism (``cpC``, ``fsdpDxcpC``): FSDP's state over the whole world, a C-th of the activations (each rank
+    holds a C-th of every sequence; attention, after the exchange, a C-th of the heads).
 
     Raises:
         ValueError: a non-positive count, world size or memory, or a headroom outside [0, 1).
@@ -212,6 +215,12 @@ def plan_memory(
     if pipeline is not None:
         row = _pipeline_row(pipeline, world_size, (p, g, k), activation_bytes)
         rows.append(replace(row, fits=row.total * (1 + headroom) <= gpu_memory))
+    if context > 1:
+        plan = MeshPlan.fill(world_size, context=context, keys={"context": "context_parallel_size"})
+        name = f"fsdp{plan.shard}xcp{context}" if plan.shard > 1 else f"cp{context}"
+        state, share = (p * psi / n, g * psi / n, k * psi / n), activation_bytes / context
+        total = sum(state) + share
+        rows.append(PlanRow(name, *state, share, 0.0, total, total * (1 + headroom) <= gpu_memory))
     return MemoryPlan(num_params, world_size, gpu_memory, headroom, precision, optimizer, rows, recommendation)
 
 

@@ -92,6 +92,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
     notes: list[str] = []
     world_size = args.world_size
     replicate = 1  # HSDP's replicas: the config's node count
+    context = 1  # context parallelism's ranks a sequence is split over (FSDP's context_parallel_size)
     if args.config:
         config = _merged_config(args.config)
         with torch.device("meta"):  # no memory for the parameters, however large the model
@@ -117,6 +118,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
                     f"note: {error}; the table counts parameters, gradients and optimizer state only: "
                     "give --activation_memory SIZE to add them"
                 )
+        strategy = trainer.get("strategy")
+        if isinstance(strategy, dict):
+            context = int((strategy.get("init_args") or {}).get("context_parallel_size") or 1)
         pipeline, stage_lines = _pipeline(trainer, model, world_size)
         resolved, placements = _tensor_parallel(trainer, model, world_size)
         placements = stage_lines + placements + _features(config, model)
@@ -147,6 +151,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, list[str], list[str]]:
         tensor_parallel_activation_bytes=split_activations,
         pipeline=pipeline,
         replicate=args.replicate_size or replicate,
+        context=context,
     )
     return plan, placements, notes
 

@@ -270,3 +270,15 @@ def test_compile_and_float8_lines_name_what_the_fit_would_take(tmp_path, monkeyp
     skip_all = ["--config", str(tmp_path / "skip.yaml")]
     bad = run_tool_here("plan", [*args, *skip_all, "--world_size", "2"], tmp_path, monkeypatch)
     assert bad.returncode == 2 and "float8: no linear layer to convert" in bad.stderr
+
+
+def test_a_context_parallel_row_holds_fsdps_state_over_the_world_and_a_share_of_the_activations(tmp_path, monkeypatch):
+    cp = ["--config", str(CONFIGS / "gpt.yaml"), "--config", str(CONFIGS / "strategies" / "cp.yaml")]
+    result = run_tool_here("plan", [*cp, "--world_size", "4"], tmp_path, monkeypatch)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:5]] for line in result.stdout.splitlines()[2:10]}
+    fsdp, cp2 = rows["zero3/fsdp"], rows["fsdp2xcp2"]  # shard 2 x context 2
+    assert cp2[:3] == fsdp[:3]  # parameters, gradients, optimizer state: FSDP's over all 4 ranks
+    assert cp2[3] == pytest.approx(fsdp[3] / 2, abs=0.01)  # each rank holds half of every sequence
+    bad = run_tool_here("plan", [*cp, "--world_size", "3"], tmp_path, monkeypatch)
+    assert bad.returncode == 2 and "context_parallel_size=2 must divide the world size (3" in bad.stderr

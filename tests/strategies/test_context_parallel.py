@@ -4,7 +4,8 @@
   over the whole through the all-to-all) trains the GPT demo as one process does on the same batches: the mean of
   the two ranks' losses is the one-process loss, and the final parameters are equal (fp32, 1e-4, clipping
   active: the norm over the parameters FSDP shards across the context ranks). Preempted and relaunched, it ends
-  bitwise where the uninterrupted run did. Context 2 x shard 2 on 4 processes trains as one process does.
+  bitwise where the uninterrupted run did. PerformanceMonitor counts the pair's batch once, each rank half.
+  Context 2 x shard 2 on 4 processes trains as one process does.
 - A Hugging Face Llama (grouped-query attention, rotary positions from ``position_ids`` in a dict batch) at
   context 2 trains as one process does; a sliding-window Qwen2 is refused.
 - Refused, never run wrong: a batch without positions, a sequence the size does not divide, heads it does not
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,14 +38,15 @@ from tests.support.strategy_runs import train
 from tests.support.user_models import llama, write_user_config
 
 STEPS = 4
+PERF = "--trainer.callbacks+=lightning_mlopt.callbacks.PerformanceMonitor"
 BLOCK = "lightning_mlopt.demos.gpt.TransformerBlock"
 LLAMA_LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 
 
 @pytest.mark.multiprocess
 def test_cp2_trains_the_one_process_model_and_a_preempted_run_resumes_bitwise(tmp_path):
-    cp = train(tmp_path, "cp", "cp", STEPS, devices=2, extra=(SHARED_RUN_CLIP,))
-    one = train(tmp_path, "one", "ddp", STEPS, devices=1, extra=(SHARED_RUN_CLIP,))  # positions numbered inside
+    cp = train(tmp_path, "cp", "cp", STEPS, devices=2, extra=(SHARED_RUN_CLIP, PERF))
+    one = train(tmp_path, "one", "ddp", STEPS, devices=1, extra=(SHARED_RUN_CLIP, PERF))  # positions numbered inside
     # Each rank's loss is the mean over its half of every sequence: their mean is the one-process loss.
     per_rank = torch.tensor([record["losses"] for record in cp.records])
     expected = torch.tensor(one.records[0]["losses"])
@@ -53,6 +56,12 @@ def test_cp2_trains_the_one_process_model_and_a_preempted_run_resumes_bitwise(tm
     assert cp.params.keys() == one.params.keys()
     for name, value in one.params.items():
         torch.testing.assert_close(cp.params[name], value, rtol=0, atol=1e-4, msg=name)
+    # PerformanceMonitor: the context pair trained on one batch a step, each half of its samples (tokens) and
+    # FLOPs (half the positions through every linear; half the heads over the whole sequence in attention).
+    summaries = [json.loads((run.run_dir / "perf" / "summary.json").read_text()) for run in (one, cp)]
+    (alone,), pair = summaries[0]["ranks"], summaries[1]["ranks"]
+    assert [rank["samples"] for rank in pair] == [alone["samples"] / 2] * 2
+    assert [rank["flops"] for rank in pair] == pytest.approx([alone["flops"] / 2] * 2, rel=1e-6)
     # Preempted at step 3 (every rank signalled; exit 75), launched again with the same command: it resumes from
     # the checkpoint the signal wrote (DCP shards over shard x context) and ends where the uninterrupted run did.
     signal = ("--trainer.callbacks+=tests.support.faults.SignalAtStep", "--trainer.callbacks.step=3")

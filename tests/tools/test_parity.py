@@ -4,8 +4,8 @@ data: the tool runs in the test process, its two fits forked from the preloaded 
 A correct 2-process DDP run matches (the reference trains on the global batch of 2 x 16 in one process); a
 tensor-parallel plan that passes every static check on a model that is not tensor-parallel-correct (a
 ``[q; k; v]`` fused projection with a fixed head count in ``view``) is caught, naming the first tensor that
-diverges, with exit status 1. A compiled configuration is compared with the eager model, float8 left out of
-both. Bad input ends with 2 before anything runs.
+diverges, with exit status 1. Context parallelism (``cp.yaml``) matches. A compiled configuration is compared
+with the eager model, float8 left out of both. Bad input ends with 2 before anything runs.
 """
 
 from __future__ import annotations
@@ -60,6 +60,16 @@ def test_a_compiled_run_is_compared_with_the_eager_model_and_float8_is_left_out_
     ]
     assert [config["compile"]["enabled"] for config in saved] == [True, False]
     assert [config["float8"]["enabled"] for config in saved] == [False, False]
+
+
+@pytest.mark.multiprocess
+def test_a_context_parallel_run_matches_one_process(tmp_path, monkeypatch):
+    fork_tools_child_fits(monkeypatch)
+    cp = ["--config", str(CONFIGS / "strategies" / "cp.yaml")]
+    arguments = ["--config", str(CONFIGS / "gpt.yaml"), *cp, *QUIET, "--steps", "3"]
+    result = run_tool_here("parity", arguments, tmp_path, monkeypatch)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("parity: 3 steps match the one-process run")
 
 
 @pytest.mark.multiprocess
