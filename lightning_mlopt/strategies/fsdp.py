@@ -215,20 +215,22 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ContextParallelSteps,
     @property
     def _trained_module(self) -> LightningModule:
         """The LightningModule (Lightning's ``lightning_module``, which is None only before the model is connected)."""
-        module = self.lightning_module
-        assert module is not None, "no LightningModule yet: the strategy is not set up"
-        return module
+        assert self.lightning_module is not None, "no LightningModule yet: the strategy is not set up"
+        return self.lightning_module
 
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """Where parameters are sharded: ``(shard,)``, HSDP's ``(replicate, shard)``, or shard x context as one.
+        """Where parameters are sharded: ``(shard,)``, HSDP's ``(replicate, shard)``, shard x context as one dimension.
 
-        Context ranks share a batch, not the model: FSDP shards over them too and averages their gradients.
+        Context ranks share a batch, not the model: FSDP shards over them too and averages their gradients; HSDP
+        replicates across ``(replicate, shard_context)``.
         """
-        if CONTEXT not in (self.device_mesh.mesh_dim_names or ()):
-            return data_mesh(self.device_mesh)
+        mesh, names = self.device_mesh, self.device_mesh.mesh_dim_names or ()
+        if CONTEXT not in names:
+            return data_mesh(mesh)
         if self._fsdp_mesh is None:
-            self._fsdp_mesh = flattened_mesh(self.device_mesh, ("shard", CONTEXT), "shard_context")
+            flat = flattened_mesh(mesh, ("shard", CONTEXT), "shard_context")
+            self._fsdp_mesh = mesh["replicate", "shard_context"] if "replicate" in names else flat
         return self._fsdp_mesh
 
     @property
@@ -273,7 +275,8 @@ class FSDPStrategy(CheckpointGroupMixin, DeclaresContract, ContextParallelSteps,
             super().setup(trainer)
         plan = self.mesh_plan
         if plan.replicate > 1 and self.global_rank == 0:
-            print(f"hybrid sharding (HSDP): {plan.replicate} replicas x {plan.shard} shards ({plan.describe()})")
+            shards = plan.shard * plan.context  # FSDP shards over both
+            print(f"hybrid sharding (HSDP): {plan.replicate} replicas x {shards} shards ({plan.describe()})")
 
     def _shard(self, module: nn.Module) -> None:
         """Float8, activation checkpointing and compile, then ``fully_shard`` to units, then to the root children."""

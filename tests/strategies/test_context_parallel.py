@@ -5,12 +5,12 @@
   the two ranks' losses is the one-process loss, and the final parameters are equal (fp32, 1e-4, clipping
   active: the norm over the parameters FSDP shards across the context ranks). Preempted and relaunched, it ends
   bitwise where the uninterrupted run did. PerformanceMonitor counts the pair's batch once, each rank half.
-  Context 2 x shard 2 on 4 processes trains as one process does.
+  Context 2 x shard 2 and HSDP's replicate 2 x context 2, on 4 processes, train as one process does.
 - A Hugging Face Llama (grouped-query attention, rotary positions from ``position_ids`` in a dict batch) at
   context 2 trains as one process does; a sliding-window Qwen2 is refused.
 - Refused, never run wrong: a batch without positions, a sequence the size does not divide, heads it does not
   divide, an ``attn_mask`` built for a slice, a model whose attention never went through the exchange, and the
-  combinations not offered yet (TP, HSDP, activation checkpointing), before launch.
+  combinations not offered yet (TP, activation checkpointing), before launch.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning_mlopt.strategies.context.sdpa_mode import AllToAllAttention
 from lightning_mlopt.strategies.context.sequence_split import split_sequences
 from lightning_mlopt.strategies.fsdp_options import FSDPOptions
 from tests.conftest import SHARED_RUN_CLIP
-from tests.support.strategy_runs import train
+from tests.support.strategy_runs import TrainedRun, train
 from tests.support.user_models import llama, write_user_config
 
 STEPS = 4
@@ -73,14 +73,33 @@ def test_cp2_trains_the_one_process_model_and_a_preempted_run_resumes_bitwise(tm
         torch.testing.assert_close(relaunched.params[name], value, rtol=0, atol=0, msg=name)
 
 
+@pytest.fixture(scope="module")
+def one_process_at_32(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """The one-process run on the global batch of two data ranks of 16: 32 samples a step."""
+    root = tmp_path_factory.mktemp("one32")
+    return train(root, "one", "ddp", STEPS, devices=1, extra=(SHARED_RUN_CLIP, "--data.init_args.batch_size=32"))
+
+
 @pytest.mark.multiprocess
-def test_context_2_x_shard_2_on_4_processes_trains_the_one_process_model(tmp_path):
-    # Ranks 0-1 and 2-3 are the context pairs of data ranks 0 and 1: two batches of 16 a step, each split in two.
-    cp = train(tmp_path, "cp", "cp", STEPS, devices=4, extra=(SHARED_RUN_CLIP,))
-    one = train(tmp_path, "one", "ddp", STEPS, devices=1, extra=(SHARED_RUN_CLIP, "--data.init_args.batch_size=32"))
+@pytest.mark.parametrize(
+    ("layout", "knobs", "said"),
+    [
+        # Ranks 0-1 and 2-3 are the context pairs of data ranks 0 and 1: two batches of 16 a step, each split.
+        ("shard 2 x context 2", (), None),
+        # Two replicas, each a context pair: FSDP shards over each pair (2 shards), all-reduced across replicas.
+        ("replicate 2 x context 2", ("--trainer.strategy.init_args.replicate_size=2",), "2 replicas x 2 shards"),
+    ],
+)
+def test_context_2_with_fsdp_or_hsdp_on_4_processes_trains_the_one_process_model(
+    tmp_path, one_process_at_32, layout, knobs, said
+):
+    cp = train(tmp_path, "cp", "cp", STEPS, devices=4, extra=(SHARED_RUN_CLIP, *knobs))
+    if said is not None:  # HSDP's start-up line names the mesh
+        assert f"hybrid sharding (HSDP): {said} ({layout})" in (tmp_path / "cp" / "output.txt").read_text()
     per_rank = torch.tensor([record["losses"] for record in cp.records])
-    torch.testing.assert_close(per_rank.mean(dim=0), torch.tensor(one.records[0]["losses"]), rtol=1e-4, atol=0)
-    for name, value in one.params.items():
+    expected = torch.tensor(one_process_at_32.records[0]["losses"])
+    torch.testing.assert_close(per_rank.mean(dim=0), expected, rtol=1e-4, atol=0)
+    for name, value in one_process_at_32.params.items():
         torch.testing.assert_close(cp.params[name], value, rtol=0, atol=1e-4, msg=name)
 
 
@@ -126,7 +145,6 @@ def test_a_model_whose_attention_never_went_through_the_exchange_is_refused(monk
     ("plan", "options", "named"),
     [
         (MeshPlan.fill(4, context=2, tensor=2), FSDPOptions(), "tensor_parallel_size"),
-        (MeshPlan.fill(4, context=2, replicate=2), FSDPOptions(), "replicate_size (HSDP)"),
         (
             MeshPlan.fill(2, context=2),
             FSDPOptions.from_keys(activation_checkpointing=[BLOCK]),

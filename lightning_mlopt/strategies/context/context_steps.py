@@ -88,8 +88,8 @@ class ContextParallelSteps:
 def refuse_with_context(plan: MeshPlan, options: FSDPOptions, module: nn.Module | None = None) -> None:
     """BadInputError for what context parallelism does not combine with yet, or cannot serve exactly (before launch).
 
-    Tensor parallelism and HSDP want the context dimension folded into their meshes, and activation
-    checkpointing would recompute attention in backward outside the all-to-all: each is refused rather than run.
+    Tensor parallelism wants the context dimension folded into its plan, and activation checkpointing would
+    recompute attention in backward outside the all-to-all: each is refused rather than run.
     A model whose configuration declares attention other than full causal (a sliding window, chunks) is refused:
     its slice's mask would be lost in the exchange, and Hugging Face builds none when a slice is shorter than
     the window.
@@ -102,14 +102,13 @@ def refuse_with_context(plan: MeshPlan, options: FSDPOptions, module: nn.Module 
         )
     refused = (
         "tensor_parallel_size" * (plan.tensor > 1)
-        or "replicate_size (HSDP)" * (plan.replicate > 1)
         or "activation_checkpointing" * bool(options.activation_checkpointing)
         or "pipeline_parallel_size" * (plan.pipeline > 1)
     )
     if refused:
         raise BadInputError(
-            f"context_parallel_size={plan.context} with {refused}: not offered yet (FSDP x context parallelism is); "
-            f"remove one of them"
+            f"context_parallel_size={plan.context} with {refused}: not offered yet (FSDP and HSDP x context "
+            "parallelism are); remove one of them"
         )
 
 
