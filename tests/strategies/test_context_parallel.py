@@ -31,7 +31,7 @@ from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies import FSDPStrategy
 from lightning_mlopt.strategies.context.context_steps import ContextParallelSteps, refuse_with_context
 from lightning_mlopt.strategies.context.sdpa_mode import AllToAllAttention
-from lightning_mlopt.strategies.context.sequence_split import split_sequences
+from lightning_mlopt.strategies.context.sequence_split import split_sequences, token_weight
 from lightning_mlopt.strategies.fsdp_options import FSDPOptions
 from tests.conftest import SHARED_RUN_CLIP
 from tests.support.strategy_runs import TrainedRun, train
@@ -101,6 +101,14 @@ def test_context_2_with_fsdp_or_hsdp_on_4_processes_trains_the_one_process_model
     torch.testing.assert_close(per_rank.mean(dim=0), expected, rtol=1e-4, atol=0)
     for name, value in one_process_at_32.params.items():
         torch.testing.assert_close(cp.params[name], value, rtol=0, atol=1e-4, msg=name)
+
+
+def test_a_slice_without_a_labelled_token_is_refused():
+    labels = torch.tensor([[-100, -100, 5, 6], [-100, -100, 7, 8]])
+    with pytest.raises(BadInputError, match="a slice of a batch has no label other than -100"):
+        token_weight({"labels": labels}, rank=1, size=2)
+    assert token_weight({"labels": labels}, rank=0, size=1) == 1.0  # one slice: the whole batch
+    assert token_weight((labels, labels), rank=0, size=2) == 1.0  # a tuple names no labels: equal slices
 
 
 def test_each_rank_keeps_its_slice_of_every_sequence_tensor_and_positions_are_required():
@@ -178,20 +186,23 @@ def test_a_sequence_length_the_size_does_not_divide_is_refused_before_launch():
         check_fits_strategy(strategy, GPTLanguageModel(n_layer=1), data)
 
 
-def _llama_on_dict_batches(folder: Path) -> tuple[str, ...]:
+def _llama_on_dict_batches(folder: Path, ignored_prefix: bool = False) -> tuple[str, ...]:
     """A config training the Hugging Face Llama on dicts of input_ids, labels and position_ids."""
     config = yaml.safe_load(Path(write_user_config(folder, llama(), "llama.yaml")).read_text())
     config["data"]["class_path"] = "tests.support.user_models.DictTokens"
-    config["data"]["init_args"]["positions"] = True
+    config["data"]["init_args"].update(positions=True, ignored_prefix=ignored_prefix)
     (folder / "llama.yaml").write_text(yaml.safe_dump(config))
     return ("--config", str(folder / "llama.yaml"))
 
 
 @pytest.mark.multiprocess
-def test_cp2_trains_a_hugging_face_llama_on_dict_batches_as_one_process_does(tmp_path):
+@pytest.mark.parametrize("ignored_prefix", [False, True], ids=["every_label", "ignored_prefixes"])
+def test_cp2_trains_a_hugging_face_llama_on_dict_batches_as_one_process_does(tmp_path, ignored_prefix):
     # Grouped-query attention (4 heads, 2 key/value heads: one each after the exchange), rotary positions from
     # position_ids, Hugging Face's own sdpa attention: its causal mask left to is_causal, which the exchange serves.
-    config = _llama_on_dict_batches(tmp_path)
+    # With prompts' labels ignored (-100), the halves hold unequal counts of labelled tokens: each rank's mean is
+    # weighted by its share, so the average is still the per-token mean over the batch.
+    config = _llama_on_dict_batches(tmp_path, ignored_prefix)
     context = (
         "--trainer.strategy.init_args.context_parallel_size=2",
         "--trainer.strategy.init_args.position_key=position_ids",

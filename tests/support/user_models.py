@@ -171,10 +171,23 @@ def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
 
 
 class DictTokens(TokenDataModule):
-    """The GPT demo's token data as Hugging Face users batch it: dicts of input_ids, labels, position_ids."""
+    """The GPT demo's token data as Hugging Face users batch it: dicts of input_ids, labels, position_ids.
+
+    ``ignored_prefix``: sequence ``i``'s first ``7 i mod 40`` labels are -100 (a prompt, say), so the halves of a
+    batch hold unequal counts of labelled tokens.
+    """
+
+    def __init__(self, ignored_prefix: bool = False, **token_data: Any) -> None:
+        super().__init__(**token_data)
+        self.ignored_prefix = ignored_prefix
 
     def _split(self, num_sequences: int, seed: int) -> InMemoryTensors:
-        return _InMemoryDicts(*super()._split(num_sequences, seed).tensors)
+        inputs, labels, *rest = super()._split(num_sequences, seed).tensors
+        if self.ignored_prefix:
+            labels = labels.clone()
+            for index in range(num_sequences):
+                labels[index, : (7 * index) % 40] = -100
+        return _InMemoryDicts(inputs, labels, *rest)
 
 
 class _InMemoryDicts(InMemoryTensors):

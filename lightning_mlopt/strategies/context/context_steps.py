@@ -1,9 +1,9 @@
 """What context parallelism adds to a strategy's steps: the batch cut per rank, attention through the all-to-all.
 
 :class:`ContextParallelSteps` is mixed into FSDPStrategy (``context_parallel_size``); at size 1 every method passes
-straight through. The gradient needs nothing more: FSDP shards over the shard and context ranks together and
-averages their gradients, and each rank's loss is the mean over its slice, so with equal slices (no padding) the
-average is the mean over the whole sequence, the one-process loss.
+straight through. FSDP shards over the shard and context ranks together and averages their gradients; each rank's
+loss is the mean over its slice, weighted by its share of the labelled tokens (``token_weight``: 1 with no
+ignored labels), so the average is the per-token mean over the whole sequence, the one-process loss.
 
 Example::
 
@@ -12,17 +12,17 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_mlopt.distributed.mesh_plan import MeshPlan
 from lightning_mlopt.exceptions import BadInputError
 from lightning_mlopt.strategies.context.sdpa_mode import AllToAllAttention
-from lightning_mlopt.strategies.context.sequence_split import split_sequences
+from lightning_mlopt.strategies.context.sequence_split import split_sequences, token_weight
 from lightning_mlopt.strategies.fsdp_options import FSDPOptions
 
 CONTEXT = "context"  # the mesh dimension
@@ -45,6 +45,7 @@ class ContextParallelSteps:
         if self.context_parallel_size == 1:
             return batch
         rank = self.device_mesh[CONTEXT].get_local_rank()
+        self._token_weight = token_weight(batch, rank, self.context_parallel_size)  # before the cut: every slice
         return split_sequences(batch, rank, self.context_parallel_size, self.position_key)
 
     @contextmanager
@@ -66,7 +67,22 @@ class ContextParallelSteps:
                 "its attention saw this rank's slice of the sequence alone; attend through that function, or "
                 "train without context_parallel_size"
             )
-        return output
+        return self._weighted(output)
+
+    def _weighted(self, output: Any) -> Any:
+        """The step's loss times this rank's token weight (1 unless labels ignore tokens unevenly across slices)."""
+        weight = getattr(self, "_token_weight", 1.0)
+        if weight == 1.0:
+            return output
+        if isinstance(output, Mapping) and "loss" in output:
+            return {**output, "loss": output["loss"] * weight}
+        if isinstance(output, Tensor):
+            return output * weight
+        # Manual optimisation (the step ran its own backward) or no loss: the weight cannot be applied.
+        raise BadInputError(
+            "context parallelism: labels ignore tokens unevenly across the slices and the training step returned "
+            "no loss to weigh (manual optimisation?); return the loss, or batch sequences without ignored labels"
+        )
 
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The step with attention over the whole sequence."""

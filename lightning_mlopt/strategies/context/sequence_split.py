@@ -9,6 +9,7 @@ from 0: a batch without them is refused.
 Example::
 
     inputs, targets, positions = split_sequences((inputs, targets, positions), rank=1, size=2, position_key=2)
+    weight = token_weight(batch_dict, rank=1, size=2)  # its mean loss's share of the per-token mean
 """
 
 from __future__ import annotations
@@ -56,10 +57,42 @@ def split_sequences(batch: Any, rank: int, size: int, position_key: str | int) -
     return type(batch)(cut(value) for value in batch)
 
 
+def token_weight(batch: Any, rank: int, size: int, labels_key: str = "labels", ignore_index: int = -100) -> float:
+    """How much rank ``rank``'s mean loss weighs so that the ranks' average is the mean over every labelled token.
+
+    A dict batch's ``labels`` may ignore tokens (``ignore_index``: padding, prompts), so the slices hold unequal
+    counts of the tokens a loss averages over; rank ``r``'s mean, times ``n_r x size / n``, averages over the
+    ranks (as FSDP averages gradients) to the whole batch's per-token mean. 1.0 for a batch without labels
+    (every token counts, the slices are equal). Computed on the whole batch: every rank gets the same answer.
+
+    Raises:
+        BadInputError: a slice has no labelled token (its mean would be NaN, and so every gradient).
+
+    Example::
+
+        >>> import torch
+        >>> labels = torch.tensor([[-100, 4, 5, 6]])  # slice 0 holds one labelled token, slice 1 two
+        >>> token_weight({"labels": labels}, rank=1, size=2)
+        1.3333333333333333
+
+    """
+    labels = batch.get(labels_key) if isinstance(batch, Mapping) else None
+    if not isinstance(labels, Tensor) or labels.dim() < 2 or labels.shape[1] % size:
+        return 1.0
+    counted = (labels != ignore_index).reshape(labels.shape[0], size, -1).sum(dim=(0, 2))
+    if bool((counted == 0).any()):
+        raise BadInputError(
+            f"context parallelism: a slice of a batch has no label other than {ignore_index} (ignored), so its mean "
+            "loss is NaN; batch sequences whose labelled tokens reach every slice, or train without "
+            "context_parallel_size"
+        )
+    return int(counted[rank]) * size / int(counted.sum())
+
+
 def _has(batch: Any, key: str | int) -> bool:
     if isinstance(batch, Mapping):
         return key in batch
     return isinstance(key, int) and -len(batch) <= key < len(batch)
 
 
-__all__ = ["split_sequences"]
+__all__ = ["split_sequences", "token_weight"]
