@@ -219,9 +219,12 @@ def test_cp2_trains_a_hugging_face_llama_on_dict_batches_as_one_process_does(tmp
 
 
 @pytest.mark.slow
-def test_a_sliding_window_model_is_refused_rather_than_trained_with_full_attention():
+def test_a_sliding_window_or_indivisible_heads_are_refused_before_launch():
     from tests.support.user_models import HFCausalLM
 
     with pytest.raises(BadInputError, match=r"declares sliding-window attention \(sliding_window=32\)"):
         refuse_with_context(MeshPlan.fill(2, context=2), FSDPOptions(), HFCausalLM(family="qwen2"))
     refuse_with_context(MeshPlan.fill(2, context=2), FSDPOptions(), HFCausalLM(family="llama"))  # full attention
+    # Heads are exchanged: a size that does not divide the key/value heads (2 of them) is refused before launch.
+    with pytest.raises(BadInputError, match="num_key_value_heads=2, which context_parallel_size=4 does not divide"):
+        refuse_with_context(MeshPlan.fill(4, context=4), FSDPOptions(), HFCausalLM(family="llama"))

@@ -110,7 +110,7 @@ def refuse_with_context(plan: MeshPlan, options: FSDPOptions, module: nn.Module 
     its slice's mask would be lost in the exchange, and Hugging Face builds none when a slice is shorter than
     the window.
     """
-    why = attention_refusal(module) if module is not None else None
+    why = attention_refusal(module, plan.context) if module is not None else None
     if why:
         raise BadInputError(
             f"context parallelism: the model declares {why}, which the all-to-all cannot honour (it attends with "
@@ -128,8 +128,11 @@ def refuse_with_context(plan: MeshPlan, options: FSDPOptions, module: nn.Module 
         )
 
 
-def attention_refusal(module: nn.Module) -> str | None:
-    """What in ``module``'s configurations (Hugging Face's ``config``) the exchange cannot serve; None if nothing.
+def attention_refusal(module: nn.Module, size: int = 1) -> str | None:
+    """What in ``module``'s configurations (Hugging Face's ``config``) the exchange over ``size`` ranks cannot serve.
+
+    None if nothing. Head counts are checked here, before launch, where the config states them (the attention
+    calls check them again, for any model).
 
     Example::
 
@@ -139,6 +142,10 @@ def attention_refusal(module: nn.Module) -> str | None:
         config = getattr(sub, "config", None)
         if config is None:
             continue
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, key, None)
+            if isinstance(heads, int) and heads % size:
+                return f"{key}={heads}, which context_parallel_size={size} does not divide (heads are exchanged)"
         kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             return f"sliding-window attention (sliding_window={config.sliding_window})"
