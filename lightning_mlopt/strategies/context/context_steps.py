@@ -38,14 +38,17 @@ class ContextParallelSteps:
     context_parallel_size: int
     position_key: str | int
     device_mesh: Any
+    _token_weight = 1.0  # this rank's share of the batch's labelled tokens, set with each batch (token_weight)
 
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
         """Lightning's move to the device, then this rank's slice of every sequence tensor."""
-        batch = super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
         if self.context_parallel_size == 1:
-            return batch
+            return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
         rank = self.device_mesh[CONTEXT].get_local_rank()
-        self._token_weight = token_weight(batch, rank, self.context_parallel_size)  # before the cut: every slice
+        # Counted over every slice, before the cut, and before the move: where the loader left it (on the host, no
+        # device synchronisation in the step).
+        self._token_weight = token_weight(batch, rank, self.context_parallel_size)
+        batch = super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
         return split_sequences(batch, rank, self.context_parallel_size, self.position_key)
 
     @contextmanager
@@ -71,7 +74,7 @@ class ContextParallelSteps:
 
     def _weighted(self, output: Any) -> Any:
         """The step's loss times this rank's token weight (1 unless labels ignore tokens unevenly across slices)."""
-        weight = getattr(self, "_token_weight", 1.0)
+        weight = self._token_weight
         if weight == 1.0:
             return output
         if isinstance(output, Mapping) and "loss" in output:
@@ -116,14 +119,15 @@ def refuse_with_context(plan: MeshPlan, options: FSDPOptions, module: nn.Module 
             f"context parallelism: the model declares {why}, which the all-to-all cannot honour (it attends with "
             "full causal attention over the sequence); train it without context_parallel_size"
         )
-    refused = (
-        "tensor_parallel_size" * (plan.tensor > 1)
-        or "activation_checkpointing" * bool(options.activation_checkpointing)
-        or "pipeline_parallel_size" * (plan.pipeline > 1)
-    )
+    combined = {
+        "tensor_parallel_size": plan.tensor > 1,
+        "activation_checkpointing": bool(options.activation_checkpointing),
+        "pipeline_parallel_size": plan.pipeline > 1,
+    }
+    refused = [key for key, given in combined.items() if given]
     if refused:
         raise BadInputError(
-            f"context_parallel_size={plan.context} with {refused}: not offered yet (FSDP and HSDP x context "
+            f"context_parallel_size={plan.context} with {refused[0]}: not offered yet (FSDP and HSDP x context "
             "parallelism are); remove one of them"
         )
 
@@ -146,9 +150,9 @@ def attention_refusal(module: nn.Module, size: int = 1) -> str | None:
             heads = getattr(config, key, None)
             if isinstance(heads, int) and heads % size:
                 return f"{key}={heads}, which context_parallel_size={size} does not divide (heads are exchanged)"
-        kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             return f"sliding-window attention (sliding_window={config.sliding_window})"
+        kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention"}
         if kinds:
             return f"layers of attention kind {', '.join(sorted(kinds))}"
         if getattr(config, "attention_chunk_size", None):
